@@ -1,0 +1,92 @@
+"""Argument checks shared by the public operations.
+
+Every check raises ``TypeError`` (wrong kind of value) or ``ValueError`` (right kind, wrong value) whose message
+names the argument, what was expected and what was given.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+# float64 is accepted too: it is how gradcheck verifies the backward passes.
+SUPPORTED_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def check_int(name: str, value: object, *, minimum: int | None = None, maximum: int | None = None) -> int:
+    """Returns ``value`` as an int; bools and floats are refused (``True`` is not a batch size)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be <= {maximum}, got {value}")
+    return int(value)
+
+
+def check_fraction(name: str, value: object) -> float:
+    """Returns ``value`` as a float in [0, 1]; NaN and bools are refused."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float in [0, 1], got {type(value).__name__} {value!r}")
+    value = float(value)
+    if not (0.0 <= value <= 1.0):  # also false for NaN
+        raise ValueError(f"{name} must be in [0, 1], got {value}")
+    return value
+
+
+def check_positive_float(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a positive float, got {type(value).__name__} {value!r}")
+    value = float(value)
+    if not (value > 0.0 and math.isfinite(value)):
+        raise ValueError(f"{name} must be a positive finite float, got {value}")
+    return value
+
+
+def check_grid_size(grid_size: object, name: str = "grid_size") -> tuple[int, int]:
+    """``grid_size`` is an int (square grid) or a pair ``(rows, cols)``, each >= 1."""
+    if isinstance(grid_size, torch.Size) or (isinstance(grid_size, Sequence) and not isinstance(grid_size, str)):
+        if len(grid_size) != 2:
+            raise ValueError(f"{name} must be an int or a pair (rows, cols), got {tuple(grid_size)!r}")
+        rows = check_int(f"{name}[0]", grid_size[0], minimum=1)
+        cols = check_int(f"{name}[1]", grid_size[1], minimum=1)
+        return rows, cols
+    size = check_int(name, grid_size, minimum=1)
+    return size, size
+
+
+def check_tensor(name: str, value: object, *, ndims: Sequence[int] | None = None) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if ndims is not None and value.dim() not in ndims:
+        expected = " or ".join(str(n) for n in ndims)
+        raise ValueError(f"{name} must have {expected} dimensions, got shape {tuple(value.shape)}")
+    return value
+
+
+def check_float_dtype(name: str, tensor: torch.Tensor) -> None:
+    if tensor.dtype not in SUPPORTED_FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float32, float16, bfloat16 (or float64), got {tensor.dtype}")
+
+
+def check_same_device(**tensors: torch.Tensor | None) -> torch.device:
+    """All given tensors must live on one device; returns it."""
+    present = {name: t for name, t in tensors.items() if t is not None}
+    devices = {t.device for t in present.values()}
+    if len(devices) > 1:
+        listing = ", ".join(f"{name} on {t.device}" for name, t in present.items())
+        raise ValueError(f"mixed devices: all tensors must be on one device, got {listing}")
+    return next(iter(devices))
+
+
+def to_device(device: torch.device | str | None) -> torch.device:
+    if device is None:
+        return torch.device("cpu")
+    if isinstance(device, (str, torch.device)):
+        try:
+            return torch.device(device)
+        except RuntimeError as error:
+            raise ValueError(f"device: not a valid torch device: {device!r} ({error})") from None
+    raise TypeError(f"device must be a str, torch.device or None, got {type(device).__name__}")

@@ -1,0 +1,243 @@
+"""Modules: ``MJPPatchEmbed`` (patch embedding, position embeddings and the jigsaw in one module) and
+``DALRegressor`` (the position regressor of the DAL loss)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mjp_fast._validate import check_fraction, check_int, check_positive_float
+from mjp_fast.ops.dal_loss import dal_loss
+from mjp_fast.ops.patch_embed import mjp_patch_embed
+from mjp_fast.ops.sample_jigsaw import Jigsaw, sample_jigsaw
+
+DAL_KINDS = ("nonlinear", "linear", "pca")
+
+
+def _as_pair(name: str, value: int | tuple[int, int]) -> tuple[int, int]:
+    if isinstance(value, (tuple, list)):
+        if len(value) != 2:
+            raise ValueError(f"{name} must be an int or a pair, got {value!r}")
+        return check_int(f"{name}[0]", value[0], minimum=1), check_int(f"{name}[1]", value[1], minimum=1)
+    value = check_int(name, value, minimum=1)
+    return value, value
+
+
+class DALRegressor(nn.Module):
+    """Maps position embeddings ``[N, D]`` to grid coordinates ``[N, 2]`` for the DAL loss.
+
+    Args:
+        dim: D.
+        kind: ``"nonlinear"`` (Linear-ReLU-Linear, the paper's best), ``"linear"``, or ``"pca"``: the
+            embeddings' projection on their two principal directions (recomputed, differentiably, at every call;
+            signs fixed so that position 0 projects to a coordinate <= 0) followed by a learned 2x2 affine map.
+        hidden_dim: width of the nonlinear regressor's hidden layer (default ``dim``).
+    """
+
+    def __init__(self, dim: int, kind: str = "nonlinear", hidden_dim: int | None = None) -> None:
+        super().__init__()
+        dim = check_int("dim", dim, minimum=1)
+        if kind not in DAL_KINDS:
+            raise ValueError(f"kind must be one of {', '.join(DAL_KINDS)}, got {kind!r}")
+        self.dim, self.kind = dim, kind
+        if kind == "nonlinear":
+            hidden_dim = check_int("hidden_dim", hidden_dim if hidden_dim is not None else dim, minimum=1)
+            self.net = nn.Sequential(nn.Linear(dim, hidden_dim), nn.ReLU(), nn.Linear(hidden_dim, 2))
+        elif kind == "linear":
+            self.net = nn.Linear(dim, 2)
+        else:
+            self.net = nn.Linear(2, 2)
+
+    def forward(self, pos_embed: torch.Tensor) -> torch.Tensor:
+        """``[N, D]`` -> ``[N, 2]``."""
+        if pos_embed.shape[-1] != self.dim:
+            raise ValueError(f"pos_embed must end in D = {self.dim}, got shape {list(pos_embed.shape)}")
+        if self.kind != "pca":
+            return self.net(pos_embed)
+        centered = pos_embed.float() - pos_embed.float().mean(0, keepdim=True)
+        _, _, right = torch.linalg.svd(centered, full_matrices=False)
+        directions = right[:2]
+        if directions.shape[0] < 2:  # fewer than two positions or dimensions: pad with a zero direction
+            directions = torch.cat((directions, directions.new_zeros(2 - directions.shape[0], self.dim)))
+        # SVD's signs are arbitrary; fix them by the data (position 0 projects to a coordinate <= 0), so the
+        # affine map sees the same axes from step to step, whatever rotation the embedding space takes.
+        projection = centered @ directions.t()
+        projection = projection * torch.where(projection[:1] > 0, -1.0, 1.0)
+        return self.net(projection).to(pos_embed.dtype)
+
+
+class MJPPatchEmbed(nn.Module):
+    """Patch embedding with Masked Jigsaw Puzzle position embeddings.
+
+    Owns ``proj`` (a Conv2d, so timm checkpoints load), ``pos_embed`` ``[1, N, D]`` (patch positions only),
+    ``unk_embed`` ``[D]``, an optional ``dal_regressor``, and a sample counter that feeds the sampler's
+    ``offset``: each sample of a run gets its own jigsaw, distinct across DDP ranks, and a resumed run (the
+    counter is in the state dict) continues the same stream.
+
+    In training mode each batch is jigsawed (per sample, with probability ``prob``); in eval mode the embedding
+    is plain, unless inside :meth:`jigsaw_eval`.
+
+    Args:
+        img_size, patch_size, in_chans, embed_dim: as timm's ``PatchEmbed``.
+        ratio, prob, seed, min_block, min_aspect, shared: as :func:`mjp_fast.sample_jigsaw`.
+        bias: whether ``proj`` has a bias.
+        dal: None, or the kind of :class:`DALRegressor` that :meth:`dal_loss` uses.
+        dal_normalize: regress coordinates scaled to [0, 1] instead of raw integers.
+        backend: forced backend for the sampler and the embedding, default automatic.
+
+    Shapes: ``forward`` takes images ``[B, C, H, W]`` and returns tokens ``[B, N, D]``.
+    """
+
+    def __init__(
+        self,
+        img_size: int | tuple[int, int] = 224,
+        patch_size: int = 16,
+        in_chans: int = 3,
+        embed_dim: int = 768,
+        ratio: float = 0.1,
+        prob: float = 0.5,
+        seed: int = 0,
+        *,
+        min_block: int = 8,
+        min_aspect: float = 0.3,
+        shared: bool = False,
+        bias: bool = True,
+        dal: str | None = None,
+        dal_normalize: bool = False,
+        backend: str | None = None,
+    ) -> None:
+        super().__init__()
+        self.img_size = _as_pair("img_size", img_size)
+        self.patch_size = check_int("patch_size", patch_size, minimum=1)
+        if self.img_size[0] % self.patch_size or self.img_size[1] % self.patch_size:
+            raise ValueError(f"img_size {self.img_size} must be a multiple of patch_size {self.patch_size}")
+        self.grid_size = (self.img_size[0] // self.patch_size, self.img_size[1] // self.patch_size)
+        self.num_patches = self.grid_size[0] * self.grid_size[1]
+        in_chans = check_int("in_chans", in_chans, minimum=1)
+        embed_dim = check_int("embed_dim", embed_dim, minimum=1)
+        self.embed_dim = embed_dim
+        self.ratio = check_fraction("ratio", ratio)
+        self.prob = check_fraction("prob", prob)
+        self.seed = check_int("seed", seed, minimum=0, maximum=2**64 - 1)
+        self.min_block = check_int("min_block", min_block, minimum=1)
+        self.min_aspect = check_positive_float("min_aspect", min_aspect)
+        self.shared = bool(shared)
+        self.backend = backend
+        self.dal_normalize = bool(dal_normalize)
+
+        self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=self.patch_size, stride=self.patch_size, bias=bias)
+        self.pos_embed = nn.Parameter(torch.empty(1, self.num_patches, embed_dim))
+        self.unk_embed = nn.Parameter(torch.empty(embed_dim))
+        nn.init.trunc_normal_(self.pos_embed, std=0.02)
+        nn.init.trunc_normal_(self.unk_embed, std=0.02)
+        self.dal_regressor = DALRegressor(embed_dim, dal) if dal is not None else None
+
+        self.samples_seen = 0  # training samples embedded so far on this rank: the sampler's stream position
+        self.last_jigsaw: Jigsaw | None = None
+        self._eval_jigsaw: dict[str, Any] | None = None
+        self._eval_samples_seen = 0
+
+    # -- state ---------------------------------------------------------------------------------------------------
+
+    def get_extra_state(self) -> dict[str, int]:
+        return {"samples_seen": self.samples_seen}
+
+    def set_extra_state(self, state: dict[str, int]) -> None:
+        self.samples_seen = int(state["samples_seen"])
+
+    def no_weight_decay(self) -> set[str]:
+        return {"pos_embed", "unk_embed"}
+
+    # -- jigsaws -------------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _rank_and_world() -> tuple[int, int]:
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+        return 0, 1
+
+    def _next_jigsaw(self, batch: int, device: torch.device) -> Jigsaw | None:
+        rank, world = self._rank_and_world()
+        if self.training:
+            ratio, prob, seed, seen = self.ratio, self.prob, self.seed, self.samples_seen
+            self.samples_seen += batch
+        elif self._eval_jigsaw is not None:
+            ratio, prob, seed = self._eval_jigsaw["ratio"], self._eval_jigsaw["prob"], self._eval_jigsaw["seed"]
+            seen = self._eval_samples_seen
+            self._eval_samples_seen += batch
+        else:
+            return None
+        if ratio == 0.0 or prob == 0.0:
+            return None
+        # With a constant per-rank batch, this is the global index of the batch's first sample.
+        offset = seen * world + rank * batch
+        return sample_jigsaw(
+            batch,
+            self.grid_size,
+            ratio,
+            seed=seed,
+            offset=offset,
+            shared=self.shared,
+            prob=prob,
+            min_block=self.min_block,
+            min_aspect=self.min_aspect,
+            device=device,
+            backend=self.backend,
+        )
+
+    @contextlib.contextmanager
+    def jigsaw_eval(self, ratio: float = 0.5, seed: int = 0, prob: float = 1.0) -> Iterator[MJPPatchEmbed]:
+        """Within this context, eval mode jigsaws its input too: the same jigsaws for the same seed.
+
+        The paper's consistency protocol compares predictions on ``x`` and on ``x`` jigsawed at ratio 0.5.
+        """
+        settings = {
+            "ratio": check_fraction("ratio", ratio),
+            "seed": check_int("seed", seed, minimum=0, maximum=2**64 - 1),
+            "prob": check_fraction("prob", prob),
+        }
+        previous = (self._eval_jigsaw, self._eval_samples_seen)
+        self._eval_jigsaw, self._eval_samples_seen = settings, 0
+        try:
+            yield self
+        finally:
+            self._eval_jigsaw, self._eval_samples_seen = previous
+
+    # -- forward -------------------------------------------------------------------------------------------------
+
+    def forward(self, images: torch.Tensor, jigsaw: Jigsaw | None = None) -> torch.Tensor:
+        """images ``[B, C, H, W]`` -> tokens ``[B, N, D]``; ``jigsaw`` overrides the module's own sampling."""
+        validate = jigsaw is not None
+        if jigsaw is None and isinstance(images, torch.Tensor) and images.dim() == 4:
+            jigsaw = self._next_jigsaw(images.shape[0], images.device)
+        self.last_jigsaw = jigsaw
+        return mjp_patch_embed(
+            images,
+            self.proj.weight,
+            self.proj.bias,
+            self.pos_embed,
+            self.unk_embed,
+            jigsaw,
+            backend=self.backend,
+            validate=validate,
+        )
+
+    def dal_loss(self) -> torch.Tensor:
+        """The DAL loss over the positions the last forward left unmasked (all of them if it had no jigsaw)."""
+        if self.dal_regressor is None:
+            raise RuntimeError("this MJPPatchEmbed was built with dal=None; pass dal='nonlinear' (or linear, pca)")
+        mask = self.last_jigsaw.mask if self.last_jigsaw is not None else None
+        return dal_loss(
+            self.pos_embed, self.dal_regressor, self.grid_size, mask, normalize=self.dal_normalize, backend=None
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"grid_size={self.grid_size}, ratio={self.ratio}, prob={self.prob}, seed={self.seed}, "
+            f"shared={self.shared}, samples_seen={self.samples_seen}"
+        )

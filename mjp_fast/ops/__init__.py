@@ -1,0 +1,20 @@
+"""One file per operation: the pure-PyTorch oracle ``*_ref``, the fast paths, and the public function."""
+
+from mjp_fast.ops.dal_loss import dal_loss, dal_loss_ref, grid_coordinates
+from mjp_fast.ops.jigsaw_images import jigsaw_images, jigsaw_images_ref
+from mjp_fast.ops.patch_embed import mjp_patch_embed, mjp_patch_embed_ref
+from mjp_fast.ops.sample_jigsaw import Jigsaw, block_mask_python, sample_jigsaw, sample_jigsaw_ref
+
+__all__ = [
+    "Jigsaw",
+    "block_mask_python",
+    "dal_loss",
+    "dal_loss_ref",
+    "grid_coordinates",
+    "jigsaw_images",
+    "jigsaw_images_ref",
+    "mjp_patch_embed",
+    "mjp_patch_embed_ref",
+    "sample_jigsaw",
+    "sample_jigsaw_ref",
+]

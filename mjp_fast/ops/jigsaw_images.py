@@ -1,0 +1,84 @@
+"""The jigsaw in pixel space: move whole patches of the image as a jigsaw says.
+
+``out[b, :, patch n] = images[b, :, patch perm[b, n]]``: the picture that ``mjp_patch_embed`` embeds without
+ever making it. For showing jigsaws, for models without absolute position embeddings (CNNs, Swin), and for the
+privacy evaluation's settings.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mjp_fast import backend as backend_module
+from mjp_fast._validate import check_int, check_tensor
+from mjp_fast.ops.patch_embed import check_jigsaw
+from mjp_fast.ops.sample_jigsaw import Jigsaw
+
+
+def _check_args(images: object, jigsaw: object, patch_size: object, *, validate: bool) -> tuple[int, int, Jigsaw]:
+    images = check_tensor("images", images, ndims=(4,))
+    patch_size = check_int("patch_size", patch_size, minimum=1)
+    _, _, height, width = images.shape
+    if height % patch_size or width % patch_size:
+        raise ValueError(f"images: height {height} and width {width} must be multiples of patch_size {patch_size}")
+    rows, cols = height // patch_size, width // patch_size
+    if jigsaw is None:
+        raise TypeError("jigsaw must be a Jigsaw(mask, perm), got None")
+    jigsaw = check_jigsaw(jigsaw, images.shape[0], rows * cols, images.device, validate=validate)
+    return rows, cols, jigsaw
+
+
+def jigsaw_images_ref(images: torch.Tensor, jigsaw: Jigsaw, patch_size: int) -> torch.Tensor:
+    """Oracle: cut the image into ``[B, N, C, P, P]`` patches, gather them, glue them back.
+
+    Args:
+        images: ``[B, C, H, W]`` of any dtype; jigsaw ``Jigsaw(mask [B, N], perm [B, N])``; ``H``, ``W``
+            multiples of ``patch_size``.
+
+    Returns:
+        ``[B, C, H, W]``, the jigsawed images.
+    """
+    rows, cols, jigsaw = _check_args(images, jigsaw, patch_size, validate=False)
+    batch, channels, height, width = images.shape
+    patch = patch_size
+    patches = images.reshape(batch, channels, rows, patch, cols, patch).permute(0, 2, 4, 1, 3, 5)
+    patches = patches.reshape(batch, rows * cols, channels, patch, patch)
+    index = jigsaw.perm.reshape(batch, rows * cols, 1, 1, 1).expand_as(patches)
+    shuffled = patches.gather(1, index).reshape(batch, rows, cols, channels, patch, patch)
+    return shuffled.permute(0, 3, 1, 4, 2, 5).reshape(batch, channels, height, width)
+
+
+def _jigsaw_images_torch(images: torch.Tensor, perm: torch.Tensor, rows: int, cols: int, patch: int) -> torch.Tensor:
+    batch, channels, height, width = images.shape
+    patches = images.reshape(batch, channels, rows, patch, cols, patch).permute(0, 2, 4, 1, 3, 5)
+    patches = patches.reshape(batch * rows * cols, channels * patch * patch)
+    # One flat row index per token: index_select moves whole patches, cheaper than gather's per-element index.
+    rows_index = (perm + torch.arange(batch, device=perm.device)[:, None] * (rows * cols)).reshape(-1)
+    shuffled = patches.index_select(0, rows_index).reshape(batch, rows, cols, channels, patch, patch)
+    return shuffled.permute(0, 3, 1, 4, 2, 5).reshape(batch, channels, height, width)
+
+
+def jigsaw_images(
+    images: torch.Tensor,
+    jigsaw: Jigsaw,
+    patch_size: int,
+    *,
+    backend: str | None = None,
+    validate: bool = True,
+) -> torch.Tensor:
+    """Applies a jigsaw to images in pixel space.
+
+    Args:
+        images: ``[B, C, H, W]`` of any dtype (uint8 pictures too); ``H`` and ``W`` multiples of ``patch_size``.
+        jigsaw: ``Jigsaw(mask [B, N], perm [B, N])`` for the grid ``(H / patch_size, W / patch_size)``.
+        patch_size: P.
+        backend: ``torch``, ``cpu`` or ``cuda`` (checked as for every operation; this pure data movement runs
+            as one index_select on every backend).
+        validate: check that ``jigsaw.perm`` permutes exactly the masked positions (a host sync on a GPU).
+
+    Returns:
+        ``[B, C, H, W]``: patch ``n`` of the result is patch ``perm[b, n]`` of the input. Differentiable.
+    """
+    rows, cols, jigsaw = _check_args(images, jigsaw, patch_size, validate=validate)
+    backend_module.resolve_backend(backend, images.device)
+    return _jigsaw_images_torch(images, jigsaw.perm, rows, cols, patch_size)

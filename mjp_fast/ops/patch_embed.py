@@ -1,0 +1,296 @@
+"""The MJP patch embedding: patch embedding of the jigsawed image plus the unknown-or-learned position embedding.
+
+``tokens[b, n] = W @ patch(images[b], perm[b, n]) + bias + (unk_embed if mask[b, n] else pos_embed[n])``
+
+In this file, in order: argument checks, the oracle ``mjp_patch_embed_ref`` (shuffles the patches, then embeds
+them), the ``torch`` backend (embeds with a convolution, then shuffles the tokens: ``P(XW) = (PX)W``), the
+autograd Function over the compiled kernels (``cpu`` and ``cuda``: the gather happens inside the patch
+extraction, the position term in the GEMM's epilogue), and the public ``mjp_patch_embed``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from mjp_fast import backend as backend_module
+from mjp_fast._validate import check_float_dtype, check_same_device, check_tensor
+from mjp_fast.ops.sample_jigsaw import Jigsaw
+
+
+@dataclass(frozen=True)
+class PatchGeometry:
+    batch: int
+    channels: int
+    patch_size: int
+    rows: int
+    cols: int
+    dim: int
+
+    @property
+    def num_positions(self) -> int:
+        return self.rows * self.cols
+
+
+def check_jigsaw(
+    jigsaw: object, batch: int, num_positions: int, device: torch.device, *, validate: bool
+) -> Jigsaw | None:
+    """Checks a ``Jigsaw(mask [B, N] bool, perm [B, N] integer)`` against the batch; returns it with int64 perm.
+
+    With ``validate``, also checks that ``perm`` permutes exactly the masked positions (a host sync on a GPU).
+    """
+    if jigsaw is None:
+        return None
+    if not isinstance(jigsaw, tuple) or len(jigsaw) != 2:
+        raise TypeError(f"jigsaw must be a Jigsaw(mask, perm) or None, got {type(jigsaw).__name__}")
+    mask = check_tensor("jigsaw.mask", jigsaw[0], ndims=(2,))
+    perm = check_tensor("jigsaw.perm", jigsaw[1], ndims=(2,))
+    if mask.dtype != torch.bool:
+        raise TypeError(f"jigsaw.mask must be a bool tensor, got {mask.dtype}")
+    if perm.dtype.is_floating_point or perm.dtype.is_complex or perm.dtype == torch.bool:
+        raise TypeError(f"jigsaw.perm must be an integer tensor, got {perm.dtype}")
+    expected = (batch, num_positions)
+    for name, tensor in (("jigsaw.mask", mask), ("jigsaw.perm", perm)):
+        if tuple(tensor.shape) != expected:
+            raise ValueError(f"{name} must have shape [batch, N] = {list(expected)}, got {list(tensor.shape)}")
+    check_same_device(images=torch.empty(0, device=device), mask=mask, perm=perm)
+    perm = perm.to(torch.int64)
+    if validate and perm.numel() > 0:
+        positions = torch.arange(num_positions, device=device)
+        if bool(((perm < 0) | (perm >= num_positions)).any()):
+            raise ValueError(f"jigsaw.perm has values outside [0, {num_positions})")
+        if not bool(((perm == positions) | mask).all()):
+            raise ValueError("jigsaw.perm must be the identity where jigsaw.mask is False")
+        hits = torch.zeros_like(perm).scatter_add_(1, perm, torch.ones_like(perm))
+        if not bool((hits == 1).all()):
+            raise ValueError("jigsaw.perm is not a permutation of the masked positions (a position repeats)")
+    return Jigsaw(mask, perm)
+
+
+def check_patch_embed_args(
+    images: object,
+    weight: object,
+    bias: object,
+    pos_embed: object,
+    unk_embed: object,
+    jigsaw: object,
+    *,
+    validate: bool,
+) -> tuple[PatchGeometry, torch.Tensor, torch.Tensor | None, Jigsaw | None]:
+    """Validates the arguments of :func:`mjp_patch_embed`.
+
+    Returns:
+        The geometry, ``pos_embed`` as ``[N, D]``, ``unk_embed`` as ``[D]`` (or None), and the jigsaw.
+    """
+    images = check_tensor("images", images, ndims=(4,))
+    weight = check_tensor("weight", weight, ndims=(4,))
+    check_float_dtype("images", images)
+    dim, channels, patch_h, patch_w = weight.shape
+    if patch_h != patch_w:
+        raise ValueError(f"weight must be a square Conv2d kernel [D, C, P, P], got shape {list(weight.shape)}")
+    patch = patch_h
+    if patch < 1 or dim < 1:
+        raise ValueError(f"weight must have D >= 1 and P >= 1, got shape {list(weight.shape)}")
+    batch, image_channels, height, width = images.shape
+    if image_channels != channels:
+        raise ValueError(f"images have {image_channels} channels but weight expects {channels} (weight [D, C, P, P])")
+    if height % patch or width % patch or height == 0 or width == 0:
+        raise ValueError(
+            f"images: height {height} and width {width} must be positive multiples of the patch size {patch}"
+        )
+    rows, cols = height // patch, width // patch
+    geometry = PatchGeometry(batch, channels, patch, rows, cols, dim)
+    num_positions = rows * cols
+
+    pos_embed = check_tensor("pos_embed", pos_embed, ndims=(2, 3))
+    if tuple(pos_embed.shape[-2:]) != (num_positions, dim) or (pos_embed.dim() == 3 and pos_embed.shape[0] != 1):
+        raise ValueError(
+            f"pos_embed must be [N, D] or [1, N, D] with N = {rows}x{cols} = {num_positions} patch positions "
+            f"(no class token) and D = {dim}, got shape {list(pos_embed.shape)}"
+        )
+    pos_embed = pos_embed.reshape(num_positions, dim)
+    if bias is not None:
+        bias = check_tensor("bias", bias, ndims=(1,))
+        if bias.shape[0] != dim:
+            raise ValueError(f"bias must be [D] = [{dim}], got shape {list(bias.shape)}")
+    if unk_embed is not None:
+        unk_embed = check_tensor("unk_embed", unk_embed)
+        if unk_embed.numel() != dim or unk_embed.shape[-1] != dim:
+            raise ValueError(f"unk_embed must be [D] = [{dim}] (or [1, 1, D]), got shape {list(unk_embed.shape)}")
+        unk_embed = unk_embed.reshape(dim)
+    elif jigsaw is not None:
+        raise ValueError("unk_embed must be given when a jigsaw is given (it replaces pos_embed at masked positions)")
+
+    floats = {"images": images, "weight": weight, "bias": bias, "pos_embed": pos_embed, "unk_embed": unk_embed}
+    for name, tensor in floats.items():
+        if tensor is not None and tensor.dtype != images.dtype:
+            raise TypeError(f"{name} has dtype {tensor.dtype} but images have {images.dtype}; use one dtype")
+    device = check_same_device(**floats)
+    jigsaw = check_jigsaw(jigsaw, batch, num_positions, device, validate=validate)
+    return geometry, pos_embed, unk_embed, jigsaw
+
+
+def _position_term(pos_embed: torch.Tensor, unk_embed: torch.Tensor | None, jigsaw: Jigsaw | None) -> torch.Tensor:
+    """``[N, D]`` without a jigsaw, ``[B, N, D]`` with one."""
+    if jigsaw is None:
+        return pos_embed
+    return torch.where(jigsaw.mask[..., None], unk_embed, pos_embed)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Oracle
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def mjp_patch_embed_ref(
+    images: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    pos_embed: torch.Tensor,
+    unk_embed: torch.Tensor | None,
+    jigsaw: Jigsaw | None = None,
+    *,
+    upcast: bool = False,
+) -> torch.Tensor:
+    """The definition, step by step: cut the patches, shuffle them, embed them, add the position term.
+
+    Args:
+        images: ``[B, C, H, W]``; weight ``[D, C, P, P]``; bias ``[D]`` or None; pos_embed ``[N, D]`` or
+            ``[1, N, D]``; unk_embed ``[D]``; jigsaw ``Jigsaw(mask [B, N], perm [B, N])`` or None.
+        upcast: compute in float32 and cast the result back (the accuracy reference for half precision).
+
+    Returns:
+        tokens ``[B, N, D]`` in the dtype of ``images``.
+    """
+    geometry, pos_embed, unk_embed, jigsaw = check_patch_embed_args(
+        images, weight, bias, pos_embed, unk_embed, jigsaw, validate=False
+    )
+    out_dtype = images.dtype
+    if upcast:
+        images, weight, pos_embed = images.float(), weight.float(), pos_embed.float()
+        bias = bias.float() if bias is not None else None
+        unk_embed = unk_embed.float() if unk_embed is not None else None
+    batch, channels, patch = geometry.batch, geometry.channels, geometry.patch_size
+    patches = images.reshape(batch, channels, geometry.rows, patch, geometry.cols, patch)
+    patches = patches.permute(0, 2, 4, 1, 3, 5).reshape(batch, geometry.num_positions, channels * patch * patch)
+    if jigsaw is not None:
+        patches = patches.gather(1, jigsaw.perm[..., None].expand_as(patches))
+    tokens = patches @ weight.reshape(geometry.dim, -1).t()
+    if bias is not None:
+        tokens = tokens + bias
+    return (tokens + _position_term(pos_embed, unk_embed, jigsaw)).to(out_dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# torch backend
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _mjp_patch_embed_torch(
+    images: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    pos_embed: torch.Tensor,
+    unk_embed: torch.Tensor | None,
+    jigsaw: Jigsaw | None,
+    geometry: PatchGeometry,
+) -> torch.Tensor:
+    # Embedding first and shuffling tokens after is exact (each token is one linear map of one patch) and
+    # moves D values per token instead of C*P*P.
+    tokens = F.conv2d(images, weight, bias, stride=geometry.patch_size).flatten(2).transpose(1, 2)
+    if jigsaw is not None:
+        tokens = tokens.gather(1, jigsaw.perm[..., None].expand(-1, -1, geometry.dim))
+    return tokens + _position_term(pos_embed, unk_embed, jigsaw)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Compiled backends (cpu, cuda)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class _CompiledPatchEmbed(torch.autograd.Function):
+    """Autograd over ``mjp_fast._C``: the backward recomputes the gathered patches instead of saving them."""
+
+    @staticmethod
+    def forward(ctx, images, weight, bias, pos_embed, unk_embed, perm, mask):  # type: ignore[override]
+        module = backend_module.extension()
+        images, weight = images.contiguous(), weight.contiguous()
+        tokens = module.patch_embed_forward(
+            images,
+            weight,
+            None if bias is None else bias.contiguous(),
+            pos_embed.contiguous(),
+            None if unk_embed is None else unk_embed.contiguous(),
+            perm,
+            mask,
+        )
+        ctx.save_for_backward(images, weight, perm, mask)
+        ctx.has_bias, ctx.has_unk = bias is not None, unk_embed is not None
+        return tokens
+
+    @staticmethod
+    def backward(ctx, grad_tokens):  # type: ignore[override]
+        images, weight, perm, mask = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        grads = backend_module.extension().patch_embed_backward(
+            grad_tokens.contiguous(),
+            images,
+            weight,
+            perm,
+            mask,
+            needs[0],
+            needs[1],
+            needs[2] and ctx.has_bias,
+            needs[3],
+            needs[4] and ctx.has_unk,
+        )
+        grad_images, grad_weight, grad_bias, grad_pos, grad_unk = grads
+        return grad_images, grad_weight, grad_bias, grad_pos, grad_unk, None, None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Public function
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def mjp_patch_embed(
+    images: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    pos_embed: torch.Tensor,
+    unk_embed: torch.Tensor | None,
+    jigsaw: Jigsaw | None = None,
+    *,
+    backend: str | None = None,
+    validate: bool = True,
+) -> torch.Tensor:
+    """MJP patch embedding: the patch embedding of the jigsawed image plus the position term.
+
+    ``tokens[b, n] = conv_patch(images[b], perm[b, n]) + bias + (unk_embed if mask[b, n] else pos_embed[n])``.
+    Without a jigsaw it is the plain patch embedding plus ``pos_embed`` (timm's ``PatchEmbed`` followed by the
+    position-embedding add). Differentiable in images, weight, bias, pos_embed and unk_embed.
+
+    Args:
+        images: ``[B, C, H, W]``, float32, float16 or bfloat16; ``H`` and ``W`` multiples of ``P``.
+        weight: the Conv2d weight ``[D, C, P, P]`` (timm's ``patch_embed.proj.weight``).
+        bias: ``[D]`` or None.
+        pos_embed: ``[N, D]`` or ``[1, N, D]``, the patch positions only (no class token), ``N = (H/P)(W/P)``.
+        unk_embed: ``[D]``, the unknown position embedding (may be None without a jigsaw).
+        jigsaw: from :func:`sample_jigsaw`, or None for the plain embedding.
+        backend: ``torch``, ``cpu`` or ``cuda``; default ``MJP_FAST_BACKEND``, else the fastest for the device.
+        validate: check that ``jigsaw.perm`` permutes exactly the masked positions. This costs a host sync on a
+            GPU; :class:`mjp_fast.MJPPatchEmbed` turns it off for the jigsaws it samples itself.
+
+    Returns:
+        tokens ``[B, N, D]`` in the dtype of ``images``.
+    """
+    geometry, pos_embed, unk_embed, jigsaw = check_patch_embed_args(
+        images, weight, bias, pos_embed, unk_embed, jigsaw, validate=validate
+    )
+    chosen = backend_module.resolve_backend(backend, images.device)
+    if chosen == "torch":
+        return _mjp_patch_embed_torch(images, weight, bias, pos_embed, unk_embed, jigsaw, geometry)
+    perm, mask = (None, None) if jigsaw is None else (jigsaw.perm.contiguous(), jigsaw.mask.contiguous())
+    return _CompiledPatchEmbed.apply(images, weight, bias, pos_embed, unk_embed, perm, mask)

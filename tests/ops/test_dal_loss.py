@@ -1,0 +1,81 @@
+import pytest
+import torch
+
+import mjp_fast
+from mjp_fast.ops.dal_loss import dal_loss_ref, grid_coordinates
+
+
+def test_coordinates_are_row_major():
+    coords = grid_coordinates((2, 3))
+    assert coords.tolist() == [[0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [1, 2]]
+    assert grid_coordinates((3, 5), normalize=True).max().item() == 1.0
+
+
+@pytest.mark.parametrize("kind", ["nonlinear", "linear", "pca"])
+@pytest.mark.parametrize("normalize", [False, True])
+def test_weighted_loss_equals_per_sample_average(kind, normalize):
+    torch.manual_seed(0)
+    regressor = mjp_fast.DALRegressor(16, kind)
+    pos = torch.randn(1, 20, 16, requires_grad=True)
+    mask = mjp_fast.sample_jigsaw(6, (4, 5), 0.5, seed=2, min_block=1).mask
+    got = mjp_fast.dal_loss(pos, regressor, (4, 5), mask, normalize=normalize)
+    expected = dal_loss_ref(pos, regressor, (4, 5), mask, normalize=normalize)
+    torch.testing.assert_close(got, expected)
+    got.backward()
+    assert pos.grad is not None and pos.grad.abs().sum() > 0
+    assert all(p.grad is not None for p in regressor.parameters())
+
+
+def test_without_mask_every_position_counts_and_all_masked_is_zero():
+    regressor = mjp_fast.DALRegressor(8, "linear")
+    pos = torch.randn(9, 8)
+    torch.testing.assert_close(mjp_fast.dal_loss(pos, regressor, 3), dal_loss_ref(pos, regressor, 3))
+    all_masked = torch.ones(2, 9, dtype=torch.bool)
+    assert mjp_fast.dal_loss(pos, regressor, 3, all_masked).item() == 0.0
+
+
+def test_a_perfect_regressor_has_zero_loss():
+    pos = torch.randn(12, 12)
+    regressor = mjp_fast.DALRegressor(12, "linear")
+    # least squares from these embeddings to their coordinates is exact (12 points, 12 dims + bias)
+    coords = grid_coordinates((3, 4))
+    design = torch.cat((pos, torch.ones(12, 1)), 1).double()
+    solution = torch.linalg.lstsq(design, coords.double()).solution.float()
+    with torch.no_grad():
+        regressor.net.weight.copy_(solution[:12].t())
+        regressor.net.bias.copy_(solution[12])
+    assert mjp_fast.dal_loss(pos, regressor, (3, 4)).item() < 1e-3
+
+
+def test_pca_regressor_is_invariant_to_rotations_of_the_embedding_space():
+    torch.manual_seed(1)
+    regressor = mjp_fast.DALRegressor(6, "pca")
+    pos = torch.randn(10, 6)
+    rotation, _ = torch.linalg.qr(torch.randn(6, 6))
+    torch.testing.assert_close(regressor(pos @ rotation), regressor(pos), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(regressor(pos + 3.0), regressor(pos), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, words",
+    [
+        (dict(pos_embed=torch.randn(10, 8)), ValueError, "pos_embed"),
+        (dict(pos_embed=torch.randn(2, 9, 8)), ValueError, "pos_embed"),
+        (dict(mask=torch.zeros(2, 8, dtype=torch.bool)), ValueError, "mask"),
+        (dict(mask=torch.zeros(2, 9)), ValueError, "mask"),
+        (dict(regressor=torch.nn.Linear(8, 3)), ValueError, "regressor"),
+        (dict(regressor=5), TypeError, "regressor"),
+    ],
+)
+def test_bad_arguments_are_named(kwargs, error, words):
+    arguments = dict(pos_embed=torch.randn(9, 8), regressor=mjp_fast.DALRegressor(8), grid_size=3)
+    arguments.update(kwargs)
+    with pytest.raises(error, match=words):
+        mjp_fast.dal_loss(**arguments)
+
+
+def test_regressor_arguments_are_checked():
+    with pytest.raises(ValueError, match="kind"):
+        mjp_fast.DALRegressor(8, "quadratic")
+    with pytest.raises(ValueError, match="dim"):
+        mjp_fast.DALRegressor(0)

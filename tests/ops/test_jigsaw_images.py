@@ -1,0 +1,65 @@
+import pytest
+import torch
+
+import mjp_fast
+from mjp_fast.ops.jigsaw_images import jigsaw_images_ref
+from mjp_fast.ops.patch_embed import mjp_patch_embed_ref
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 4, 3, 5), (1, 1, 1, 1, 1), (3, 2, 3, 4, 2)])  # B, C, P, rows, cols
+def test_matches_the_oracle_and_moves_whole_patches(shape, backend_device):
+    backend, device = backend_device
+    batch, channels, patch, rows, cols = shape
+    images = torch.randn(batch, channels, rows * patch, cols * patch, device=device)
+    jigsaw = mjp_fast.sample_jigsaw(batch, (rows, cols), 0.6, seed=4, min_block=1, device=device)
+    got = mjp_fast.jigsaw_images(images, jigsaw, patch, backend=backend)
+    assert torch.equal(got, jigsaw_images_ref(images, jigsaw, patch))
+    for b in range(batch):
+        for n in range(rows * cols):
+            r, c = divmod(n, cols)
+            sr, sc = divmod(int(jigsaw.perm[b, n]), cols)
+            window = (slice(r * patch, (r + 1) * patch), slice(c * patch, (c + 1) * patch))
+            source = (slice(sr * patch, (sr + 1) * patch), slice(sc * patch, (sc + 1) * patch))
+            assert torch.equal(got[b, :, window[0], window[1]], images[b, :, source[0], source[1]])
+
+
+def test_pixel_jigsaw_then_embed_equals_fused_embedding():
+    images = torch.randn(2, 3, 12, 20)
+    weight, bias = torch.randn(6, 3, 4, 4), torch.randn(6)
+    pos, unk = torch.randn(15, 6), torch.randn(6)
+    jigsaw = mjp_fast.sample_jigsaw(2, (3, 5), 0.5, seed=1, min_block=1)
+    shuffled = mjp_fast.jigsaw_images(images, jigsaw, 4)
+    position_term = torch.where(jigsaw.mask[..., None], unk, pos)
+    expected = mjp_patch_embed_ref(shuffled, weight, bias, torch.zeros_like(pos), None) + position_term
+    fused = mjp_fast.mjp_patch_embed(images, weight, bias, pos, unk, jigsaw)
+    torch.testing.assert_close(fused, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_uint8_pictures_and_gradients():
+    pictures = torch.randint(0, 256, (2, 3, 16, 16), dtype=torch.uint8)
+    jigsaw = mjp_fast.sample_jigsaw(2, 4, 0.5, seed=0, min_block=1)
+    out = mjp_fast.jigsaw_images(pictures, jigsaw, 4)
+    assert out.dtype == torch.uint8 and torch.equal(out.sort(-1).values.sum(), pictures.sort(-1).values.sum())
+    images = torch.randn(2, 3, 16, 16, requires_grad=True)
+    weights = torch.randn(2, 3, 16, 16)
+    (mjp_fast.jigsaw_images(images, jigsaw, 4) * weights).sum().backward()
+    # the gradient is the weights moved back by the inverse permutation
+    inverse = mjp_fast.Jigsaw(jigsaw.mask, torch.argsort(jigsaw.perm, dim=1))
+    torch.testing.assert_close(images.grad, mjp_fast.jigsaw_images(weights, inverse, 4))
+
+
+@pytest.mark.parametrize(
+    "images, jigsaw, patch_size, error, words",
+    [
+        (torch.randn(2, 3, 15, 16), "ok", 4, ValueError, "multiples"),
+        (torch.randn(2, 3, 16, 16), None, 4, TypeError, "jigsaw"),
+        (torch.randn(2, 3, 16, 16), "ok", 0, ValueError, "patch_size"),
+        (torch.randn(2, 3, 16, 16), "ok", 8, ValueError, "jigsaw"),
+        (torch.randn(3, 16, 16), "ok", 4, ValueError, "images"),
+    ],
+)
+def test_bad_arguments_are_named(images, jigsaw, patch_size, error, words):
+    if jigsaw == "ok":
+        jigsaw = mjp_fast.sample_jigsaw(2, 4, 0.5, seed=0)
+    with pytest.raises(error, match=words):
+        mjp_fast.jigsaw_images(images, jigsaw, patch_size)

@@ -1,0 +1,114 @@
+import pytest
+import torch
+
+import mjp_fast
+from mjp_fast.ops.patch_embed import mjp_patch_embed_ref
+
+
+def make_module(**kwargs):
+    arguments = dict(img_size=32, patch_size=8, in_chans=3, embed_dim=16, ratio=0.5, prob=1.0, seed=3, min_block=2)
+    arguments.update(kwargs)
+    return mjp_fast.MJPPatchEmbed(**arguments)
+
+
+def test_training_mode_jigsaws_each_sample_and_eval_mode_is_plain():
+    module = make_module()
+    images = torch.randn(4, 3, 32, 32)
+    tokens = module(images)
+    assert tokens.shape == (4, 16, 16)
+    jigsaw = module.last_jigsaw
+    assert jigsaw is not None and jigsaw.mask.any(1).all()
+    expected = mjp_patch_embed_ref(
+        images, module.proj.weight, module.proj.bias, module.pos_embed, module.unk_embed, jigsaw
+    )
+    torch.testing.assert_close(tokens, expected)
+    module.eval()
+    plain = module(images)
+    assert module.last_jigsaw is None
+    torch.testing.assert_close(plain, module.proj(images).flatten(2).transpose(1, 2) + module.pos_embed)
+
+
+def test_counter_gives_fresh_jigsaws_and_resumes_the_same_stream():
+    module = make_module()
+    images = torch.randn(3, 3, 32, 32)
+    module(images)
+    first = module.last_jigsaw
+    module(images)
+    second = module.last_jigsaw
+    assert module.samples_seen == 6
+    assert not torch.equal(first.mask, second.mask)
+    # the counter feeds the sampler's offset
+    assert torch.equal(second.perm, mjp_fast.sample_jigsaw(3, 4, 0.5, seed=3, offset=3, min_block=2).perm)
+    state = module.state_dict()
+    module(images)
+    third = module.last_jigsaw
+    resumed = make_module()
+    resumed.load_state_dict(state)
+    assert resumed.samples_seen == 6
+    resumed(images)
+    assert torch.equal(resumed.last_jigsaw.mask, third.mask) and torch.equal(resumed.last_jigsaw.perm, third.perm)
+
+
+def test_jigsaw_eval_repeats_the_same_jigsaws_for_the_same_seed():
+    module = make_module().eval()
+    images = torch.randn(2, 3, 32, 32)
+    with module.jigsaw_eval(ratio=0.5, seed=7):
+        a = module(images)
+        mask_a = module.last_jigsaw.mask
+    with module.jigsaw_eval(ratio=0.5, seed=7):
+        b = module(images)
+    torch.testing.assert_close(a, b)
+    assert mask_a.any()
+    assert not torch.allclose(a, module(images))  # outside the context: plain again
+
+
+def test_prob_zero_or_ratio_zero_skips_sampling():
+    for kwargs in (dict(prob=0.0), dict(ratio=0.0)):
+        module = make_module(**kwargs)
+        module(torch.randn(2, 3, 32, 32))
+        assert module.last_jigsaw is None
+
+
+def test_dal_loss_reaches_every_parameter():
+    module = make_module(dal="nonlinear")
+    tokens = module(torch.randn(2, 3, 32, 32))
+    loss = tokens.square().mean() + module.dal_loss()
+    loss.backward()
+    for name, parameter in module.named_parameters():
+        assert parameter.grad is not None, name
+    assert module.unk_embed.grad.abs().sum() > 0
+    assert "unk_embed" in module.no_weight_decay()
+    with pytest.raises(RuntimeError, match="dal"):
+        make_module().dal_loss()
+
+
+def test_timm_patch_embed_weights_load():
+    timm_layers = pytest.importorskip("timm.layers")
+    timm_embed = timm_layers.PatchEmbed(img_size=32, patch_size=8, in_chans=3, embed_dim=16)
+    module = make_module()
+    missing, unexpected = module.load_state_dict(timm_embed.state_dict(), strict=False)
+    assert not unexpected and set(missing) == {"pos_embed", "unk_embed", "_extra_state"}
+    images = torch.randn(2, 3, 32, 32)
+    module.eval()
+    torch.testing.assert_close(module(images), timm_embed(images) + module.pos_embed)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, words",
+    [
+        (dict(ratio=2.0), ValueError, "ratio"),
+        (dict(prob=-1.0), ValueError, "prob"),
+        (dict(img_size=30), ValueError, "img_size"),
+        (dict(patch_size=0), ValueError, "patch_size"),
+        (dict(dal="quadratic"), ValueError, "kind"),
+        (dict(seed=-1), ValueError, "seed"),
+    ],
+)
+def test_bad_arguments_are_named(kwargs, error, words):
+    with pytest.raises(error, match=words):
+        make_module(**kwargs)
+
+
+def test_wrong_image_size_is_named():
+    with pytest.raises(ValueError, match="pos_embed"):
+        make_module()(torch.randn(2, 3, 40, 40))
