@@ -204,8 +204,8 @@ def sample_jigsaw_ref(
         active &= (delta > 0) & (count < target)
         round_index += 1
 
-    o0, o1, _, _ = philox_ref(seed, positions[None, :], counter_1[:, None], counter_2[:, None], TAG_PERM)
-    keys = torch.where(mask, (o0 << 31) | (o1 >> 1), -1)
+    key = philox_ref(seed, positions[None, :], counter_1[:, None], counter_2[:, None], TAG_PERM)[0]
+    keys = torch.where(mask, (key << 31) | positions, -1)  # (key, position) packed in a non-negative int64
     # Unmasked positions sort first, in position order, in both orders; the masked ones follow, by position in
     # one and by (key, position) in the other: scattering one onto the other fixes the unmasked positions.
     by_position = torch.argsort(mask.to(torch.int8), dim=1, stable=True)
