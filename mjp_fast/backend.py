@@ -5,9 +5,12 @@ Backends:
 - ``torch``: pure PyTorch, always available, on any device. It is also the oracle the tests compare against.
 - ``cpu``: the compiled extension ``mjp_fast._C`` on CPU tensors.
 - ``cuda``: the compiled extension's CUDA kernels on CUDA tensors (when it was built with nvcc).
+- ``triton``: the Triton kernels, on CUDA tensors; on CPU tensors too when ``TRITON_INTERPRET=1`` is set (how
+  the tests, and users without a GPU, run the real kernels).
 
-The automatic choice takes the fastest one available for the tensors' device: ``cuda`` for CUDA tensors and
-``cpu`` for CPU tensors when the extension is there, else ``torch``.
+The automatic choice takes the fastest one available for the tensors' device: ``triton`` (fused kernels), else
+``cuda``, for CUDA tensors; ``cpu`` for CPU tensors when the extension is there; else ``torch``. The Triton
+interpreter is never chosen automatically: it is for testing.
 """
 
 from __future__ import annotations
@@ -19,11 +22,13 @@ from types import ModuleType
 import torch
 
 ENV_VARIABLE = "MJP_FAST_BACKEND"
-KNOWN_BACKENDS = ("torch", "cpu", "cuda")
+KNOWN_BACKENDS = ("torch", "cpu", "cuda", "triton")
 
 _extension: ModuleType | None = None
 _extension_error: str | None = None
 _extension_loaded = False
+_triton_error: str | None = None
+_triton_loaded: bool | None = None
 
 
 def extension() -> ModuleType | None:
@@ -52,6 +57,34 @@ def extension_error() -> str | None:
     return _extension_error
 
 
+def triton_interpreting() -> bool:
+    """Whether Triton kernels run in the interpreter (on CPU tensors)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _triton_kernels() -> bool:
+    """Whether Triton imports (the operations import their kernels, which registers their operators)."""
+    global _triton_loaded, _triton_error
+    if _triton_loaded is None:
+        try:
+            import triton  # noqa: F401
+            import triton.language  # noqa: F401
+
+            _triton_loaded = True
+        except Exception as error:  # noqa: BLE001 - an old or absent triton only removes this backend
+            _triton_loaded, _triton_error = False, f"{type(error).__name__}: {error}"
+    return _triton_loaded
+
+
+def triton_importable() -> bool:
+    """Whether the ``triton`` package imports (its kernels are then defined and registered)."""
+    return _triton_kernels()
+
+
+def _has_triton() -> bool:
+    return (torch.cuda.is_available() or triton_interpreting()) and _triton_kernels()
+
+
 def _has_cuda_kernels() -> bool:
     module = extension()
     return module is not None and bool(module.has_cuda()) and torch.cuda.is_available()
@@ -59,13 +92,21 @@ def _has_cuda_kernels() -> bool:
 
 def available_backends() -> list[str]:
     """The backends that can run on this machine, fastest first for their device."""
+    return list(_AVAILABLE)
+
+
+def _detect_backends() -> tuple[str, ...]:
     names = []
+    if _has_triton() and torch.cuda.is_available():
+        names.append("triton")
     if _has_cuda_kernels():
         names.append("cuda")
     if extension() is not None:
         names.append("cpu")
     names.append("torch")
-    return names
+    if _has_triton() and not torch.cuda.is_available():
+        names.append("triton")  # the interpreter: correct, slow, for tests
+    return tuple(names)
 
 
 def _device_fits(backend: str, device: torch.device) -> bool:
@@ -73,6 +114,8 @@ def _device_fits(backend: str, device: torch.device) -> bool:
         return device.type == "cpu"
     if backend == "cuda":
         return device.type == "cuda"
+    if backend == "triton":
+        return device.type == "cuda" or (device.type == "cpu" and triton_interpreting())
     return True
 
 
@@ -92,18 +135,32 @@ def resolve_backend(backend: str | None, device: torch.device) -> str:
         backend = os.environ.get(ENV_VARIABLE) or None
         source = ENV_VARIABLE
     if backend is None:
-        if device.type == "cuda" and _has_cuda_kernels():
-            return "cuda"
-        if device.type == "cpu" and extension() is not None:
+        names = _AVAILABLE
+        if device.type == "cuda":
+            return "triton" if "triton" in names else "cuda" if "cuda" in names else "torch"
+        if device.type == "cpu" and "cpu" in names:
             return "cpu"
         return "torch"
     if not isinstance(backend, str):
         raise TypeError(f"{source} must be a str or None, got {type(backend).__name__}")
     if backend not in KNOWN_BACKENDS:
         raise ValueError(f"{source} must be one of {', '.join(KNOWN_BACKENDS)}, got {backend!r}")
-    if backend not in available_backends():
-        reason = extension_error() or "the extension was built without CUDA or no GPU is visible"
+    if backend not in _AVAILABLE:
+        if backend == "triton":
+            reason = _triton_error or "no GPU is visible and TRITON_INTERPRET=1 is not set"
+        else:
+            reason = extension_error() or "the extension was built without CUDA or no GPU is visible"
         raise ValueError(f"{source}={backend!r} is not available on this machine: {reason}")
     if not _device_fits(backend, device):
-        raise ValueError(f"{source}={backend!r} cannot run on tensors on device {device}")
+        hint = (
+            " (set TRITON_INTERPRET=1 before importing mjp_fast to run Triton on the CPU)"
+            if backend == "triton"
+            else ""
+        )
+        raise ValueError(f"{source}={backend!r} cannot run on tensors on device {device}{hint}")
     return backend
+
+
+# Fixed for the life of the process (what is installed, whether a GPU is visible), so found once, at import: a
+# constant for torch.compile, which cannot trace the extension's own functions.
+_AVAILABLE: tuple[str, ...] = _detect_backends()

@@ -12,9 +12,10 @@ import torch.distributed as dist
 from torch import nn
 
 from mjp_fast._validate import check_fraction, check_int, check_positive_float
+from mjp_fast.backend import resolve_backend
 from mjp_fast.ops.dal_loss import dal_loss
 from mjp_fast.ops.patch_embed import mjp_patch_embed
-from mjp_fast.ops.sample_jigsaw import Jigsaw, sample_jigsaw
+from mjp_fast.ops.sample_jigsaw import Jigsaw, sample_jigsaw, sample_jigsaw_prepared, sampler_tables
 
 DAL_KINDS = ("nonlinear", "linear", "pca")
 
@@ -137,18 +138,24 @@ class MJPPatchEmbed(nn.Module):
         nn.init.trunc_normal_(self.unk_embed, std=0.02)
         self.dal_regressor = DALRegressor(embed_dim, dal) if dal is not None else None
 
-        self.samples_seen = 0  # training samples embedded so far on this rank: the sampler's stream position
+        # Training samples embedded so far on this rank: the sampler's stream position. A tensor on the module's
+        # device, so the sampler reads it without a host sync and torch.compile does not recompile per step;
+        # a buffer, so it is saved and restored with the state dict.
+        self.register_buffer("sample_counter", torch.zeros((), dtype=torch.int64))
+        # The sampler's integer tables, made once (not saved: they follow from grid_size and min_aspect).
+        h_thresholds, w_thresholds = sampler_tables(*self.grid_size, self.min_aspect)
+        self.register_buffer("_h_thresholds", h_thresholds.clone(), persistent=False)
+        self.register_buffer("_w_thresholds", w_thresholds.clone(), persistent=False)
         self.last_jigsaw: Jigsaw | None = None
         self._eval_jigsaw: dict[str, Any] | None = None
-        self._eval_samples_seen = 0
+        self._eval_counter: torch.Tensor | None = None
 
     # -- state ---------------------------------------------------------------------------------------------------
 
-    def get_extra_state(self) -> dict[str, int]:
-        return {"samples_seen": self.samples_seen}
-
-    def set_extra_state(self, state: dict[str, int]) -> None:
-        self.samples_seen = int(state["samples_seen"])
+    @property
+    def samples_seen(self) -> int:
+        """How many training samples this rank has embedded (reads the counter: a host sync on a GPU)."""
+        return int(self.sample_counter)
 
     def no_weight_decay(self) -> set[str]:
         return {"pos_embed", "unk_embed"}
@@ -162,21 +169,39 @@ class MJPPatchEmbed(nn.Module):
         return 0, 1
 
     def _next_jigsaw(self, batch: int, device: torch.device) -> Jigsaw | None:
-        rank, world = self._rank_and_world()
         if self.training:
-            ratio, prob, seed, seen = self.ratio, self.prob, self.seed, self.samples_seen
-            self.samples_seen += batch
+            ratio, prob, seed, counter = self.ratio, self.prob, self.seed, self.sample_counter
         elif self._eval_jigsaw is not None:
             ratio, prob, seed = self._eval_jigsaw["ratio"], self._eval_jigsaw["prob"], self._eval_jigsaw["seed"]
-            seen = self._eval_samples_seen
-            self._eval_samples_seen += batch
+            if self._eval_counter is None or self._eval_counter.device != device:
+                self._eval_counter = torch.zeros((), dtype=torch.int64, device=device)
+            counter = self._eval_counter
         else:
             return None
         if ratio == 0.0 or prob == 0.0:
             return None
+        rank, world = self._rank_and_world()
         # With a constant per-rank batch, this is the global index of the batch's first sample.
-        offset = seen * world + rank * batch
-        return sample_jigsaw(
+        offset = counter * world + rank * batch
+        with torch.no_grad():
+            counter.add_(batch)
+        offset = offset.reshape(1).to(device)
+        backend = resolve_backend(self.backend, device)
+        if backend == "torch" or self._h_thresholds.device != device:
+            return sample_jigsaw(
+                batch,
+                self.grid_size,
+                ratio,
+                seed=seed,
+                offset=offset,
+                shared=self.shared,
+                prob=prob,
+                min_block=self.min_block,
+                min_aspect=self.min_aspect,
+                device=device,
+                backend=backend,
+            )
+        return sample_jigsaw_prepared(
             batch,
             self.grid_size,
             ratio,
@@ -185,9 +210,8 @@ class MJPPatchEmbed(nn.Module):
             shared=self.shared,
             prob=prob,
             min_block=self.min_block,
-            min_aspect=self.min_aspect,
-            device=device,
-            backend=self.backend,
+            tables=(self._h_thresholds, self._w_thresholds),
+            backend=backend,
         )
 
     @contextlib.contextmanager
@@ -201,12 +225,12 @@ class MJPPatchEmbed(nn.Module):
             "seed": check_int("seed", seed, minimum=0, maximum=2**64 - 1),
             "prob": check_fraction("prob", prob),
         }
-        previous = (self._eval_jigsaw, self._eval_samples_seen)
-        self._eval_jigsaw, self._eval_samples_seen = settings, 0
+        previous = (self._eval_jigsaw, self._eval_counter)
+        self._eval_jigsaw, self._eval_counter = settings, None  # a fresh stream: the same jigsaws each time
         try:
             yield self
         finally:
-            self._eval_jigsaw, self._eval_samples_seen = previous
+            self._eval_jigsaw, self._eval_counter = previous
 
     # -- forward -------------------------------------------------------------------------------------------------
 
@@ -238,6 +262,5 @@ class MJPPatchEmbed(nn.Module):
 
     def extra_repr(self) -> str:
         return (
-            f"grid_size={self.grid_size}, ratio={self.ratio}, prob={self.prob}, seed={self.seed}, "
-            f"shared={self.shared}, samples_seen={self.samples_seen}"
+            f"grid_size={self.grid_size}, ratio={self.ratio}, prob={self.prob}, seed={self.seed}, shared={self.shared}"
         )

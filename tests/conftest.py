@@ -17,8 +17,9 @@ def backends_for(device: str) -> list[str]:
     """The available backends that run on ``device``."""
     names = mjp_fast.available_backends()
     if device == "cpu":
-        return [name for name in names if name in ("torch", "cpu")]
-    return [name for name in names if name in ("torch", "cuda")]
+        # triton on CPU tensors: the real kernels in the interpreter (TRITON_INTERPRET=1 above)
+        return [name for name in names if name in ("torch", "cpu", "triton")]
+    return [name for name in names if name in ("torch", "cuda", "triton")]
 
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

@@ -5,10 +5,22 @@ import mjp_fast
 from mjp_fast import backend
 
 
-def test_torch_is_always_available_and_listed_last():
+def test_torch_is_always_available():
     names = mjp_fast.available_backends()
-    assert names[-1] == "torch"
-    assert set(names) <= set(backend.KNOWN_BACKENDS)
+    assert "torch" in names and set(names) <= set(backend.KNOWN_BACKENDS)
+    if not torch.cuda.is_available():
+        assert "cuda" not in names
+        # the Triton interpreter is listed after torch: available for tests, never the fast choice
+        assert "triton" not in names or names.index("triton") > names.index("torch")
+
+
+def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
+    if "triton" not in mjp_fast.available_backends() or torch.cuda.is_available():
+        pytest.skip("needs triton and no GPU")
+    assert backend.resolve_backend("triton", torch.device("cpu")) == "triton"
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        backend.resolve_backend("triton", torch.device("cpu"))
 
 
 def test_automatic_choice_prefers_the_compiled_path_on_cpu(monkeypatch):

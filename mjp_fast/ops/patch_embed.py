@@ -4,8 +4,9 @@
 
 In this file, in order: argument checks, the oracle ``mjp_patch_embed_ref`` (shuffles the patches, then embeds
 them), the ``torch`` backend (embeds with a convolution, then shuffles the tokens: ``P(XW) = (PX)W``), the
-autograd Function over the compiled kernels (``cpu`` and ``cuda``: the gather happens inside the patch
-extraction, the position term in the GEMM's epilogue), and the public ``mjp_patch_embed``.
+operators over the compiled kernels (``cpu``, ``cuda``) and the Triton kernels (``triton``), registered with
+torch.library with their autograd (the gather happens inside the patch extraction, the position term in the
+GEMM's epilogue), and the public ``mjp_patch_embed``.
 """
 
 from __future__ import annotations
@@ -206,48 +207,107 @@ def _mjp_patch_embed_torch(
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Compiled backends (cpu, cuda)
+# Compiled (cpu, cuda) and Triton backends: torch.library operators with registered autograd
 # ----------------------------------------------------------------------------------------------------------------
 
 
-class _CompiledPatchEmbed(torch.autograd.Function):
-    """Autograd over ``mjp_fast._C``: the backward recomputes the gathered patches instead of saving them."""
+@torch.library.custom_op("mjp_fast::patch_embed_extension", mutates_args=())
+def _patch_embed_extension(
+    images: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    pos_embed: torch.Tensor,
+    unk_embed: torch.Tensor | None,
+    perm: torch.Tensor | None,
+    mask: torch.Tensor | None,
+) -> torch.Tensor:
+    """The compiled kernels: gather fused into the patch extraction, GEMM, one epilogue pass."""
+    return backend_module.extension().patch_embed_forward(
+        images.contiguous(),
+        weight.contiguous(),
+        None if bias is None else bias.contiguous(),
+        pos_embed.contiguous(),
+        None if unk_embed is None else unk_embed.contiguous(),
+        perm,
+        mask,
+    )
 
-    @staticmethod
-    def forward(ctx, images, weight, bias, pos_embed, unk_embed, perm, mask):  # type: ignore[override]
-        module = backend_module.extension()
-        images, weight = images.contiguous(), weight.contiguous()
-        tokens = module.patch_embed_forward(
-            images,
-            weight,
-            None if bias is None else bias.contiguous(),
-            pos_embed.contiguous(),
-            None if unk_embed is None else unk_embed.contiguous(),
-            perm,
-            mask,
-        )
+
+@torch.library.custom_op("mjp_fast::patch_embed_extension_backward", mutates_args=())
+def _patch_embed_extension_backward(
+    grad_out: torch.Tensor,
+    images: torch.Tensor,
+    weight: torch.Tensor,
+    perm: torch.Tensor | None,
+    mask: torch.Tensor | None,
+    need_images: bool,
+    need_weight: bool,
+    need_bias: bool,
+    need_pos: bool,
+    need_unk: bool,
+) -> list[torch.Tensor]:
+    """``[grad_images, grad_weight, grad_bias, grad_pos, grad_unk]``; an empty tensor where not asked for."""
+    grads = backend_module.extension().patch_embed_backward(
+        grad_out.contiguous(),
+        images.contiguous(),
+        weight.contiguous(),
+        perm,
+        mask,
+        need_images,
+        need_weight,
+        need_bias,
+        need_pos,
+        need_unk,
+    )
+    return [grad if grad is not None else grad_out.new_empty(0) for grad in grads]
+
+
+def _forward_fake(images, weight, bias, pos_embed, unk_embed, perm, mask):
+    batch, _, height, width = images.shape
+    dim, _, patch, _ = weight.shape
+    return images.new_empty(batch, (height // patch) * (width // patch), dim)
+
+
+def _backward_fake(grad_out, images, weight, perm, mask, need_images, need_weight, need_bias, need_pos, need_unk):
+    dim = weight.shape[0]
+    shapes = [images.shape, weight.shape, (dim,), (grad_out.shape[1], dim), (dim,)]
+    needs = [need_images, need_weight, need_bias, need_pos, need_unk]
+    return [images.new_empty(shape) if need else images.new_empty(0) for shape, need in zip(shapes, needs)]
+
+
+def _register_autograd(forward_op, backward_op) -> None:
+    """Autograd for a forward operator with the signature of ``mjp_patch_embed``'s kernels.
+
+    The backward re-gathers the patches from the saved images: nothing of size ``B*N*C*P*P`` is kept.
+    """
+
+    def setup_context(ctx, inputs, output):
+        images, weight, bias, pos_embed, unk_embed, perm, mask = inputs
         ctx.save_for_backward(images, weight, perm, mask)
         ctx.has_bias, ctx.has_unk = bias is not None, unk_embed is not None
-        return tokens
 
-    @staticmethod
-    def backward(ctx, grad_tokens):  # type: ignore[override]
+    def backward(ctx, grad_out):
         images, weight, perm, mask = ctx.saved_tensors
         needs = ctx.needs_input_grad
-        grads = backend_module.extension().patch_embed_backward(
-            grad_tokens.contiguous(),
-            images,
-            weight,
-            perm,
-            mask,
-            needs[0],
-            needs[1],
-            needs[2] and ctx.has_bias,
-            needs[3],
-            needs[4] and ctx.has_unk,
-        )
-        grad_images, grad_weight, grad_bias, grad_pos, grad_unk = grads
-        return grad_images, grad_weight, grad_bias, grad_pos, grad_unk, None, None
+        wanted = [needs[0], needs[1], needs[2] and ctx.has_bias, needs[3], needs[4] and ctx.has_unk]
+        grads = backward_op(grad_out, images, weight, perm, mask, *wanted)
+        return (*(grad if want else None for grad, want in zip(grads, wanted)), None, None)
+
+    forward_op.register_autograd(backward, setup_context=setup_context)
+
+
+_patch_embed_extension.register_fake(_forward_fake)
+_patch_embed_extension_backward.register_fake(_backward_fake)
+_register_autograd(_patch_embed_extension, _patch_embed_extension_backward)
+
+
+if backend_module.triton_importable():
+    from mjp_fast.triton.patch_embed import patch_embed_backward_triton, patch_embed_forward_triton
+
+    # Explicit shapes: triton_op traces kernel launches by itself on a GPU, not under the CPU interpreter.
+    patch_embed_forward_triton.register_fake(_forward_fake)
+    patch_embed_backward_triton.register_fake(_backward_fake)
+    _register_autograd(patch_embed_forward_triton, patch_embed_backward_triton)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -279,7 +339,8 @@ def mjp_patch_embed(
         pos_embed: ``[N, D]`` or ``[1, N, D]``, the patch positions only (no class token), ``N = (H/P)(W/P)``.
         unk_embed: ``[D]``, the unknown position embedding (may be None without a jigsaw).
         jigsaw: from :func:`sample_jigsaw`, or None for the plain embedding.
-        backend: ``torch``, ``cpu`` or ``cuda``; default ``MJP_FAST_BACKEND``, else the fastest for the device.
+        backend: ``torch``, ``cpu``, ``cuda`` or ``triton``; default ``MJP_FAST_BACKEND``, else the fastest for
+            the device.
         validate: check that ``jigsaw.perm`` permutes exactly the masked positions. This costs a host sync on a
             GPU; :class:`mjp_fast.MJPPatchEmbed` turns it off for the jigsaws it samples itself.
 
@@ -293,4 +354,8 @@ def mjp_patch_embed(
     if chosen == "torch":
         return _mjp_patch_embed_torch(images, weight, bias, pos_embed, unk_embed, jigsaw, geometry)
     perm, mask = (None, None) if jigsaw is None else (jigsaw.perm.contiguous(), jigsaw.mask.contiguous())
-    return _CompiledPatchEmbed.apply(images, weight, bias, pos_embed, unk_embed, perm, mask)
+    if chosen == "triton":
+        if images.dtype == torch.float64:
+            raise TypeError("images: the triton backend supports float32, float16 and bfloat16, got float64")
+        return patch_embed_forward_triton(images, weight, bias, pos_embed.contiguous(), unk_embed, perm, mask)
+    return _patch_embed_extension(images, weight, bias, pos_embed, unk_embed, perm, mask)

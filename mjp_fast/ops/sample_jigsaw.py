@@ -138,7 +138,7 @@ def sample_jigsaw_ref(
     ratio: float,
     *,
     seed: int,
-    offset: int = 0,
+    offset: int | torch.Tensor = 0,
     shared: bool = False,
     prob: float = 1.0,
     min_block: int = 8,
@@ -156,7 +156,10 @@ def sample_jigsaw_ref(
     target = _target_count(ratio, num_positions)
     h_thresholds, w_thresholds = sampler_tables(rows, cols, min_aspect, device)
 
-    stream = torch.full((batch_size,), offset, dtype=torch.int64, device=device)
+    if isinstance(offset, torch.Tensor):
+        stream = offset.reshape(1).to(device=device, dtype=torch.int64).expand(batch_size).clone()
+    else:
+        stream = torch.full((batch_size,), offset, dtype=torch.int64, device=device)
     if not shared:
         stream += torch.arange(batch_size, dtype=torch.int64, device=device)
     counter_1, counter_2 = stream & _UINT32, stream >> 32
@@ -267,6 +270,74 @@ def block_mask_python(
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Compiled and Triton samplers, as torch.library operators (opaque to torch.compile, no graph break)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _empty_jigsaw(batch_size: int, num_positions: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    return (
+        torch.empty(batch_size, num_positions, dtype=torch.bool, device=device),
+        torch.empty(batch_size, num_positions, dtype=torch.int64, device=device),
+    )
+
+
+@torch.library.custom_op("mjp_fast::sample_jigsaw_extension", mutates_args=())
+def _sample_jigsaw_extension(
+    offset: torch.Tensor,
+    h_thresholds: torch.Tensor,
+    w_thresholds: torch.Tensor,
+    batch_size: int,
+    rows: int,
+    cols: int,
+    target: int,
+    min_block: int,
+    seed_bits: int,
+    shared: bool,
+    prob_threshold: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The compiled sampler (``cpu`` or ``cuda`` backend) on the device of the tables."""
+    return backend_module.extension().sample_jigsaw(
+        batch_size,
+        rows,
+        cols,
+        target,
+        min_block,
+        seed_bits & 0xFFFFFFFFFFFFFFFF,
+        int(offset.reshape(-1)[0]),  # a host read: free for CPU tensors, one sync on a GPU
+        shared,
+        prob_threshold,
+        h_thresholds,
+        w_thresholds,
+    )
+
+
+@_sample_jigsaw_extension.register_fake
+def _(offset, h_thresholds, w_thresholds, batch_size, rows, cols, target, min_block, seed_bits, shared, prob_threshold):
+    return _empty_jigsaw(batch_size, rows * cols, h_thresholds.device)
+
+
+def _as_offset_tensor(offset: int | torch.Tensor, device: torch.device) -> torch.Tensor:
+    if isinstance(offset, torch.Tensor):
+        return offset.reshape(1).to(device=device, dtype=torch.int64)
+    return torch.tensor([offset], dtype=torch.int64, device=device)
+
+
+def _check_offset(offset: object, batch_size: int, device: torch.device) -> int | torch.Tensor:
+    if isinstance(offset, torch.Tensor):
+        if offset.numel() != 1 or offset.dtype.is_floating_point or offset.dtype == torch.bool:
+            raise TypeError(
+                f"offset must be an int or a one-element integer tensor, got {offset.dtype} {list(offset.shape)}"
+            )
+        if offset.device != device:
+            raise ValueError(f"offset is on {offset.device} but the jigsaw is made on {device}")
+        return offset  # its value stays on the device: checking it would cost a host sync
+    offset = check_int("offset", offset, minimum=0)
+    if offset + batch_size > 2**63:
+        raise ValueError(f"offset + batch_size must be <= 2**63, got offset={offset}, batch_size={batch_size}")
+    return offset
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # Public function
 # ----------------------------------------------------------------------------------------------------------------
 
@@ -277,7 +348,7 @@ def sample_jigsaw(
     ratio: float,
     *,
     seed: int,
-    offset: int = 0,
+    offset: int | torch.Tensor = 0,
     shared: bool = False,
     prob: float = 1.0,
     min_block: int = 8,
@@ -297,13 +368,16 @@ def sample_jigsaw(
             ``n = row * cols + col``.
         ratio: in [0, 1]; each mask aims at ``floor(ratio * N)`` positions and, as BEiT's, may end short of it.
         seed: an int in ``[0, 2**64)``.
-        offset: the stream index of sample 0, an int >= 0.
+        offset: the stream index of sample 0: an int >= 0, or a one-element int64 tensor on ``device`` (what
+            :class:`mjp_fast.MJPPatchEmbed` passes: no recompilation under torch.compile, and on the ``triton``
+            backend no host sync).
         shared: one jigsaw (that of stream ``offset``) for the whole batch, as the paper's code does.
         prob: each sample is jigsawed with this probability, else its mask is all False.
         min_block: the smallest rectangle area BEiT tries (the paper's code: 8).
         min_aspect: rectangles' aspect ratios are log-uniform in ``[min_aspect, 1 / min_aspect]``.
         device: where the result lives (default CPU).
-        backend: ``torch``, ``cpu`` or ``cuda``; default ``MJP_FAST_BACKEND``, else the fastest for ``device``.
+        backend: ``torch``, ``cpu``, ``cuda`` or ``triton``; default ``MJP_FAST_BACKEND``, else the fastest for
+            ``device``.
 
     Returns:
         ``Jigsaw(mask, perm)``: mask bool ``[B, N]``, perm int64 ``[B, N]``.
@@ -314,15 +388,13 @@ def sample_jigsaw(
         raise ValueError(f"grid_size has {rows * cols} positions; at most {MAX_GRID_POSITIONS} are supported")
     ratio = check_fraction("ratio", ratio)
     seed = check_int("seed", seed, minimum=0, maximum=2**64 - 1)
-    offset = check_int("offset", offset, minimum=0)
-    if offset + batch_size > 2**63:
-        raise ValueError(f"offset + batch_size must be <= 2**63, got offset={offset}, batch_size={batch_size}")
     if not isinstance(shared, bool):
         raise TypeError(f"shared must be a bool, got {type(shared).__name__}")
     prob = check_fraction("prob", prob)
     min_block = check_int("min_block", min_block, minimum=1, maximum=MAX_GRID_POSITIONS)
     min_aspect = check_positive_float("min_aspect", min_aspect)
     device = to_device(device)
+    offset = _check_offset(offset, batch_size, device)
     chosen = backend_module.resolve_backend(backend, device)
 
     if chosen == "torch":
@@ -338,18 +410,64 @@ def sample_jigsaw(
             min_aspect=min_aspect,
             device=device,
         )
-    h_thresholds, w_thresholds = sampler_tables(rows, cols, min_aspect, device)
-    mask, perm = backend_module.extension().sample_jigsaw(
+    tables = sampler_tables(rows, cols, min_aspect, device)
+    return sample_jigsaw_prepared(
+        batch_size,
+        (rows, cols),
+        ratio,
+        seed=seed,
+        offset=_as_offset_tensor(offset, device),
+        shared=shared,
+        prob=prob,
+        min_block=min_block,
+        tables=tables,
+        backend=chosen,
+    )
+
+
+def sample_jigsaw_prepared(
+    batch_size: int,
+    grid_size: tuple[int, int],
+    ratio: float,
+    *,
+    seed: int,
+    offset: torch.Tensor,
+    shared: bool,
+    prob: float,
+    min_block: int,
+    tables: tuple[torch.Tensor, torch.Tensor],
+    backend: str,
+) -> Jigsaw:
+    """:func:`sample_jigsaw` on a compiled or Triton backend, arguments already checked and tables made.
+
+    For callers that sample every step with fixed settings (:class:`mjp_fast.MJPPatchEmbed`): the tables live in
+    their buffers, so nothing is built on the host per step and torch.compile sees only tensors and constants.
+
+    Args:
+        offset: int64 ``[1]`` on the tables' device. tables: from :func:`sampler_tables`. backend: ``cpu``,
+            ``cuda`` or ``triton``.
+    """
+    rows, cols = grid_size
+    arguments = (
+        offset,
+        tables[0],
+        tables[1],
         batch_size,
         rows,
         cols,
         _target_count(ratio, rows * cols),
         min_block,
-        seed,
-        offset,
+        seed - 2**64 if seed >= 2**63 else seed,  # the same 64 bits as a signed int64, as operators take them
         shared,
         _prob_threshold(prob),
-        h_thresholds,
-        w_thresholds,
     )
+    if backend == "triton":
+        mask, perm = torch.ops.mjp_fast.sample_jigsaw_triton(*arguments)
+    else:
+        mask, perm = _sample_jigsaw_extension(*arguments)
     return Jigsaw(mask, perm)
+
+
+if backend_module.triton_importable():
+    # Defines the Triton sampler and registers its operator, torch.ops.mjp_fast.sample_jigsaw_triton.
+    import mjp_fast.triton.sampler  # noqa: E402, F401

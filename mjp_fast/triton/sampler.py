@@ -1,0 +1,153 @@
+"""Triton sampler: docs/sampler.md with one program per sample, bit-identical to the oracle and the C++ sampler.
+
+The mask lives in registers as a ``[BLOCK_N]`` vector over the grid; each rectangle is a vector comparison. The
+permutation is two sorts: the masked positions in increasing order (``m_i``) and by packed random key
+(``s_i``), then one scatter ``perm[m_i] = s_i``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mjp_fast.ops.sample_jigsaw import ASPECT_BIN_SHIFT, ATTEMPTS_PER_ROUND, TAG_COIN, TAG_MASK, TAG_PERM
+from mjp_fast.triton import operator as _operator
+
+
+@triton.jit
+def _philox_words(seed, c0, c1, c2, c3):
+    # Counters as uint32 vectors or scalars; tl.philox splits the 64-bit seed into its two key words.
+    return tl.philox(seed, c0.to(tl.uint32), c1.to(tl.uint32), c2.to(tl.uint32), c3.to(tl.uint32))
+
+
+@triton.jit
+def _sample_jigsaw_kernel(
+    mask_ptr,  # bool [B, N], written
+    perm_ptr,  # int64 [B, N], written
+    h_thresholds_ptr,  # int64 [1024, rows]
+    w_thresholds_ptr,  # int64 [1024, cols]
+    offset_ptr,  # int64 [1]: the stream index of sample 0 (a tensor, so no recompile and no host sync per step)
+    seed,  # uint64 as int64 bits
+    rows,
+    cols,
+    target,
+    min_block,
+    prob_threshold,  # int64 in [0, 2**32]
+    SHARED: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_G: tl.constexpr,  # power of two >= max(rows, cols)
+):
+    sample = tl.program_id(0).to(tl.int64)
+    num_positions = rows * cols
+    stream = tl.load(offset_ptr).to(tl.int64)
+    if not SHARED:
+        stream = stream + sample
+    counter_1 = stream & 0xFFFFFFFF
+    counter_2 = (stream >> 32) & 0xFFFFFFFF
+    zero = stream * 0
+
+    coin, _, _, _ = _philox_words(seed, zero, counter_1, counter_2, zero + TAG_COIN)
+    active = (coin.to(tl.int64) < prob_threshold) & (target > 0)
+
+    positions = tl.arange(0, BLOCK_N)
+    in_grid = positions < num_positions
+    row_of = positions // cols
+    col_of = positions % cols
+    steps = tl.arange(0, BLOCK_G)
+    mask = positions < 0  # all False
+
+    count = target * 0
+    round_index = target * 0
+    while active:
+        remaining = target - count
+        low = tl.minimum(remaining, min_block).to(tl.int64)
+        high = tl.maximum(remaining, min_block).to(tl.int64)
+        delta = count * 0
+        for attempt in range(ATTEMPTS_PER_ROUND):
+            if delta == 0:
+                draw = zero + round_index * ATTEMPTS_PER_ROUND + attempt
+                o0, o1, o2, o3 = _philox_words(seed, draw, counter_1, counter_2, zero + TAG_MASK)
+                area_q = (low << 32) + (high - low) * o0.to(tl.int64)
+                aspect_bin = (o1 >> ASPECT_BIN_SHIFT).to(tl.int64)
+                h_row = tl.load(h_thresholds_ptr + aspect_bin * rows + steps, mask=steps < rows, other=1 << 62)
+                w_row = tl.load(w_thresholds_ptr + aspect_bin * cols + steps, mask=steps < cols, other=1 << 62)
+                height = tl.sum((area_q >= h_row).to(tl.int32), axis=0)
+                width = tl.sum((area_q >= w_row).to(tl.int32), axis=0)
+                fits = (height < rows) & (width < cols)
+                top = ((o2.to(tl.int64) * (rows - height + 1).to(tl.int64)) >> 32).to(tl.int32)
+                left = ((o3.to(tl.int64) * (cols - width + 1)).to(tl.int64) >> 32).to(tl.int32)
+                inside = (row_of >= top) & (row_of < top + height) & (col_of >= left) & (col_of < left + width)
+                new_cells = inside & in_grid & (~mask)
+                new_count = tl.sum(new_cells.to(tl.int32), axis=0)
+                accept = fits & (new_count > 0) & (new_count <= remaining)
+                mask = mask | (new_cells & accept)
+                delta = tl.where(accept, new_count, 0)
+        count += delta
+        active = (delta > 0) & (count < target)
+        round_index += 1
+
+    row_offset = sample * num_positions
+    tl.store(mask_ptr + row_offset + positions, mask, mask=in_grid)
+    tl.store(perm_ptr + row_offset + positions, positions.to(tl.int64), mask=in_grid & (~mask))
+    key, _, _, _ = _philox_words(seed, positions, zero + counter_1, zero + counter_2, zero + TAG_PERM)
+    sort_key = (key.to(tl.int64) << 31) | positions.to(tl.int64)
+    largest = 0x7FFFFFFFFFFFFFFF
+    by_key = tl.sort(tl.where(mask, sort_key, largest), dim=0)
+    by_position = tl.sort(tl.where(mask, positions, BLOCK_N), dim=0)
+    masked_count = tl.sum(mask.to(tl.int32), axis=0)
+    slots = tl.arange(0, BLOCK_N)
+    tl.store(perm_ptr + row_offset + by_position, by_key & 0x7FFFFFFF, mask=slots < masked_count)
+
+
+@_operator("mjp_fast::sample_jigsaw_triton", mutates_args=())
+def sample_jigsaw_triton(
+    offset: torch.Tensor,
+    h_thresholds: torch.Tensor,
+    w_thresholds: torch.Tensor,
+    batch_size: int,
+    rows: int,
+    cols: int,
+    target: int,
+    min_block: int,
+    seed_bits: int,
+    shared: bool,
+    prob_threshold: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Samples on the device of the tables; ``offset`` is an int64 ``[1]`` tensor read by the kernel itself.
+
+    Returns mask bool ``[B, N]`` and perm int64 ``[B, N]``. ``seed_bits`` is the 64-bit seed as a signed int64.
+    """
+    device = h_thresholds.device
+    num_positions = rows * cols
+    mask = torch.empty(batch_size, num_positions, dtype=torch.bool, device=device)
+    perm = torch.empty(batch_size, num_positions, dtype=torch.int64, device=device)
+    if batch_size == 0:
+        return mask, perm
+    torch.library.wrap_triton(_sample_jigsaw_kernel)[(batch_size,)](
+        mask,
+        perm,
+        h_thresholds,
+        w_thresholds,
+        offset,
+        seed_bits,
+        rows,
+        cols,
+        target,
+        min_block,
+        prob_threshold,
+        SHARED=shared,
+        BLOCK_N=triton.next_power_of_2(num_positions),
+        BLOCK_G=triton.next_power_of_2(max(rows, cols)),
+    )
+    return mask, perm
+
+
+@sample_jigsaw_triton.register_fake
+def _(offset, h_thresholds, w_thresholds, batch_size, rows, cols, target, min_block, seed_bits, shared, prob_threshold):
+    # Shapes only. (triton_op can trace the kernel launch itself on a GPU; under the CPU interpreter it cannot.)
+    device = h_thresholds.device
+    return (
+        torch.empty(batch_size, rows * cols, dtype=torch.bool, device=device),
+        torch.empty(batch_size, rows * cols, dtype=torch.int64, device=device),
+    )
