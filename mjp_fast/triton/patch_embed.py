@@ -78,6 +78,19 @@ def _patch_addresses(
     return address, valid
 
 
+def _gemm_configs() -> list[triton.Config]:
+    """Tiles tried on the GPU: large ones for Hopper and Ampere tensor cores, small ones as a safe default."""
+    if _interpreting():
+        # the interpreter's cost grows with the tile; tl.dot needs at least 16
+        return [triton.Config({"BLOCK_M": 16, "BLOCK_D": 16, "BLOCK_K": 16}, num_warps=1, num_stages=1)]
+    shapes = [(128, 128, 64, 8, 3), (128, 128, 32, 4, 4), (128, 64, 32, 4, 4), (64, 128, 32, 4, 4), (64, 64, 32, 4, 3)]
+    return [
+        triton.Config({"BLOCK_M": m, "BLOCK_D": d, "BLOCK_K": k}, num_warps=warps, num_stages=stages)
+        for m, d, k, warps, stages in shapes
+    ]
+
+
+@triton.autotune(configs=_gemm_configs(), key=["total_tokens", "D", "K"])
 @triton.jit
 def _forward_kernel(
     images_ptr,
@@ -221,6 +234,7 @@ def _grad_weight_kernel(
     )
 
 
+@triton.autotune(configs=_gemm_configs(), key=["total_tokens", "D", "K"])
 @triton.jit
 def _grad_images_kernel(
     grad_ptr,
@@ -331,11 +345,12 @@ def _upcast(dtype: torch.dtype) -> bool:
     return _interpreting() and dtype == torch.bfloat16
 
 
-def _tiles(total_tokens: int, dim: int, k: int) -> tuple[int, int, int]:
+def _grad_weight_tiles(dim: int, k: int) -> tuple[int, int, int]:
+    """Tiles of the weight-gradient kernel (its token axis is split across programs, so no autotuning)."""
     if _interpreting():
-        return 16, 16, 16  # the interpreter's cost grows with the tile; tl.dot needs at least 16
+        return 16, 16, 16
     block_d = 128 if dim >= 128 else max(16, triton.next_power_of_2(dim))
-    return 128, block_d, 32 if k >= 32 else 16
+    return 64, block_d, 64 if k >= 64 else max(16, triton.next_power_of_2(k))
 
 
 def _image_strides(images: torch.Tensor) -> tuple[int, int, int, int]:
@@ -362,11 +377,13 @@ def patch_embed_forward_triton(
     out = torch.empty(batch, num_positions, dim, dtype=images.dtype, device=images.device)
     if total == 0:
         return out
-    block_m, block_d, block_k = _tiles(total, dim, k)
-    grid = (triton.cdiv(total, block_m), triton.cdiv(dim, block_d))
     weight = weight.contiguous()
     pos_embed = pos_embed.contiguous()
     dummy = pos_embed
+
+    def grid(meta):
+        return (triton.cdiv(total, meta["BLOCK_M"]), triton.cdiv(dim, meta["BLOCK_D"]))
+
     torch.library.wrap_triton(_forward_kernel)[grid](
         images,
         weight,
@@ -388,9 +405,6 @@ def patch_embed_forward_triton(
         HAS_MASK=mask is not None,
         PRECISION=_precision(images.dtype),
         UPCAST=_upcast(images.dtype),
-        BLOCK_M=block_m,
-        BLOCK_D=block_d,
-        BLOCK_K=block_k,
     )
     return out
 
@@ -417,7 +431,7 @@ def patch_embed_backward_triton(
     total = batch * num_positions
     grad_out = grad_out.contiguous()
     weight = weight.contiguous()
-    block_m, block_d, block_k = _tiles(total, dim, k)
+    block_m, block_d, block_k = _grad_weight_tiles(dim, k)
     precision = _precision(images.dtype)
     dummy = grad_out
     grads = [grad_out.new_empty(0) for _ in range(5)]
@@ -425,7 +439,11 @@ def patch_embed_backward_triton(
     if need_images:
         grad_images = torch.empty(batch, channels, height, width, dtype=images.dtype, device=images.device)
         if total:
-            torch.library.wrap_triton(_grad_images_kernel)[(triton.cdiv(total, block_m), triton.cdiv(k, block_k))](
+
+            def grid(meta):
+                return (triton.cdiv(total, meta["BLOCK_M"]), triton.cdiv(k, meta["BLOCK_K"]))
+
+            torch.library.wrap_triton(_grad_images_kernel)[grid](
                 grad_out,
                 weight,
                 perm if perm is not None else dummy,
@@ -440,9 +458,6 @@ def patch_embed_backward_triton(
                 HAS_PERM=perm is not None,
                 PRECISION=precision,
                 UPCAST=_upcast(images.dtype),
-                BLOCK_M=block_m,
-                BLOCK_D=block_d,
-                BLOCK_K=block_k,
             )
         else:
             grad_images.zero_()
