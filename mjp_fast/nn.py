@@ -3,19 +3,14 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-from typing import Any
-
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from mjp_fast._validate import check_fraction, check_int, check_positive_float
-from mjp_fast.backend import resolve_backend
+from mjp_fast._validate import check_int
 from mjp_fast.ops.dal_loss import dal_loss
 from mjp_fast.ops.patch_embed import mjp_patch_embed
-from mjp_fast.ops.sample_jigsaw import Jigsaw, sample_jigsaw, sample_jigsaw_prepared, sampler_tables
+from mjp_fast.ops.sample_jigsaw import Jigsaw
+from mjp_fast.sampler import JigsawSampler
 
 DAL_KINDS = ("nonlinear", "linear", "pca")
 
@@ -76,9 +71,9 @@ class MJPPatchEmbed(nn.Module):
     """Patch embedding with Masked Jigsaw Puzzle position embeddings.
 
     Owns ``proj`` (a Conv2d, so timm checkpoints load), ``pos_embed`` ``[1, N, D]`` (patch positions only),
-    ``unk_embed`` ``[D]``, an optional ``dal_regressor``, and a sample counter that feeds the sampler's
-    ``offset``: each sample of a run gets its own jigsaw, distinct across DDP ranks, and a resumed run (the
-    counter is in the state dict) continues the same stream.
+    ``unk_embed`` ``[D]``, an optional ``dal_regressor``, and a :class:`JigsawSampler` whose sample counter feeds
+    the sampler's ``offset``: each sample of a run gets its own jigsaw, distinct across DDP ranks, and a resumed
+    run (the counter is in the state dict) continues the same stream.
 
     In training mode each batch is jigsawed (per sample, with probability ``prob``); in eval mode the embedding
     is plain, unless inside :meth:`jigsaw_eval`.
@@ -120,125 +115,47 @@ class MJPPatchEmbed(nn.Module):
         self.grid_size = (self.img_size[0] // self.patch_size, self.img_size[1] // self.patch_size)
         self.num_patches = self.grid_size[0] * self.grid_size[1]
         in_chans = check_int("in_chans", in_chans, minimum=1)
-        embed_dim = check_int("embed_dim", embed_dim, minimum=1)
-        self.embed_dim = embed_dim
-        self.ratio = check_fraction("ratio", ratio)
-        self.prob = check_fraction("prob", prob)
-        self.seed = check_int("seed", seed, minimum=0, maximum=2**64 - 1)
-        self.min_block = check_int("min_block", min_block, minimum=1)
-        self.min_aspect = check_positive_float("min_aspect", min_aspect)
-        self.shared = bool(shared)
+        self.embed_dim = check_int("embed_dim", embed_dim, minimum=1)
         self.backend = backend
         self.dal_normalize = bool(dal_normalize)
-
+        self.sampler = JigsawSampler(
+            self.grid_size,
+            ratio,
+            prob,
+            seed,
+            min_block=min_block,
+            min_aspect=min_aspect,
+            shared=shared,
+            backend=backend,
+        )
         self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=self.patch_size, stride=self.patch_size, bias=bias)
         self.pos_embed = nn.Parameter(torch.empty(1, self.num_patches, embed_dim))
         self.unk_embed = nn.Parameter(torch.empty(embed_dim))
         nn.init.trunc_normal_(self.pos_embed, std=0.02)
         nn.init.trunc_normal_(self.unk_embed, std=0.02)
         self.dal_regressor = DALRegressor(embed_dim, dal) if dal is not None else None
-
-        # Training samples embedded so far on this rank: the sampler's stream position. A tensor on the module's
-        # device, so the sampler reads it without a host sync and torch.compile does not recompile per step;
-        # a buffer, so it is saved and restored with the state dict.
-        self.register_buffer("sample_counter", torch.zeros((), dtype=torch.int64))
-        # The sampler's integer tables, made once (not saved: they follow from grid_size and min_aspect).
-        h_thresholds, w_thresholds = sampler_tables(*self.grid_size, self.min_aspect)
-        self.register_buffer("_h_thresholds", h_thresholds.clone(), persistent=False)
-        self.register_buffer("_w_thresholds", w_thresholds.clone(), persistent=False)
         self.last_jigsaw: Jigsaw | None = None
-        self._eval_jigsaw: dict[str, Any] | None = None
-        self._eval_counter: torch.Tensor | None = None
-
-    # -- state ---------------------------------------------------------------------------------------------------
 
     @property
     def samples_seen(self) -> int:
-        """How many training samples this rank has embedded (reads the counter: a host sync on a GPU)."""
-        return int(self.sample_counter)
+        """How many training samples this module has embedded on this rank."""
+        return self.sampler.samples_seen
 
     def no_weight_decay(self) -> set[str]:
         return {"pos_embed", "unk_embed"}
 
-    # -- jigsaws -------------------------------------------------------------------------------------------------
-
-    @staticmethod
-    def _rank_and_world() -> tuple[int, int]:
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank(), dist.get_world_size()
-        return 0, 1
-
-    def _next_jigsaw(self, batch: int, device: torch.device) -> Jigsaw | None:
-        if self.training:
-            ratio, prob, seed, counter = self.ratio, self.prob, self.seed, self.sample_counter
-        elif self._eval_jigsaw is not None:
-            ratio, prob, seed = self._eval_jigsaw["ratio"], self._eval_jigsaw["prob"], self._eval_jigsaw["seed"]
-            if self._eval_counter is None or self._eval_counter.device != device:
-                self._eval_counter = torch.zeros((), dtype=torch.int64, device=device)
-            counter = self._eval_counter
-        else:
-            return None
-        if ratio == 0.0 or prob == 0.0:
-            return None
-        rank, world = self._rank_and_world()
-        # With a constant per-rank batch, this is the global index of the batch's first sample.
-        offset = counter * world + rank * batch
-        with torch.no_grad():
-            counter.add_(batch)
-        offset = offset.reshape(1).to(device)
-        backend = resolve_backend(self.backend, device)
-        if backend == "torch" or self._h_thresholds.device != device:
-            return sample_jigsaw(
-                batch,
-                self.grid_size,
-                ratio,
-                seed=seed,
-                offset=offset,
-                shared=self.shared,
-                prob=prob,
-                min_block=self.min_block,
-                min_aspect=self.min_aspect,
-                device=device,
-                backend=backend,
-            )
-        return sample_jigsaw_prepared(
-            batch,
-            self.grid_size,
-            ratio,
-            seed=seed,
-            offset=offset,
-            shared=self.shared,
-            prob=prob,
-            min_block=self.min_block,
-            tables=(self._h_thresholds, self._w_thresholds),
-            backend=backend,
-        )
-
-    @contextlib.contextmanager
-    def jigsaw_eval(self, ratio: float = 0.5, seed: int = 0, prob: float = 1.0) -> Iterator[MJPPatchEmbed]:
+    def jigsaw_eval(self, ratio: float = 0.5, seed: int = 0, prob: float = 1.0):
         """Within this context, eval mode jigsaws its input too: the same jigsaws for the same seed.
 
         The paper's consistency protocol compares predictions on ``x`` and on ``x`` jigsawed at ratio 0.5.
         """
-        settings = {
-            "ratio": check_fraction("ratio", ratio),
-            "seed": check_int("seed", seed, minimum=0, maximum=2**64 - 1),
-            "prob": check_fraction("prob", prob),
-        }
-        previous = (self._eval_jigsaw, self._eval_counter)
-        self._eval_jigsaw, self._eval_counter = settings, None  # a fresh stream: the same jigsaws each time
-        try:
-            yield self
-        finally:
-            self._eval_jigsaw, self._eval_counter = previous
-
-    # -- forward -------------------------------------------------------------------------------------------------
+        return self.sampler.jigsaw_eval(ratio=ratio, seed=seed, prob=prob)
 
     def forward(self, images: torch.Tensor, jigsaw: Jigsaw | None = None) -> torch.Tensor:
         """images ``[B, C, H, W]`` -> tokens ``[B, N, D]``; ``jigsaw`` overrides the module's own sampling."""
         validate = jigsaw is not None
         if jigsaw is None and isinstance(images, torch.Tensor) and images.dim() == 4:
-            jigsaw = self._next_jigsaw(images.shape[0], images.device)
+            jigsaw = self.sampler(images.shape[0], images.device)
         self.last_jigsaw = jigsaw
         return mjp_patch_embed(
             images,
@@ -256,11 +173,7 @@ class MJPPatchEmbed(nn.Module):
         if self.dal_regressor is None:
             raise RuntimeError("this MJPPatchEmbed was built with dal=None; pass dal='nonlinear' (or linear, pca)")
         mask = self.last_jigsaw.mask if self.last_jigsaw is not None else None
-        return dal_loss(
-            self.pos_embed, self.dal_regressor, self.grid_size, mask, normalize=self.dal_normalize, backend=None
-        )
+        return dal_loss(self.pos_embed, self.dal_regressor, self.grid_size, mask, normalize=self.dal_normalize)
 
     def extra_repr(self) -> str:
-        return (
-            f"grid_size={self.grid_size}, ratio={self.ratio}, prob={self.prob}, seed={self.seed}, shared={self.shared}"
-        )
+        return f"img_size={self.img_size}, patch_size={self.patch_size}, embed_dim={self.embed_dim}"

@@ -87,7 +87,7 @@ def test_timm_patch_embed_weights_load():
     timm_embed = timm_layers.PatchEmbed(img_size=32, patch_size=8, in_chans=3, embed_dim=16)
     module = make_module()
     missing, unexpected = module.load_state_dict(timm_embed.state_dict(), strict=False)
-    assert not unexpected and set(missing) == {"pos_embed", "unk_embed", "sample_counter"}
+    assert not unexpected and set(missing) == {"pos_embed", "unk_embed", "sampler.sample_counter"}
     images = torch.randn(2, 3, 32, 32)
     module.eval()
     torch.testing.assert_close(module(images), timm_embed(images) + module.pos_embed)

@@ -1,0 +1,152 @@
+"""``JigsawSampler``: the per-step source of jigsaws that modules own (MJPPatchEmbed, the timm models).
+
+It keeps the sampler's settings, the stream position (a buffer, so checkpoints carry it and a resumed run draws
+the masks it would have drawn), the sampler's integer tables for its grid, and the eval-mode jigsaw context of
+the paper's consistency protocol.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mjp_fast._validate import check_fraction, check_grid_size, check_int, check_positive_float
+from mjp_fast.backend import resolve_backend
+from mjp_fast.ops.sample_jigsaw import Jigsaw, sample_jigsaw, sample_jigsaw_prepared, sampler_tables
+
+
+class JigsawSampler(nn.Module):
+    """Draws one batch of jigsaws per call, from the stream ``(seed, global sample index)``.
+
+    Args:
+        grid_size: the patch grid the tables are made for (other grids work too, with tables made on the fly).
+        ratio, prob, seed, min_block, min_aspect, shared: as :func:`mjp_fast.sample_jigsaw`.
+        backend: forced backend, default automatic for the device.
+
+    In training mode each call jigsaws (per sample, with probability ``prob``) and advances the stream; in eval
+    mode it returns None, unless inside :meth:`jigsaw_eval`.
+    """
+
+    def __init__(
+        self,
+        grid_size: int | tuple[int, int],
+        ratio: float = 0.1,
+        prob: float = 0.5,
+        seed: int = 0,
+        *,
+        min_block: int = 8,
+        min_aspect: float = 0.3,
+        shared: bool = False,
+        backend: str | None = None,
+    ) -> None:
+        super().__init__()
+        self.grid_size = check_grid_size(grid_size)
+        self.ratio = check_fraction("ratio", ratio)
+        self.prob = check_fraction("prob", prob)
+        self.seed = check_int("seed", seed, minimum=0, maximum=2**64 - 1)
+        self.min_block = check_int("min_block", min_block, minimum=1)
+        self.min_aspect = check_positive_float("min_aspect", min_aspect)
+        if not isinstance(shared, bool):
+            raise TypeError(f"shared must be a bool, got {type(shared).__name__}")
+        self.shared = shared
+        self.backend = backend
+        # Training samples drawn so far on this rank. A tensor on the module's device, so the sampler reads it
+        # without a host sync and torch.compile does not recompile per step; a buffer, so it is checkpointed.
+        self.register_buffer("sample_counter", torch.zeros((), dtype=torch.int64))
+        # The sampler's integer tables for grid_size (not saved: they follow from grid_size and min_aspect).
+        h_thresholds, w_thresholds = sampler_tables(*self.grid_size, self.min_aspect)
+        self.register_buffer("h_thresholds", h_thresholds.clone(), persistent=False)
+        self.register_buffer("w_thresholds", w_thresholds.clone(), persistent=False)
+        self._eval_settings: dict[str, Any] | None = None
+        self._eval_counter: torch.Tensor | None = None
+
+    @property
+    def samples_seen(self) -> int:
+        """How many training samples this rank has drawn (reads the counter: a host sync on a GPU)."""
+        return int(self.sample_counter)
+
+    @staticmethod
+    def _rank_and_world() -> tuple[int, int]:
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+        return 0, 1
+
+    @property
+    def active(self) -> bool:
+        """Whether the next call draws jigsaws (training with ratio and prob > 0, or inside jigsaw_eval)."""
+        if self.training:
+            return self.ratio > 0.0 and self.prob > 0.0
+        settings = self._eval_settings
+        return settings is not None and settings["ratio"] > 0.0 and settings["prob"] > 0.0
+
+    def forward(self, batch: int, device: torch.device, grid_size: tuple[int, int] | None = None) -> Jigsaw | None:
+        """The next ``batch`` jigsaws for ``grid_size`` (default the module's), or None when inactive."""
+        if not self.active:
+            return None
+        if self.training:
+            ratio, prob, seed, counter = self.ratio, self.prob, self.seed, self.sample_counter
+        else:
+            settings = self._eval_settings
+            ratio, prob, seed = settings["ratio"], settings["prob"], settings["seed"]
+            if self._eval_counter is None or self._eval_counter.device != device:
+                self._eval_counter = torch.zeros((), dtype=torch.int64, device=device)
+            counter = self._eval_counter
+        grid = self.grid_size if grid_size is None else tuple(grid_size)
+        rank, world = self._rank_and_world()
+        # With a constant per-rank batch, this is the global index of the batch's first sample.
+        offset = (counter * world + rank * batch).reshape(1).to(device)
+        with torch.no_grad():
+            counter.add_(batch)
+        backend = resolve_backend(self.backend, device)
+        if backend == "torch" or grid != self.grid_size or self.h_thresholds.device != device:
+            return sample_jigsaw(
+                batch,
+                grid,
+                ratio,
+                seed=seed,
+                offset=offset,
+                shared=self.shared,
+                prob=prob,
+                min_block=self.min_block,
+                min_aspect=self.min_aspect,
+                device=device,
+                backend=backend,
+            )
+        return sample_jigsaw_prepared(
+            batch,
+            grid,
+            ratio,
+            seed=seed,
+            offset=offset,
+            shared=self.shared,
+            prob=prob,
+            min_block=self.min_block,
+            tables=(self.h_thresholds, self.w_thresholds),
+            backend=backend,
+        )
+
+    @contextlib.contextmanager
+    def jigsaw_eval(self, ratio: float = 0.5, seed: int = 0, prob: float = 1.0) -> Iterator[JigsawSampler]:
+        """Within this context, eval mode jigsaws too, from a fresh stream: the same jigsaws for the same seed."""
+        settings = {
+            "ratio": check_fraction("ratio", ratio),
+            "seed": check_int("seed", seed, minimum=0, maximum=2**64 - 1),
+            "prob": check_fraction("prob", prob),
+        }
+        previous = (self._eval_settings, self._eval_counter)
+        self._eval_settings, self._eval_counter = settings, None
+        try:
+            yield self
+        finally:
+            self._eval_settings, self._eval_counter = previous
+
+    def extra_repr(self) -> str:
+        return (
+            f"grid_size={self.grid_size}, ratio={self.ratio}, prob={self.prob}, seed={self.seed}, "
+            f"shared={self.shared}, min_block={self.min_block}, min_aspect={self.min_aspect}"
+        )
