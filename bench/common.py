@@ -1,0 +1,277 @@
+"""Timing, machine description and result files shared by the benchmarks.
+
+Measurement: every callable is warmed up, then timed in interleaved rounds (A B C, C B A, A B C, ...), so slow
+drifts of the machine (frequency, other processes) spread over all of them alike. A sample times a loop of
+``number`` calls, with ``number`` chosen in the warm-up so one sample lasts at least ``min_sample_s``; it reports
+the time per call. We keep the median and the 20th/80th percentiles, and ratios against a baseline measured in
+the same run: never against a number recorded earlier.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Seconds per call of one callable: median and spread over the samples."""
+
+    median_s: float
+    p20_s: float
+    p80_s: float
+    min_s: float
+    samples: int
+    calls_per_sample: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def synchronizer(device: torch.device | str) -> Callable[[], None]:
+    """A function that waits for the device's queued work: a no-op on the CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
+def _time_loop(function: Callable[[], object], number: int, device: torch.device) -> float:
+    """Seconds per call of ``number`` back-to-back calls, by the wall clock.
+
+    On a GPU the device is synchronized before and after the loop, so the time covers the queued kernels as well
+    as the host's work and the launches: a training step pays all three, and the Python baseline runs on the host
+    only, which CUDA events alone would not see.
+    """
+    synchronize = synchronizer(device)
+    synchronize()
+    begin = time.perf_counter()
+    for _ in range(number):
+        function()
+    synchronize()
+    return (time.perf_counter() - begin) / number
+
+
+def measure(
+    functions: dict[str, Callable[[], object]],
+    *,
+    repeats: int = 10,
+    warmup: int = 2,
+    min_sample_s: float = 0.05,
+    max_calls_per_sample: int = 10_000,
+    max_seconds_each: float | None = None,
+    device: torch.device | str = "cpu",
+) -> dict[str, Timing]:
+    """Times several callables against each other, interleaved.
+
+    Args:
+        functions: name -> callable taking no argument; the first is conventionally the baseline.
+        repeats: samples per callable.
+        warmup: untimed calls of each callable first (at least one, which also sizes the loop).
+        min_sample_s: each sample loops over enough calls to last about this long (0: one call per sample).
+        max_calls_per_sample: the loop's upper bound.
+        max_seconds_each: a time budget per callable: one whose samples are slow gets fewer of them (at least
+            3, or ``repeats`` if smaller), so a slow oracle does not hold up the run.
+        device: where the callables run; on a GPU every sample synchronizes it before and after.
+
+    Returns:
+        name -> :class:`Timing` in seconds per call.
+    """
+    device = torch.device(device)
+    repeats = max(1, int(repeats))
+    numbers, wanted = {}, {}
+    for name, function in functions.items():
+        for _ in range(max(0, warmup - 1)):
+            function()
+        single = _time_loop(function, 1, device)
+        calls = int(min_sample_s / single) if single > 0 else max_calls_per_sample
+        numbers[name] = max(1, min(max_calls_per_sample, calls))
+        wanted[name] = repeats
+        if max_seconds_each is not None:
+            affordable = int(max_seconds_each / max(single * numbers[name], 1e-9))
+            wanted[name] = max(min(3, repeats), min(repeats, affordable))
+
+    samples: dict[str, list[float]] = {name: [] for name in functions}
+    order = list(functions)
+    for round_index in range(max(wanted.values())):
+        for name in order if round_index % 2 == 0 else reversed(order):
+            if len(samples[name]) < wanted[name]:
+                samples[name].append(_time_loop(functions[name], numbers[name], device))
+
+    timings = {}
+    for name, values in samples.items():
+        array = np.asarray(values)
+        timings[name] = Timing(
+            median_s=float(np.median(array)),
+            p20_s=float(np.percentile(array, 20)),
+            p80_s=float(np.percentile(array, 80)),
+            min_s=float(array.min()),
+            samples=len(values),
+            calls_per_sample=numbers[name],
+        )
+    return timings
+
+
+def cpu_model() -> str:
+    """The CPU's model name, as the OS reports it."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            for line in info:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def _git_commit() -> str | None:
+    try:
+        result = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=5, check=False
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if result.returncode != 0:
+        return None
+    return result.stdout.strip() or None
+
+
+def device_info(device: torch.device | str) -> dict:
+    """What the numbers were measured on: machine, device, versions and which backends were available."""
+    import mjp_fast
+    from mjp_fast import backend as backend_module
+
+    device = torch.device(device)
+    info = {
+        "device": device.type,
+        "cpu": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "platform": platform.platform(),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "mjp_fast": mjp_fast.__version__,
+        "git_commit": _git_commit(),
+        "backends": mjp_fast.available_backends(),
+        "extension_loaded": backend_module.extension() is not None,
+        "gpu": None,
+        "cuda": None,
+    }
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+        info["cuda"] = torch.version.cuda
+    return info
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "unknown"
+
+
+def device_label(info: dict) -> str:
+    """A short file-name-safe name of the device: ``cpu-amd-epyc`` or ``nvidia-h100-80gb-hbm3``."""
+    if info.get("gpu"):
+        return _slug(info["gpu"])
+    return "cpu-" + _slug(info["cpu"])
+
+
+def write_results(payload: dict, name: str, out_dir: Path | str = RESULTS_DIR, *, date: str | None = None) -> Path:
+    """Writes ``payload`` as JSON to ``out_dir/<device>-<YYYY-MM-DD>-<name>.json`` atomically; returns the path."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    date = date or datetime.date.today().isoformat()
+    path = out_dir / f"{device_label(payload['device'])}-{date}-{name}.json"
+    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=out_dir)
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as stream:
+            json.dump(payload, stream, indent=2, sort_keys=False)
+            stream.write("\n")
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def result_name(name: str, *, smoke: bool = False, threads: int | None = None) -> str:
+    """The benchmark's name in its result file: ``sampler``, ``sampler-threads1``, ``sampler-smoke``."""
+    return name + (f"-threads{threads}" if threads else "") + ("-smoke" if smoke else "")
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A Markdown table; numbers right-aligned."""
+    cells = [[str(cell) for cell in row] for row in rows]
+    widths = [max(len(headers[i]), *(len(row[i]) for row in cells)) for i in range(len(headers))]
+    numeric = [all(_looks_numeric(row[i]) for row in cells) and bool(cells) for i in range(len(headers))]
+    lines = ["| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)) + " |"]
+    lines.append(
+        "|"
+        + "|".join(("-" * (w + 1) + ":") if n else ("-" * (w + 2)) for w, n in zip(widths, numeric, strict=True))
+        + "|"
+    )
+    for row in cells:
+        padded = [cell.rjust(w) if n else cell.ljust(w) for cell, w, n in zip(row, widths, numeric, strict=True)]
+        lines.append("| " + " | ".join(padded) + " |")
+    return "\n".join(lines)
+
+
+def _looks_numeric(text: str) -> bool:
+    return bool(re.fullmatch(r"[-+]?[0-9.,/e+-]+( ?(x|s|ms|us|ns|%))?( \[.*\])?", text))
+
+
+def format_seconds(seconds: float) -> str:
+    """``1.23 ms``, ``45.6 us``: three significant digits in a unit that keeps the number readable."""
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        if seconds >= scale:
+            return f"{seconds / scale:.3g} {unit}"
+    return f"{seconds / 1e-9:.3g} ns"
+
+
+def format_timing(timing: Timing, scale: float = 1.0) -> str:
+    """``median [p20, p80]``, each divided by ``scale`` (e.g. the batch size for a per-item time)."""
+    return (
+        f"{format_seconds(timing.median_s / scale)} "
+        f"[{format_seconds(timing.p20_s / scale)}, {format_seconds(timing.p80_s / scale)}]"
+    )
+
+
+def aim_verdict(measured: float | None, threshold: float, *, higher_is_better: bool) -> str:
+    """``PASS``/``FAIL`` against ``threshold``, or ``NOT RUN`` when there is nothing measured."""
+    if measured is None:
+        return "NOT RUN"
+    passed = measured >= threshold if higher_is_better else measured <= threshold
+    return "PASS" if passed else "FAIL"
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def add_common_arguments(parser) -> None:
+    """The options every benchmark script takes."""
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes and 1-2 repeats: checks that it runs")
+    parser.add_argument("--out", default=str(RESULTS_DIR), help="directory of the JSON results (default: %(default)s)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed samples per callable")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads, also used by the compiled extension (default: torch's choice); named in the file",
+    )

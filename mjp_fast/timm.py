@@ -1,0 +1,365 @@
+"""MJP for timm: registered MJP models and ``convert()`` for existing ones, keeping their weights.
+
+``import mjp_fast.timm`` registers ``mjp_deit_tiny_patch16_224``, ``mjp_deit_small_patch16_224``,
+``mjp_deit_base_patch16_224``, ``mjp_vit_small_patch16_224`` and ``mjp_vit_base_patch16_224``::
+
+    model = timm.create_model("mjp_deit_small_patch16_224", mjp_ratio=0.1, mjp_prob=0.5, mjp_dal="nonlinear")
+
+A converted ViT jigsaws its patch tokens in training mode: the tokens of masked positions are permuted among
+themselves and get the unknown position embedding ``mjp.unk_embed``; the class and register tokens keep theirs.
+Shuffling the tokens after timm's patch embedding equals shuffling the patches before it (the embedding is one
+linear map, and its optional norm one per-token function, applied to each patch alone), so every timm variant
+works: class token or not, register tokens, ``no_embed_class``, ``dynamic_img_size``, ``set_input_size``.
+In eval mode the model is the plain timm model, unless inside ``model.mjp_eval(...)``.
+
+Models without absolute position embeddings (timm ResNet, Swin, ConvNeXt) get the pixel-space jigsaw of their
+input only, as the paper's ResNet-50 + MJP and Swin-T + MJP rows.
+
+All MJP state lives in ``model.mjp`` (``unk_embed``, the DAL regressor, the sampler and its counter), so a plain
+timm state dict loads with ``strict=False`` (only ``mjp.*`` keys missing), and an MJP state dict loads back into
+the plain model the same way (only ``mjp.*`` keys unexpected).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import timm
+import torch
+from timm.layers import resample_abs_pos_embed
+from timm.models import register_model
+from timm.models.convnext import ConvNeXt
+from timm.models.resnet import ResNet
+from timm.models.swin_transformer import SwinTransformer
+from timm.models.vision_transformer import VisionTransformer
+from torch import nn
+
+from mjp_fast._validate import check_int
+from mjp_fast.nn import DAL_KINDS, DALRegressor
+from mjp_fast.ops.dal_loss import dal_loss
+from mjp_fast.ops.jigsaw_images import jigsaw_images
+from mjp_fast.ops.sample_jigsaw import Jigsaw
+from mjp_fast.sampler import JigsawSampler
+
+PIXEL_MODEL_CLASSES = (ResNet, SwinTransformer, ConvNeXt)
+REGISTERED_BASES = (
+    "deit_tiny_patch16_224",
+    "deit_small_patch16_224",
+    "deit_base_patch16_224",
+    "vit_small_patch16_224",
+    "vit_base_patch16_224",
+)
+
+
+class MJPState(nn.Module):
+    """What MJP adds to a model: the sampler, ``unk_embed`` (ViTs), the DAL regressor, the last jigsaw.
+
+    Args:
+        grid_size: the patch grid of the model's input size.
+        dim: the token width D, or None for the pixel-space variant (no position embeddings to replace).
+        dal: None or a :class:`mjp_fast.DALRegressor` kind.
+        patch_size: the jigsaw's patch size in pixels.
+        The rest: as :class:`mjp_fast.JigsawSampler`.
+    """
+
+    def __init__(
+        self,
+        grid_size: tuple[int, int],
+        dim: int | None,
+        *,
+        ratio: float,
+        prob: float,
+        seed: int,
+        dal: str | None,
+        patch_size: int,
+        min_block: int = 8,
+        min_aspect: float = 0.3,
+        shared: bool = False,
+        backend: str | None = None,
+        dal_normalize: bool = False,
+    ) -> None:
+        super().__init__()
+        if dal is not None and dal not in DAL_KINDS:
+            raise ValueError(f"dal must be None or one of {', '.join(DAL_KINDS)}, got {dal!r}")
+        if dal is not None and dim is None:
+            raise ValueError("dal needs a model with absolute position embeddings; pass dal=None for this model")
+        self.sampler = JigsawSampler(
+            grid_size, ratio, prob, seed, min_block=min_block, min_aspect=min_aspect, shared=shared, backend=backend
+        )
+        self.patch_size = check_int("patch_size", patch_size, minimum=1)
+        self.dal_normalize = bool(dal_normalize)
+        if dim is not None:
+            self.unk_embed = nn.Parameter(torch.empty(dim))
+            nn.init.trunc_normal_(self.unk_embed, std=0.02)
+        else:
+            self.unk_embed = None
+        self.dal_regressor = DALRegressor(dim, dal) if dal is not None else None
+        self.last_jigsaw: Jigsaw | None = None
+
+
+class _MJPMixin:
+    """Methods every converted model has."""
+
+    mjp: MJPState
+
+    @contextlib.contextmanager
+    def mjp_eval(self, ratio: float = 0.5, seed: int = 0, prob: float = 1.0) -> Iterator[nn.Module]:
+        """Eval mode on jigsawed input (with the UNK embedding), the same jigsaws for the same seed.
+
+        The paper's consistency protocol: compare ``model(x)`` in eval mode with the output inside this context.
+        The model's training mode is restored on exit.
+        """
+        was_training = self.training
+        self.eval()
+        try:
+            with self.mjp.sampler.jigsaw_eval(ratio=ratio, seed=seed, prob=prob):
+                yield self
+        finally:
+            self.train(was_training)
+
+    def mjp_aux_loss(self) -> torch.Tensor:
+        """The DAL loss of the last forward, unweighted (the training loop applies its weight); zero when DAL is
+        off. No host sync."""
+        raise NotImplementedError
+
+
+class MJPVisionTransformer(_MJPMixin, VisionTransformer):
+    """A timm ``VisionTransformer`` with MJP position embeddings (made by :func:`convert`)."""
+
+    def _pos_embed(self, x: torch.Tensor) -> torch.Tensor:
+        state = self.mjp
+        if self.pos_embed is None or not state.sampler.active:
+            state.last_jigsaw = None
+            return super()._pos_embed(x)
+        if self.dynamic_img_size:
+            batch, rows, cols, dim = x.shape
+            grid = (rows, cols)
+            pos_embed = resample_abs_pos_embed(
+                self.pos_embed,
+                new_size=grid,
+                old_size=self.patch_embed.grid_size,
+                num_prefix_tokens=0 if self.no_embed_class else self.num_prefix_tokens,
+            )
+            x = x.reshape(batch, rows * cols, dim)
+        else:
+            batch, _, dim = x.shape
+            grid = tuple(self.patch_embed.grid_size)
+            pos_embed = self.pos_embed
+        jigsaw = state.sampler(batch, x.device, grid)
+        state.last_jigsaw = jigsaw
+        prefix_positions = 0 if self.no_embed_class else self.num_prefix_tokens
+        patch_pos = pos_embed[:, prefix_positions:]
+        if jigsaw is not None:
+            # P(XW) = (PX)W: moving the embedded tokens is moving the patches.
+            x = x.gather(1, jigsaw.perm[..., None].expand(-1, -1, dim))
+            x = x + torch.where(jigsaw.mask[..., None], state.unk_embed.to(patch_pos.dtype), patch_pos)
+        else:
+            x = x + patch_pos
+        prefix = []
+        if self.cls_token is not None:
+            prefix.append(self.cls_token.expand(batch, -1, -1))
+        if self.reg_token is not None:
+            prefix.append(self.reg_token.expand(batch, -1, -1))
+        if prefix:
+            prefix_tokens = torch.cat(prefix, dim=1)
+            if prefix_positions:
+                prefix_tokens = prefix_tokens + pos_embed[:, :prefix_positions]
+            x = torch.cat((prefix_tokens, x), dim=1)
+        return self.pos_drop(x)
+
+    def mjp_aux_loss(self) -> torch.Tensor:
+        state = self.mjp
+        if state.dal_regressor is None or self.pos_embed is None:
+            anchor = self.pos_embed if self.pos_embed is not None else state.unk_embed
+            return anchor.new_zeros((), dtype=torch.float32)
+        prefix_positions = 0 if self.no_embed_class else self.num_prefix_tokens
+        patch_pos = self.pos_embed[:, prefix_positions:]
+        grid = tuple(self.patch_embed.grid_size)
+        mask = state.last_jigsaw.mask if state.last_jigsaw is not None else None
+        if mask is not None and mask.shape[1] != patch_pos.shape[1]:
+            mask = None  # the last input had another grid (dynamic size): regress every stored position
+        return dal_loss(patch_pos, state.dal_regressor, grid, mask, normalize=state.dal_normalize)
+
+    def no_weight_decay(self) -> set[str]:
+        return set(super().no_weight_decay()) | {"mjp.unk_embed"}
+
+
+class _MJPPixelMixin(_MJPMixin):
+    """Pixel-space MJP for models without absolute position embeddings: the input is jigsawed in training."""
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        state = self.mjp
+        state.last_jigsaw = None
+        if state.sampler.active and isinstance(x, torch.Tensor) and x.dim() == 4:
+            patch = state.patch_size
+            if x.shape[-2] % patch or x.shape[-1] % patch:
+                raise ValueError(
+                    f"images: height {x.shape[-2]} and width {x.shape[-1]} must be multiples of the jigsaw patch "
+                    f"size {patch}"
+                )
+            jigsaw = state.sampler(x.shape[0], x.device, (x.shape[-2] // patch, x.shape[-1] // patch))
+            state.last_jigsaw = jigsaw
+            if jigsaw is not None:
+                x = jigsaw_images(x, jigsaw, patch, validate=False)
+        return super().forward(x, *args, **kwargs)
+
+    def mjp_aux_loss(self) -> torch.Tensor:
+        reference = next(self.parameters())
+        return reference.new_zeros((), dtype=torch.float32)
+
+
+class MJPResNet(_MJPPixelMixin, ResNet):
+    """A timm ``ResNet`` trained on jigsawed inputs (pixel-space MJP)."""
+
+
+class MJPSwinTransformer(_MJPPixelMixin, SwinTransformer):
+    """A timm ``SwinTransformer`` trained on jigsawed inputs (pixel-space MJP)."""
+
+
+class MJPConvNeXt(_MJPPixelMixin, ConvNeXt):
+    """A timm ``ConvNeXt`` trained on jigsawed inputs (pixel-space MJP)."""
+
+
+class MJPPixelVisionTransformer(_MJPPixelMixin, VisionTransformer):
+    """A timm ``VisionTransformer`` without absolute position embeddings, trained on jigsawed inputs."""
+
+
+# timm class -> its MJP class, for the pixel-space variant
+_PIXEL_CLASSES = {
+    ResNet: MJPResNet,
+    SwinTransformer: MJPSwinTransformer,
+    ConvNeXt: MJPConvNeXt,
+    VisionTransformer: MJPPixelVisionTransformer,
+}
+_SUBCLASSES: dict[tuple[type, type], type] = {}
+
+
+def _mjp_class(model_class: type, timm_class: type, mjp_class: type) -> type:
+    """The MJP class of ``model_class``: ``mjp_class`` for timm's own class, a generated one for a subclass."""
+    if model_class is timm_class:
+        return mjp_class
+    key = (model_class, mjp_class)
+    if key not in _SUBCLASSES:
+        _SUBCLASSES[key] = type(f"MJP{model_class.__name__}", (mjp_class, model_class), {"__module__": __name__})
+    return _SUBCLASSES[key]
+
+
+def _grid(model: nn.Module, patch_size: int) -> tuple[int, int]:
+    img_size = getattr(getattr(model, "pretrained_cfg", {}) or {}, "get", lambda *_: None)("input_size")
+    if img_size is not None:
+        return img_size[-2] // patch_size, img_size[-1] // patch_size
+    return 224 // patch_size, 224 // patch_size
+
+
+def convert(
+    model: nn.Module,
+    ratio: float = 0.1,
+    prob: float = 0.5,
+    dal: str | None = "nonlinear",
+    seed: int = 0,
+    *,
+    min_block: int = 8,
+    min_aspect: float = 0.3,
+    shared: bool = False,
+    backend: str | None = None,
+    patch_size: int | None = None,
+    dal_normalize: bool = False,
+) -> nn.Module:
+    """Turns a timm model into its MJP version in place, keeping its weights; returns it.
+
+    Args:
+        model: a timm ``VisionTransformer`` (any size; class token or not; register tokens; ``no_embed_class``),
+            or a timm ``ResNet``, ``SwinTransformer`` or ``ConvNeXt`` (pixel-space jigsaw only).
+        ratio, prob, seed, min_block, min_aspect, shared, backend: as :class:`mjp_fast.JigsawSampler`.
+        dal: the DAL regressor's kind (``"nonlinear"``, ``"linear"``, ``"pca"``) or None. Only for ViTs.
+        patch_size: the jigsaw's patch size for pixel-space models (default: the model's patch embedding's, else
+            16); ViTs use their own.
+        dal_normalize: regress coordinates scaled to [0, 1] instead of raw integers.
+
+    Returns:
+        The same model object, now an MJP model: ``mjp_aux_loss()``, ``mjp_eval(...)`` and ``model.mjp``.
+        With MJP off (eval mode) its outputs are those of the original model.
+
+    Raises:
+        TypeError: not a supported model. ValueError: bad settings, or a model converted already.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a timm model (nn.Module), got {type(model).__name__}")
+    if isinstance(model, _MJPMixin):
+        raise ValueError(f"model is already an MJP model ({type(model).__name__})")
+    reference = next(model.parameters(), None)
+    if isinstance(model, VisionTransformer) and model.pos_embed is not None:
+        patch = model.patch_embed.patch_size
+        patch = patch[0] if isinstance(patch, (tuple, list)) else patch
+        state = MJPState(
+            tuple(model.patch_embed.grid_size),
+            model.embed_dim,
+            ratio=ratio,
+            prob=prob,
+            seed=seed,
+            dal=dal,
+            patch_size=patch,
+            min_block=min_block,
+            min_aspect=min_aspect,
+            shared=shared,
+            backend=backend,
+            dal_normalize=dal_normalize,
+        )
+        new_class = _mjp_class(type(model), VisionTransformer, MJPVisionTransformer)
+    else:
+        timm_class = next((base for base in _PIXEL_CLASSES if isinstance(model, base)), None)
+        if timm_class is None:
+            supported = ", ".join(base.__name__ for base in _PIXEL_CLASSES)
+            raise TypeError(f"model: convert() supports timm {supported}; got {type(model).__name__}")
+        if dal is not None:
+            raise ValueError(f"dal={dal!r} needs absolute position embeddings, which {type(model).__name__} lacks")
+        if patch_size is None:
+            embed = getattr(model, "patch_embed", None)
+            patch = getattr(embed, "patch_size", 16) if embed is not None else 16
+            patch_size = patch[0] if isinstance(patch, (tuple, list)) else patch
+        state = MJPState(
+            _grid(model, patch_size),
+            None,
+            ratio=ratio,
+            prob=prob,
+            seed=seed,
+            dal=None,
+            patch_size=patch_size,
+            min_block=min_block,
+            min_aspect=min_aspect,
+            shared=shared,
+            backend=backend,
+        )
+        new_class = _mjp_class(type(model), timm_class, _PIXEL_CLASSES[timm_class])
+    if reference is not None:
+        state.to(device=reference.device)
+        if state.unk_embed is not None:
+            state.unk_embed.data = state.unk_embed.data.to(reference.dtype)
+    state.train(model.training)
+    model.__class__ = new_class
+    model.mjp = state
+    return model
+
+
+def _make_entrypoint(base: str):
+    def entrypoint(
+        pretrained: bool = False,
+        mjp_ratio: float = 0.1,
+        mjp_prob: float = 0.5,
+        mjp_dal: str | None = "nonlinear",
+        mjp_seed: int = 0,
+        **kwargs,
+    ) -> nn.Module:
+        model = timm.create_model(base, pretrained=pretrained, **kwargs)
+        return convert(model, ratio=mjp_ratio, prob=mjp_prob, dal=mjp_dal, seed=mjp_seed)
+
+    entrypoint.__name__ = entrypoint.__qualname__ = f"mjp_{base}"
+    entrypoint.__module__ = __name__
+    entrypoint.__doc__ = f"timm's {base} with MJP position embeddings (see mjp_fast.timm.convert)."
+    return entrypoint
+
+
+for _base in REGISTERED_BASES:
+    _entrypoint = _make_entrypoint(_base)
+    globals()[_entrypoint.__name__] = register_model(_entrypoint)

@@ -1,0 +1,208 @@
+import copy
+import os
+
+import pytest
+import timm
+import torch
+
+import mjp_fast.timm as mjp_timm
+
+TINY = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=5)
+
+
+def tiny_vit(**kwargs):
+    return timm.models.VisionTransformer(**{**TINY, **kwargs})
+
+
+VARIANTS = {
+    "class_token": dict(),
+    "no_class_token": dict(class_token=False, global_pool="avg"),
+    "registers": dict(reg_tokens=2),
+    "no_embed_class": dict(no_embed_class=True),
+    "registers_no_embed_class": dict(reg_tokens=1, no_embed_class=True),
+    "dynamic_img_size": dict(dynamic_img_size=True),
+}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_converted_model_in_eval_mode_is_the_plain_model(variant):
+    torch.manual_seed(0)
+    plain = tiny_vit(**VARIANTS[variant]).eval()
+    model = mjp_timm.convert(copy.deepcopy(plain), ratio=0.5, prob=1.0)
+    assert isinstance(model, timm.models.VisionTransformer)
+    images = torch.randn(3, 3, 32, 32)
+    torch.testing.assert_close(model(images), plain(images), rtol=0, atol=0)
+    torch.testing.assert_close(model.forward_features(images), plain.forward_features(images), rtol=0, atol=0)
+    features = model.forward_features(images)
+    torch.testing.assert_close(model.forward_head(features), plain.forward_head(features))
+    ours = model.forward_intermediates(images, indices=1)
+    theirs = plain.forward_intermediates(images, indices=1)
+    torch.testing.assert_close(ours[0], theirs[0])
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_training_jigsaws_patch_tokens_only(variant):
+    torch.manual_seed(0)
+    model = mjp_timm.convert(tiny_vit(**VARIANTS[variant]), ratio=0.5, prob=1.0, dal="linear")
+    images = torch.randn(2, 3, 32, 32)
+    # The tokens after the position embedding, against the definition: shuffled patch tokens with UNK where
+    # masked, prefix tokens untouched.
+    patch_tokens = model.patch_embed(images)
+    tokens = model._pos_embed(patch_tokens)
+    jigsaw = model.mjp.last_jigsaw
+    assert jigsaw is not None and jigsaw.mask.any()
+    flat = patch_tokens.reshape(2, 16, 32)
+    prefix = 0 if model.no_embed_class else model.num_prefix_tokens
+    pos = model.pos_embed[:, prefix:]
+    expected = flat.gather(1, jigsaw.perm[..., None].expand(-1, -1, 32))
+    expected = expected + torch.where(jigsaw.mask[..., None], model.mjp.unk_embed, pos)
+    torch.testing.assert_close(tokens[:, model.num_prefix_tokens :], expected)
+    if model.cls_token is not None:
+        expected_cls = model.cls_token + (model.pos_embed[:, :1] if not model.no_embed_class else 0)
+        torch.testing.assert_close(tokens[:, :1], expected_cls.expand(2, -1, -1))
+
+
+def test_training_step_reaches_unk_embed_and_the_dal_regressor():
+    model = mjp_timm.convert(tiny_vit(), ratio=0.5, prob=1.0, dal="nonlinear")
+    loss = model(torch.randn(4, 3, 32, 32)).logsumexp(-1).mean() + 0.01 * model.mjp_aux_loss()
+    loss.backward()
+    assert model.mjp.unk_embed.grad is not None and model.mjp.unk_embed.grad.abs().sum() > 0
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.mjp.dal_regressor.parameters())
+    assert model.pos_embed.grad.abs().sum() > 0
+    assert "mjp.unk_embed" in model.no_weight_decay() and "pos_embed" in model.no_weight_decay()
+    assert model.mjp.sampler.samples_seen == 4
+
+
+def test_aux_loss_is_zero_without_dal():
+    model = mjp_timm.convert(tiny_vit(), dal=None)
+    model(torch.randn(1, 3, 32, 32))
+    assert model.mjp_aux_loss().item() == 0.0
+
+
+def test_checkpoints_load_both_ways():
+    plain = tiny_vit().eval()
+    model = mjp_timm.convert(tiny_vit(), ratio=0.3, prob=1.0).eval()
+    missing, unexpected = model.load_state_dict(plain.state_dict(), strict=False)
+    assert not unexpected and missing and all(key.startswith("mjp.") for key in missing)
+    images = torch.randn(2, 3, 32, 32)
+    torch.testing.assert_close(model(images), plain(images))
+    back = tiny_vit().eval()
+    missing, unexpected = back.load_state_dict(model.state_dict(), strict=False)
+    assert not missing and all(key.startswith("mjp.") for key in unexpected)
+    torch.testing.assert_close(back(images), model(images))
+
+
+def test_resumed_model_draws_the_same_jigsaws():
+    model = mjp_timm.convert(tiny_vit(), ratio=0.5, prob=1.0)
+    model(torch.randn(2, 3, 32, 32))
+    state = copy.deepcopy(model.state_dict())
+    model(torch.randn(2, 3, 32, 32))
+    resumed = mjp_timm.convert(tiny_vit(), ratio=0.5, prob=1.0)
+    resumed.load_state_dict(state)
+    resumed(torch.randn(2, 3, 32, 32))
+    assert torch.equal(resumed.mjp.last_jigsaw.perm, model.mjp.last_jigsaw.perm)
+
+
+def test_mjp_eval_repeats_jigsaws_and_restores_training_mode():
+    model = mjp_timm.convert(tiny_vit(), ratio=0.5, prob=0.5)
+    images = torch.randn(3, 3, 32, 32)
+    with model.mjp_eval(ratio=0.5, seed=1):
+        assert not model.training
+        first = model(images)
+    with model.mjp_eval(ratio=0.5, seed=1):
+        second = model(images)
+    assert model.training
+    torch.testing.assert_close(first, second)
+    model.eval()
+    assert not torch.allclose(first, model(images))
+
+
+def test_dynamic_image_size_and_set_input_size():
+    model = mjp_timm.convert(tiny_vit(dynamic_img_size=True), ratio=0.5, prob=1.0, dal="linear")
+    model(torch.randn(2, 3, 48, 40))
+    assert model.mjp.last_jigsaw.mask.shape == (2, 30)  # the sampler follows the actual grid
+    assert torch.isfinite(model.mjp_aux_loss())
+    fixed = mjp_timm.convert(tiny_vit(), ratio=0.5, prob=1.0)
+    fixed.set_input_size(img_size=(48, 48))
+    assert fixed(torch.randn(1, 3, 48, 48)).shape == (1, 5)
+    assert fixed.mjp.last_jigsaw.mask.shape == (1, 36)
+
+
+def test_pixel_space_jigsaw_on_resnet():
+    torch.manual_seed(0)
+    plain = timm.create_model("resnet18", pretrained=False, num_classes=4).eval()
+    model = mjp_timm.convert(copy.deepcopy(plain), ratio=0.5, prob=1.0, dal=None, patch_size=8)
+    images = torch.randn(2, 3, 32, 32)
+    torch.testing.assert_close(model(images), plain(images))
+    model.train()
+    plain.train()
+    out = model(images)
+    jigsaw = model.mjp.last_jigsaw
+    assert jigsaw is not None and jigsaw.mask.shape == (2, 16)
+    from mjp_fast import jigsaw_images
+
+    torch.testing.assert_close(out, plain(jigsaw_images(images, jigsaw, 8)))
+    assert model.mjp_aux_loss().item() == 0.0
+
+
+@pytest.mark.parametrize("name", mjp_timm.REGISTERED_BASES)
+def test_every_registered_name_creates_offline(name):
+    assert os.environ.get("HF_HUB_OFFLINE") == "1"
+    model = timm.create_model(
+        f"mjp_{name}", pretrained=False, mjp_ratio=0.2, mjp_prob=1.0, mjp_dal="linear", num_classes=3,
+        img_size=64, drop_path_rate=0.1,
+    )
+    assert isinstance(model, mjp_timm.MJPVisionTransformer)
+    assert model.mjp.sampler.ratio == 0.2 and model.num_classes == 3
+    assert model(torch.randn(1, 3, 64, 64)).shape == (1, 3)
+
+
+def test_compiled_model_has_no_graph_break():
+    backend = "triton" if "triton" in mjp_timm.JigsawSampler.__module__ and _has_triton() else None
+    if backend is None:
+        pytest.skip("needs the triton backend (interpreter) for an on-device sampler")
+    model = mjp_timm.convert(tiny_vit(depth=1), ratio=0.5, prob=1.0, dal="linear", backend="triton")
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    images = torch.randn(2, 3, 32, 32)
+    torch.testing.assert_close(compiled(images), reference(images))
+
+
+def _has_triton():
+    import mjp_fast
+
+    return "triton" in mjp_fast.available_backends()
+
+
+def test_ddp_step():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29517", rank=0, world_size=1)
+    try:
+        model = torch.nn.parallel.DistributedDataParallel(mjp_timm.convert(tiny_vit(), ratio=0.5, prob=1.0))
+        model(torch.randn(2, 3, 32, 32)).sum().backward()
+        assert model.module.mjp.unk_embed.grad is not None
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    "target, kwargs, error, words",
+    [
+        (torch.nn.Linear(3, 3), {}, TypeError, "supports timm"),
+        ("vit", dict(ratio=1.5), ValueError, "ratio"),
+        ("vit", dict(prob=-0.5), ValueError, "prob"),
+        ("vit", dict(dal="cubic"), ValueError, "dal"),
+        ("resnet", dict(dal="linear"), ValueError, "position embeddings"),
+        ("converted", {}, ValueError, "already"),
+    ],
+)
+def test_bad_conversions_are_named(target, kwargs, error, words):
+    if target == "vit":
+        target = tiny_vit()
+    elif target == "resnet":
+        target = timm.create_model("resnet18", pretrained=False)
+    elif target == "converted":
+        target = mjp_timm.convert(tiny_vit())
+    with pytest.raises(error, match=words):
+        mjp_timm.convert(target, **kwargs)
