@@ -416,7 +416,7 @@ def sample_jigsaw(
         (rows, cols),
         ratio,
         seed=seed,
-        offset=_as_offset_tensor(offset, device),
+        offset=offset if chosen != "triton" else _as_offset_tensor(offset, device),
         shared=shared,
         prob=prob,
         min_block=min_block,
@@ -431,7 +431,7 @@ def sample_jigsaw_prepared(
     ratio: float,
     *,
     seed: int,
-    offset: torch.Tensor,
+    offset: int | torch.Tensor,
     shared: bool,
     prob: float,
     min_block: int,
@@ -444,10 +444,22 @@ def sample_jigsaw_prepared(
     their buffers, so nothing is built on the host per step and torch.compile sees only tensors and constants.
 
     Args:
-        offset: int64 ``[1]`` on the tables' device. tables: from :func:`sampler_tables`. backend: ``cpu``,
-            ``cuda`` or ``triton``.
+        offset: an int, or int64 ``[1]`` on the tables' device. tables: from :func:`sampler_tables`.
+        backend: ``cpu``, ``cuda`` or ``triton``.
     """
     rows, cols = grid_size
+    target, prob_threshold = _target_count(ratio, rows * cols), _prob_threshold(prob)
+    if backend != "triton" and not torch.compiler.is_compiling():
+        # Eager: call the extension directly. The operator wrapper (needed only so torch.compile can trace
+        # through) costs tens of microseconds a call, more than sampling a batch of 64.
+        if isinstance(offset, torch.Tensor):
+            offset = int(offset.reshape(-1)[0])
+        mask, perm = backend_module.extension().sample_jigsaw(
+            batch_size, rows, cols, target, min_block, seed, offset, shared, prob_threshold, *tables
+        )
+        return Jigsaw(mask, perm)
+    if not isinstance(offset, torch.Tensor):
+        offset = _as_offset_tensor(offset, tables[0].device)
     arguments = (
         offset,
         tables[0],
@@ -455,11 +467,11 @@ def sample_jigsaw_prepared(
         batch_size,
         rows,
         cols,
-        _target_count(ratio, rows * cols),
+        target,
         min_block,
         seed - 2**64 if seed >= 2**63 else seed,  # the same 64 bits as a signed int64, as operators take them
         shared,
-        _prob_threshold(prob),
+        prob_threshold,
     )
     if backend == "triton":
         mask, perm = torch.ops.mjp_fast.sample_jigsaw_triton(*arguments)
