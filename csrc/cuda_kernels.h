@@ -1,0 +1,67 @@
+// Launchers of the CUDA kernels (sampler_cuda.cu, patch_embed_cuda.cu) on raw pointers.
+//
+// No ATen here: nvcc then compiles small translation units, and the tensor-level glue (allocation, cuBLAS through
+// at::mm, device guards) lives in cuda_ops.cpp, compiled by the host compiler. Each launcher returns the launch
+// status (cudaGetLastError) for the caller to check.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace mjp {
+namespace cuda {
+
+// The type sums and products are computed in: float, or double for double (at::opmath_type, without ATen).
+template <typename scalar_t>
+struct Accumulate {
+  using type = float;
+};
+template <>
+struct Accumulate<double> {
+  using type = double;
+};
+template <typename scalar_t>
+using accumulate_t = typename Accumulate<scalar_t>::type;
+
+// mask bool [B, N], perm int64 [B, N]; tables int64 [1024, rows] / [1024, cols]; all device pointers.
+cudaError_t launch_sample_jigsaw(int64_t batch_size, int64_t rows, int64_t cols, int64_t target, int64_t min_block,
+                                 uint64_t seed, uint64_t offset, bool shared, int64_t prob_threshold,
+                                 const int64_t* h_thresholds, const int64_t* w_thresholds, bool* mask,
+                                 int64_t* perm, cudaStream_t stream);
+
+// Sizes and image strides of a patch-embedding call (see PatchGeometry in ops.h).
+struct PatchLayout {
+  int64_t batch, positions, patch_size, patch, cols, dim;
+  int64_t batch_stride, channel_stride, height_stride;  // of images [B, C, H, W]; the width stride is 1
+};
+
+// columns [B * N, K] = the patches of images in perm order (perm null: identity). An out-of-range perm entry
+// gives a zero row (the Python layer never passes one; checking would need a host synchronisation).
+template <typename scalar_t>
+cudaError_t launch_gather_patches(const PatchLayout& layout, const scalar_t* images, const int64_t* perm,
+                                  scalar_t* columns, cudaStream_t stream);
+
+// grad_images (zero-filled, layout's strides) receives grad_columns [B * N, K] at the patches perm points to.
+template <typename scalar_t>
+cudaError_t launch_scatter_patches(const PatchLayout& layout, const scalar_t* grad_columns, const int64_t* perm,
+                                   scalar_t* grad_images, cudaStream_t stream);
+
+// tokens [B * N, D] += bias + (unk if mask else pos[n]); bias, unk, mask may be null.
+template <typename scalar_t>
+cudaError_t launch_add_embeddings(const PatchLayout& layout, scalar_t* tokens, const scalar_t* bias,
+                                  const scalar_t* pos, const scalar_t* unk, const bool* mask, cudaStream_t stream);
+
+// Deterministic sums of grad [B * N, D]: grad_pos [N, D] over unmasked tokens, grad_unk [D] over masked ones,
+// grad_bias [D] over all (null: not wanted). unk_partial / bias_partial: accumulate_t [N, D] scratch, needed
+// (non-null) when grad_unk / grad_bias are.
+template <typename scalar_t>
+cudaError_t launch_reduce_embedding_grads(const PatchLayout& layout, const scalar_t* grad, const bool* mask,
+                                          scalar_t* grad_pos, scalar_t* grad_unk, scalar_t* grad_bias,
+                                          accumulate_t<scalar_t>* unk_partial, accumulate_t<scalar_t>* bias_partial,
+                                          cudaStream_t stream);
+
+}  // namespace cuda
+}  // namespace mjp

@@ -1,0 +1,124 @@
+// Tensor-level CUDA operations: allocation, device guard, stream, cuBLAS GEMMs through at::mm, and the kernel
+// launches of sampler_cuda.cu / patch_embed_cuda.cu. Compiled by the host compiler, only with MJP_WITH_CUDA.
+#include <ATen/OpMathType.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
+#include <ATen/ops/zeros.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "cuda_kernels.h"
+#include "ops.h"
+
+namespace mjp {
+namespace {
+
+cuda::PatchLayout patch_layout(const PatchGeometry& g, int64_t batch_stride, int64_t channel_stride,
+                               int64_t height_stride) {
+  return cuda::PatchLayout{g.batch, g.positions, g.patch_size, g.patch, g.cols, g.dim,
+                           batch_stride, channel_stride, height_stride};
+}
+
+cuda::PatchLayout image_layout(const PatchGeometry& g, const at::Tensor& images) {
+  return patch_layout(g, images.stride(0), images.stride(1), images.stride(2));
+}
+
+// The im2col matrix [B * N, K] of images, patches in perm order.
+at::Tensor gather_columns(const PatchGeometry& g, const at::Tensor& images, const std::optional<at::Tensor>& perm,
+                          cudaStream_t stream) {
+  auto columns = at::empty({g.batch * g.positions, g.patch_size}, images.options());
+  const auto layout = image_layout(g, images);
+  MJP_DISPATCH_FLOATING_TYPES(images.scalar_type(), "mjp_gather_patches_cuda", [&] {
+    C10_CUDA_CHECK(cuda::launch_gather_patches<scalar_t>(layout, images.data_ptr<scalar_t>(),
+                                                         optional_data<int64_t>(perm),
+                                                         columns.data_ptr<scalar_t>(), stream));
+  });
+  return columns;
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> sample_jigsaw_cuda(int64_t batch_size, int64_t rows, int64_t cols, int64_t target,
+                                                      int64_t min_block, uint64_t seed, uint64_t offset, bool shared,
+                                                      int64_t prob_threshold, const at::Tensor& h_thresholds,
+                                                      const at::Tensor& w_thresholds) {
+  const c10::cuda::CUDAGuard guard(h_thresholds.device());
+  const int64_t num_positions = rows * cols;
+  auto mask = at::empty({batch_size, num_positions}, h_thresholds.options().dtype(at::kBool));
+  auto perm = at::empty({batch_size, num_positions}, h_thresholds.options().dtype(at::kLong));
+  C10_CUDA_CHECK(cuda::launch_sample_jigsaw(batch_size, rows, cols, target, min_block, seed, offset, shared,
+                                            prob_threshold, h_thresholds.data_ptr<int64_t>(),
+                                            w_thresholds.data_ptr<int64_t>(), mask.data_ptr<bool>(),
+                                            perm.data_ptr<int64_t>(), c10::cuda::getCurrentCUDAStream()));
+  return {mask, perm};
+}
+
+at::Tensor patch_embed_forward_cuda(const PatchGeometry& g, const at::Tensor& images, const at::Tensor& weight,
+                                    const std::optional<at::Tensor>& bias, const at::Tensor& pos_embed,
+                                    const std::optional<at::Tensor>& unk_embed, const std::optional<at::Tensor>& perm,
+                                    const std::optional<at::Tensor>& mask) {
+  const c10::cuda::CUDAGuard guard(images.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const auto columns = gather_columns(g, images, perm, stream);
+  auto tokens = at::mm(columns, weight.view({g.dim, g.patch_size}).t());
+  TORCH_CHECK(tokens.is_contiguous(), "patch_embed: at::mm returned a non-contiguous result");
+  const auto layout = image_layout(g, images);
+  MJP_DISPATCH_FLOATING_TYPES(images.scalar_type(), "mjp_add_embeddings_cuda", [&] {
+    C10_CUDA_CHECK(cuda::launch_add_embeddings<scalar_t>(
+        layout, tokens.data_ptr<scalar_t>(), optional_data<scalar_t>(bias), pos_embed.data_ptr<scalar_t>(),
+        optional_data<scalar_t>(unk_embed), optional_data<bool>(mask), stream));
+  });
+  return tokens.view({g.batch, g.positions, g.dim});
+}
+
+std::vector<std::optional<at::Tensor>> patch_embed_backward_cuda(
+    const PatchGeometry& g, const at::Tensor& grad_out, const at::Tensor& images, const at::Tensor& weight,
+    const std::optional<at::Tensor>& perm, const std::optional<at::Tensor>& mask, bool need_images,
+    bool need_weight, bool need_bias, bool need_pos, bool need_unk) {
+  const c10::cuda::CUDAGuard guard(grad_out.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  std::vector<std::optional<at::Tensor>> grads(5);
+  const auto grad_2d = grad_out.view({g.batch * g.positions, g.dim});
+  const auto options = grad_out.options();
+
+  if (need_weight) {
+    const auto columns = gather_columns(g, images, perm, stream);
+    grads[1] = at::mm(grad_2d.t(), columns).view({g.dim, g.channels, g.patch, g.patch});
+  }
+  if (need_images) {
+    const auto grad_columns = at::mm(grad_2d, weight.view({g.dim, g.patch_size}));
+    const int64_t height = images.size(2), width = images.size(3);
+    auto grad_images = at::zeros({g.batch, g.channels, height, width}, options);
+    const auto layout = patch_layout(g, g.channels * height * width, height * width, width);
+    MJP_DISPATCH_FLOATING_TYPES(grad_out.scalar_type(), "mjp_scatter_patches_cuda", [&] {
+      C10_CUDA_CHECK(cuda::launch_scatter_patches<scalar_t>(layout, grad_columns.data_ptr<scalar_t>(),
+                                                            optional_data<int64_t>(perm),
+                                                            grad_images.data_ptr<scalar_t>(), stream));
+    });
+    grads[0] = grad_images;
+  }
+  if (need_bias || need_pos || need_unk) {
+    const auto acc_options = options.dtype(at::toOpMathType(grad_out.scalar_type()));
+    auto grad_pos = need_pos ? at::empty({g.positions, g.dim}, options) : at::Tensor();
+    auto grad_unk = need_unk ? at::empty({g.dim}, options) : at::Tensor();
+    auto grad_bias = need_bias ? at::empty({g.dim}, options) : at::Tensor();
+    auto unk_partial = need_unk ? at::empty({g.positions, g.dim}, acc_options) : at::Tensor();
+    auto bias_partial = need_bias ? at::empty({g.positions, g.dim}, acc_options) : at::Tensor();
+    const auto layout = patch_layout(g, 0, 0, 0);
+    MJP_DISPATCH_FLOATING_TYPES(grad_out.scalar_type(), "mjp_reduce_grads_cuda", [&] {
+      C10_CUDA_CHECK(cuda::launch_reduce_embedding_grads<scalar_t>(
+          layout, grad_out.data_ptr<scalar_t>(), optional_data<bool>(mask),
+          need_pos ? grad_pos.data_ptr<scalar_t>() : nullptr, need_unk ? grad_unk.data_ptr<scalar_t>() : nullptr,
+          need_bias ? grad_bias.data_ptr<scalar_t>() : nullptr,
+          need_unk ? unk_partial.data_ptr<cuda::accumulate_t<scalar_t>>() : nullptr,
+          need_bias ? bias_partial.data_ptr<cuda::accumulate_t<scalar_t>>() : nullptr, stream));
+    });
+    if (need_bias) grads[2] = grad_bias;
+    if (need_pos) grads[3] = grad_pos;
+    if (need_unk) grads[4] = grad_unk;
+  }
+  return grads;
+}
+
+}  // namespace mjp

@@ -1,0 +1,84 @@
+// The tensor-level operations behind the bindings (bindings.cpp), for the CPU and, when compiled, CUDA.
+//
+// bindings.cpp checks every argument (shapes, dtypes, devices, ranges) and makes tensors contiguous where a
+// kernel needs it; the functions here assume that. Headers are kept narrow (no ATen/ATen.h, no
+// torch/extension.h): compile time on small CI machines is dominated by them.
+#pragma once
+
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+// The dtypes of the patch embedding: float32, float16, bfloat16 (and float64, for gradcheck).
+#define MJP_DISPATCH_FLOATING_TYPES(TYPE, NAME, ...) \
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, TYPE, NAME, __VA_ARGS__)
+
+namespace mjp {
+
+// Geometry of one patch-embedding call, derived from images [B, C, H, W] and weight [D, C, P, P].
+struct PatchGeometry {
+  int64_t batch = 0;       // B
+  int64_t channels = 0;    // C
+  int64_t patch = 0;       // P
+  int64_t rows = 0;        // gh = H / P
+  int64_t cols = 0;        // gw = W / P
+  int64_t positions = 0;   // N = gh * gw
+  int64_t patch_size = 0;  // K = C * P * P, the length of one im2col row
+  int64_t dim = 0;         // D
+};
+
+inline bool present(const std::optional<at::Tensor>& tensor) { return tensor.has_value() && tensor->defined(); }
+
+template <typename T>
+const T* optional_data(const std::optional<at::Tensor>& tensor) {
+  return present(tensor) ? tensor->data_ptr<T>() : nullptr;
+}
+
+// ---- CPU (sampler_cpu.cpp, patch_embed_cpu.cpp)
+
+// mask bool [B, N] and perm int64 [B, N] on the CPU; the tables are contiguous int64 CPU tensors.
+std::tuple<at::Tensor, at::Tensor> sample_jigsaw_cpu(int64_t batch_size, int64_t rows, int64_t cols, int64_t target,
+                                                     int64_t min_block, uint64_t seed, uint64_t offset, bool shared,
+                                                     int64_t prob_threshold, const at::Tensor& h_thresholds,
+                                                     const at::Tensor& w_thresholds);
+
+// tokens [B, N, D]. images [B, C, H, W] with stride(3) == 1; weight, bias [D], pos_embed [N, D], unk_embed [D],
+// perm [B, N], mask [B, N] contiguous (the optional ones may be absent). A masked token without unk_embed gets
+// no position term.
+at::Tensor patch_embed_forward_cpu(const PatchGeometry& geometry, const at::Tensor& images, const at::Tensor& weight,
+                                   const std::optional<at::Tensor>& bias, const at::Tensor& pos_embed,
+                                   const std::optional<at::Tensor>& unk_embed, const std::optional<at::Tensor>& perm,
+                                   const std::optional<at::Tensor>& mask);
+
+// {grad_images, grad_weight, grad_bias, grad_pos, grad_unk}, each absent unless requested. grad_out [B, N, D]
+// contiguous; images need stride(3) == 1 only when need_weight.
+std::vector<std::optional<at::Tensor>> patch_embed_backward_cpu(
+    const PatchGeometry& geometry, const at::Tensor& grad_out, const at::Tensor& images, const at::Tensor& weight,
+    const std::optional<at::Tensor>& perm, const std::optional<at::Tensor>& mask, bool need_images,
+    bool need_weight, bool need_bias, bool need_pos, bool need_unk);
+
+#ifdef MJP_WITH_CUDA
+// ---- CUDA (cuda_ops.cpp over the kernels of sampler_cuda.cu and patch_embed_cuda.cu): same contracts, all
+// tensors on one CUDA device, work queued on its current stream.
+
+std::tuple<at::Tensor, at::Tensor> sample_jigsaw_cuda(int64_t batch_size, int64_t rows, int64_t cols, int64_t target,
+                                                      int64_t min_block, uint64_t seed, uint64_t offset, bool shared,
+                                                      int64_t prob_threshold, const at::Tensor& h_thresholds,
+                                                      const at::Tensor& w_thresholds);
+
+at::Tensor patch_embed_forward_cuda(const PatchGeometry& geometry, const at::Tensor& images, const at::Tensor& weight,
+                                    const std::optional<at::Tensor>& bias, const at::Tensor& pos_embed,
+                                    const std::optional<at::Tensor>& unk_embed, const std::optional<at::Tensor>& perm,
+                                    const std::optional<at::Tensor>& mask);
+
+std::vector<std::optional<at::Tensor>> patch_embed_backward_cuda(
+    const PatchGeometry& geometry, const at::Tensor& grad_out, const at::Tensor& images, const at::Tensor& weight,
+    const std::optional<at::Tensor>& perm, const std::optional<at::Tensor>& mask, bool need_images,
+    bool need_weight, bool need_bias, bool need_pos, bool need_unk);
+#endif
+
+}  // namespace mjp

@@ -1,0 +1,314 @@
+// The jigsaw sampler of docs/sampler.md, written once for the host (C++) and the device (CUDA).
+//
+// Everything here is integer arithmetic on caller-provided memory (and about 1 KiB of stack): no allocation, no
+// floating point, no library calls but memcpy, so the CPU path and the CUDA kernel run the very same code and
+// give bit-identical results, equal to the PyTorch oracle `mjp_fast.ops.sample_jigsaw.sample_jigsaw_ref`.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__) || defined(__HIPCC__)
+#define MJP_HOST_DEVICE __host__ __device__
+#define MJP_FORCE_INLINE __forceinline__
+#elif defined(_MSC_VER)
+#define MJP_HOST_DEVICE
+#define MJP_FORCE_INLINE __forceinline
+#else
+#define MJP_HOST_DEVICE
+#define MJP_FORCE_INLINE inline __attribute__((always_inline))
+#endif
+
+namespace mjp {
+
+constexpr int kAspectBins = 1024;
+constexpr int kAspectBinShift = 22;  // 32 - log2(kAspectBins): the bin is the top 10 bits of a uint32
+constexpr int kAttemptsPerRound = 10;  // BEiT's number of tries per rectangle
+constexpr uint32_t kTagMask = 0;
+constexpr uint32_t kTagPerm = 1;
+constexpr uint32_t kTagCoin = 2;
+
+constexpr uint32_t kPhiloxRoundA = 0xD2511F53u;
+constexpr uint32_t kPhiloxRoundB = 0xCD9E8D57u;
+constexpr uint32_t kPhiloxKeyA = 0x9E3779B9u;
+constexpr uint32_t kPhiloxKeyB = 0xBB67AE85u;
+
+struct Philox4 {
+  uint32_t o0, o1, o2, o3;
+};
+
+// Philox4x32-10 as Triton's tl.philox: key (seed low word, seed high word), ten rounds.
+MJP_HOST_DEVICE MJP_FORCE_INLINE Philox4 philox4x32_10(uint64_t seed, uint32_t c0, uint32_t c1, uint32_t c2,
+                                                       uint32_t c3) {
+  uint32_t k0 = static_cast<uint32_t>(seed);
+  uint32_t k1 = static_cast<uint32_t>(seed >> 32);
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+  for (int round = 0; round < 10; ++round) {
+#if defined(__CUDA_ARCH__)
+    const uint32_t high_b = __umulhi(kPhiloxRoundB, c2), low_b = kPhiloxRoundB * c2;
+    const uint32_t high_a = __umulhi(kPhiloxRoundA, c0), low_a = kPhiloxRoundA * c0;
+#else
+    // One 32x32->64 multiply gives both halves (a separate mul-high and mul-low would double the multiplies).
+    const uint64_t product_b = static_cast<uint64_t>(kPhiloxRoundB) * c2;
+    const uint64_t product_a = static_cast<uint64_t>(kPhiloxRoundA) * c0;
+    const uint32_t high_b = static_cast<uint32_t>(product_b >> 32), low_b = static_cast<uint32_t>(product_b);
+    const uint32_t high_a = static_cast<uint32_t>(product_a >> 32), low_a = static_cast<uint32_t>(product_a);
+#endif
+    c0 = high_b ^ c1 ^ k0;
+    c2 = high_a ^ c3 ^ k1;
+    c1 = low_b;
+    c3 = low_a;
+    k0 += kPhiloxKeyA;
+    k1 += kPhiloxKeyB;
+  }
+  return Philox4{c0, c1, c2, c3};
+}
+
+// The sort key of masked position `position` (< 2**30): its TAG_PERM draw o0 times 2**31, plus the position. One
+// int64 orders the positions by (key, position) and holds the position in its low 31 bits.
+MJP_HOST_DEVICE MJP_FORCE_INLINE int64_t perm_sort_key(uint64_t seed, int64_t position, uint32_t c1, uint32_t c2) {
+  const uint32_t key = philox4x32_10(seed, static_cast<uint32_t>(position), c1, c2, kTagPerm).o0;
+  return (static_cast<int64_t>(key) << 31) | position;
+}
+
+constexpr int kSortKeyPositionBits = 31;
+constexpr int64_t kSortKeyPositionMask = (int64_t(1) << kSortKeyPositionBits) - 1;
+
+// ---- Sorting distinct non-negative int64 values in place or into a disjoint buffer, without allocation.
+
+constexpr int64_t kSmallSort = 32;     // insertion sort up to this many values (in place, within a bucket)
+constexpr int64_t kBucketSortMin = 8;  // bucket sort (out of place) above this many values
+constexpr int kMaxBucketBits = 7;      // counting-scatter buckets: at most 128 (int32 counters on the stack)
+constexpr int kMaxInPlaceBucketBits = 6;  // in-place bucket pass: at most 64 buckets (two counter arrays)
+
+// Ascending insertion sort of values[0, count): for short or nearly sorted arrays.
+MJP_HOST_DEVICE inline void insertion_sort(int64_t* values, int64_t count) {
+  for (int64_t i = 1; i < count; ++i) {
+    const int64_t value = values[i];
+    int64_t j = i;
+    for (; j > 0 && values[j - 1] > value; --j) values[j] = values[j - 1];
+    values[j] = value;
+  }
+}
+
+// Sifts `value` down from `root` into the max-heap values[0, end).
+MJP_HOST_DEVICE MJP_FORCE_INLINE void sift_down(int64_t* values, int64_t root, int64_t end, int64_t value) {
+  while (true) {
+    int64_t child = 2 * root + 1;
+    if (child >= end) break;
+    if (child + 1 < end && values[child + 1] > values[child]) ++child;
+    if (values[child] <= value) break;
+    values[root] = values[child];
+    root = child;
+  }
+  values[root] = value;
+}
+
+// Ascending in-place heap sort of values[0, count): O(count log count), no recursion, no scratch.
+MJP_HOST_DEVICE inline void heap_sort(int64_t* values, int64_t count) {
+  for (int64_t root = count / 2 - 1; root >= 0; --root) sift_down(values, root, count, values[root]);
+  for (int64_t end = count - 1; end > 0; --end) {
+    const int64_t top = values[0];
+    sift_down(values, 0, end, values[end]);
+    values[end] = top;
+  }
+}
+
+// Sorts one bucket: insertion sort when short (the usual case), heap sort otherwise (bounds the worst case).
+MJP_HOST_DEVICE MJP_FORCE_INLINE void sort_bucket(int64_t* values, int64_t count) {
+  if (count <= kSmallSort) {
+    insertion_sort(values, count);
+  } else {
+    heap_sort(values, count);
+  }
+}
+
+// Enough bucket bits for about one value per bucket, at most max_bits.
+MJP_HOST_DEVICE MJP_FORCE_INLINE int bucket_bits_for(int64_t count, int max_bits) {
+  int bits = 0;
+  while (bits < max_bits && (int64_t(1) << bits) < count) ++bits;
+  return bits;
+}
+
+// Sorts source[0, count) into the disjoint destination[0, count): a counting scatter by the top bits of the
+// 63-bit values, then each bucket sorted. Expected O(count) for uniformly random top bits (the permutation's keys
+// are), exact for any input.
+MJP_HOST_DEVICE inline void bucket_sort_into(const int64_t* source, int64_t count, int64_t* destination) {
+  const int bits = bucket_bits_for(count, kMaxBucketBits);
+  const int shift = 63 - bits;
+  const int buckets = 1 << bits;
+  int32_t ends[1 << kMaxBucketBits];
+  for (int b = 0; b < buckets; ++b) ends[b] = 0;
+  for (int64_t i = 0; i < count; ++i) ++ends[source[i] >> shift];
+  int32_t total = 0;
+  for (int b = 0; b < buckets; ++b) {  // exclusive prefix sum: ends[b] = where bucket b starts
+    const int32_t size = ends[b];
+    ends[b] = total;
+    total += size;
+  }
+  for (int64_t i = 0; i < count; ++i) destination[ends[source[i] >> shift]++] = source[i];
+  int64_t start = 0;  // now ends[b] is where bucket b ends
+  for (int b = 0; b < buckets; ++b) {
+    sort_bucket(destination + start, ends[b] - start);
+    start = ends[b];
+  }
+}
+
+// Sorts values[0, count) in place: one in-place bucket pass by the top bits ("American flag" cycles), then each
+// bucket sorted. For when no scratch space is free.
+MJP_HOST_DEVICE inline void bucket_sort_in_place(int64_t* values, int64_t count) {
+  const int bits = bucket_bits_for(count, kMaxInPlaceBucketBits);
+  const int shift = 63 - bits;
+  const int buckets = 1 << bits;
+  int32_t next[1 << kMaxInPlaceBucketBits];
+  int32_t ends[1 << kMaxInPlaceBucketBits];
+  for (int b = 0; b < buckets; ++b) ends[b] = 0;
+  for (int64_t i = 0; i < count; ++i) ++ends[values[i] >> shift];
+  int32_t total = 0;
+  for (int b = 0; b < buckets; ++b) {
+    next[b] = total;
+    total += ends[b];
+    ends[b] = total;
+  }
+  for (int b = 0; b < buckets; ++b) {
+    while (next[b] < ends[b]) {
+      // Carry the value at the first unplaced slot of bucket b to its bucket, displacing the value there, until
+      // the carried value belongs to bucket b.
+      int64_t carried = values[next[b]];
+      int target = static_cast<int>(carried >> shift);
+      while (target != b) {
+        const int64_t displaced = values[next[target]];
+        values[next[target]++] = carried;
+        carried = displaced;
+        target = static_cast<int>(carried >> shift);
+      }
+      values[next[b]++] = carried;
+    }
+  }
+  int64_t start = 0;
+  for (int b = 0; b < buckets; ++b) {
+    sort_bucket(values + start, ends[b] - start);
+    start = ends[b];
+  }
+}
+
+// The permutation of docs/sampler.md: perm_row[m_i] = s_i, where m_0 < m_1 < ... are the masked positions and
+// s_0, s_1, ... the same positions sorted by their sort keys; perm_row[n] = n elsewhere.
+//
+// On entry perm_row[N - masked, N) lists the masked positions in any order (the rest of perm_row is free) and
+// mask_row is final.
+MJP_HOST_DEVICE inline void permute_masked(uint64_t seed, uint32_t c1, uint32_t c2, int64_t num_positions,
+                                           int64_t masked, const bool* mask_row, int64_t* perm_row) {
+  int64_t* listed = perm_row + (num_positions - masked);
+  for (int64_t i = 0; i < masked; ++i) listed[i] = perm_sort_key(seed, listed[i], c1, c2);
+  // Sort into perm_row[0, masked): out of place when the front half is free, else in place after a forward move.
+  // The sort keys are distinct, so every sort gives the same order.
+  if (masked > kBucketSortMin && 2 * masked <= num_positions) {
+    bucket_sort_into(listed, masked, perm_row);
+  } else {
+    for (int64_t i = 0; i < masked; ++i) perm_row[i] = listed[i];  // forward move; the ranges may overlap
+    if (masked > kSmallSort) {
+      bucket_sort_in_place(perm_row, masked);
+    } else {
+      insertion_sort(perm_row, masked);
+    }
+  }
+
+  // perm[m_i] = s_i with s_i in perm_row[i] and m_i >= i: filling from the end overwrites only slots whose
+  // sorted entry was already read. Branch-free per position (the mask is unpredictable), with a fast path for
+  // runs of 8 unmasked positions.
+  int64_t next = masked - 1;
+  int64_t n = num_positions - 1;
+  while (n >= 0) {
+    if (n >= 7) {
+      uint64_t word;
+      memcpy(&word, mask_row + (n - 7), sizeof(word));
+      if (word == 0) {
+        for (int j = 0; j < 8; ++j) perm_row[n - j] = n - j;
+        n -= 8;
+        continue;
+      }
+    }
+    const bool is_masked = mask_row[n];
+    const int64_t sorted = perm_row[next < 0 ? 0 : next] & kSortKeyPositionMask;  // slot 0: a harmless dummy read
+    perm_row[n] = is_masked ? sorted : n;
+    next -= is_masked;
+    --n;
+  }
+}
+
+// Samples one jigsaw (docs/sampler.md, "Per sample") into mask_row[0, N) and perm_row[0, N), N = rows * cols.
+//
+// rows, cols: the grid, N <= 2**30; target: floor(ratio * N) in [0, N]; min_block in [0, 2**30];
+// stream: the stream index s (offset + i, or offset when shared); prob_threshold in [0, 2**32];
+// h_thresholds: int64 [1024, rows] and w_thresholds: int64 [1024, cols], row-major and contiguous.
+// perm_row doubles as the scratch space of the permutation's sort.
+MJP_HOST_DEVICE inline void sample_jigsaw_row(int64_t rows, int64_t cols, int64_t target, int64_t min_block,
+                                              uint64_t seed, uint64_t stream, int64_t prob_threshold,
+                                              const int64_t* h_thresholds, const int64_t* w_thresholds,
+                                              bool* mask_row, int64_t* perm_row) {
+  const int64_t num_positions = rows * cols;
+  for (int64_t n = 0; n < num_positions; ++n) mask_row[n] = false;
+  const uint32_t c1 = static_cast<uint32_t>(stream);
+  const uint32_t c2 = static_cast<uint32_t>(stream >> 32);
+
+  const uint32_t coin = philox4x32_10(seed, 0, c1, c2, kTagCoin).o0;
+  if (!(static_cast<int64_t>(coin) < prob_threshold) || target <= 0) {
+    for (int64_t n = 0; n < num_positions; ++n) perm_row[n] = n;
+    return;
+  }
+
+  // ---- Block-wise mask: BEiT's loop with integer geometry.
+  int64_t count = 0;
+  for (uint32_t round = 0; count < target; ++round) {
+    const int64_t remaining = target - count;
+    const int64_t low = min_block < remaining ? min_block : remaining;
+    const int64_t high = min_block < remaining ? remaining : min_block;
+    int64_t delta = 0;
+    for (uint32_t attempt = 0; attempt < kAttemptsPerRound && delta == 0; ++attempt) {
+      const Philox4 r = philox4x32_10(seed, round * kAttemptsPerRound + attempt, c1, c2, kTagMask);
+      // Q32 area uniform in [low, high); exact in int64 since high <= 2**30.
+      const int64_t area_q = low * (int64_t(1) << 32) + (high - low) * static_cast<int64_t>(r.o0);
+      const int64_t bin = static_cast<int64_t>(r.o1 >> kAspectBinShift);
+      const int64_t* h_row = h_thresholds + bin * rows;
+      const int64_t* w_row = w_thresholds + bin * cols;
+      int64_t height = 0;
+      for (int64_t k = 0; k < rows; ++k) height += area_q >= h_row[k];
+      if (height >= rows) continue;
+      int64_t width = 0;
+      for (int64_t k = 0; k < cols; ++k) width += area_q >= w_row[k];
+      if (width >= cols) continue;
+      const int64_t top = static_cast<int64_t>((static_cast<uint64_t>(r.o2) * (rows - height + 1)) >> 32);
+      const int64_t left = static_cast<int64_t>((static_cast<uint64_t>(r.o3) * (cols - width + 1)) >> 32);
+      int64_t fresh = 0;
+      for (int64_t row = top; row < top + height; ++row) {
+        const bool* cells = mask_row + row * cols + left;
+        for (int64_t col = 0; col < width; ++col) fresh += !cells[col];
+      }
+      if (fresh > 0 && fresh <= remaining) {
+        // Mark the new cells and list them downwards from perm_row[N - 1 - count]: after the loop,
+        // perm_row[N - count, N) lists every masked position (in no particular order).
+        int64_t listed = num_positions - 1 - count;
+        for (int64_t row = top; row < top + height; ++row) {
+          bool* cells = mask_row + row * cols + left;
+          for (int64_t col = 0; col < width; ++col) {
+            if (!cells[col]) {
+              cells[col] = true;
+              perm_row[listed--] = row * cols + left + col;
+            }
+          }
+        }
+        delta = fresh;
+      }
+    }
+    if (delta == 0) break;
+    count += delta;
+  }
+
+  // ---- Permutation of the masked positions.
+  permute_masked(seed, c1, c2, num_positions, count, mask_row, perm_row);
+}
+
+}  // namespace mjp

@@ -1,0 +1,381 @@
+"""Tests of the compiled extension ``mjp_fast._C`` called directly (the public ops are tested in their own files).
+
+The sampler must equal the PyTorch oracle bit for bit; the patch embedding is compared with a plain
+unfold + gather + matmul written here: float32 and float64 tightly, float16 / bfloat16 with the error budget of
+STYLE.md (at most twice the error of the same torch computation run in that dtype).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+_C = pytest.importorskip("mjp_fast._C", reason="the compiled extension mjp_fast._C is not built")
+
+from mjp_fast.ops.sample_jigsaw import sample_jigsaw_ref, sampler_tables  # noqa: E402
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() and _C.has_cuda() else [])
+LOW_PRECISION = [torch.float16, torch.bfloat16]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Sampler
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _extension_jigsaw(
+    batch_size, rows, cols, ratio, *, seed, offset=0, shared=False, prob=1.0, min_block=8, min_aspect=0.3, device="cpu"
+):
+    h_thresholds, w_thresholds = sampler_tables(rows, cols, min_aspect, device)
+    target = math.floor(ratio * rows * cols)  # docs/sampler.md: as Python computes it
+    prob_threshold = math.floor(prob * 2**32)
+    return _C.sample_jigsaw(
+        batch_size, rows, cols, target, min_block, seed, offset, shared, prob_threshold, h_thresholds, w_thresholds
+    )
+
+
+def _assert_same_as_oracle(batch_size, grid, ratio, device="cpu", **kwargs):
+    mask, perm = _extension_jigsaw(batch_size, *grid, ratio, device=device, **kwargs)
+    expected = sample_jigsaw_ref(batch_size, grid, ratio, device=device, **kwargs)
+    assert mask.dtype == torch.bool and perm.dtype == torch.int64
+    assert mask.shape == perm.shape == (batch_size, grid[0] * grid[1])
+    assert mask.device.type == perm.device.type == torch.device(device).type
+    assert torch.equal(mask.cpu(), expected.mask.cpu()), f"mask differs: grid={grid} ratio={ratio} {kwargs}"
+    assert torch.equal(perm.cpu(), expected.perm.cpu()), f"perm differs: grid={grid} ratio={ratio} {kwargs}"
+
+
+# Seeds and stream offsets at the edges of their ranges: high words of both, carries across 2**32.
+STREAMS = [
+    dict(seed=0, offset=0),
+    dict(seed=2**64 - 1, offset=2**32 - 3),  # sample indices cross the 2**32 boundary of the counter
+    dict(seed=0x1234_5678_9ABC_DEF0, offset=2**40 + 7),
+    dict(seed=2**63 + 11, offset=2**62),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("ratio", [0.0, 0.03, 0.1, 0.5, 1.0])
+@pytest.mark.parametrize("grid", [(1, 1), (1, 7), (3, 5), (14, 14), (7, 13)], ids=lambda g: f"{g[0]}x{g[1]}")
+def test_sample_jigsaw_equals_oracle(grid, ratio, device):
+    for index, stream in enumerate(STREAMS):
+        prob = (1.0, 0.5, 0.0, 1.0)[index]
+        _assert_same_as_oracle(6, grid, ratio, device=device, prob=prob, **stream)
+    _assert_same_as_oracle(5, grid, ratio, device=device, shared=True, seed=77, offset=2**33 + 1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(min_block=1),
+        dict(min_block=30),
+        dict(min_aspect=0.1),
+        dict(min_aspect=1.0),
+        dict(prob=0.25, seed=3),
+    ],
+    ids=lambda k: ",".join(f"{key}={value}" for key, value in k.items()),
+)
+def test_sample_jigsaw_other_parameters_equal_oracle(kwargs, device):
+    kwargs = {"seed": 12345, "offset": 99, **kwargs}
+    for grid, ratio in [((14, 14), 0.3), ((6, 17), 0.75), ((32, 32), 0.5), ((16, 9), 0.51)]:
+        _assert_same_as_oracle(4, grid, ratio, device=device, **kwargs)
+
+
+def test_sample_jigsaw_structure_and_batching():
+    mask, perm = _extension_jigsaw(64, 14, 14, 0.5, seed=5, offset=1000)
+    positions = torch.arange(196).expand(64, -1)
+    assert torch.equal(perm.sort(dim=1).values, positions)  # a permutation per sample
+    assert torch.equal(perm[~mask], positions[~mask])  # identity where unmasked
+    assert bool(mask.gather(1, perm)[mask].all())  # masked tokens show masked patches
+    assert int(mask.sum(1).max()) <= 98
+    # Sample i is a function of (seed, offset + i) alone: any split of the batch gives the same rows.
+    tail_mask, tail_perm = _extension_jigsaw(14, 14, 14, 0.5, seed=5, offset=1050)
+    assert torch.equal(tail_mask, mask[50:]) and torch.equal(tail_perm, perm[50:])
+    shared_mask, shared_perm = _extension_jigsaw(3, 14, 14, 0.5, seed=5, offset=1007, shared=True)
+    assert torch.equal(shared_mask, mask[7:8].expand(3, -1)) and torch.equal(shared_perm, perm[7:8].expand(3, -1))
+    empty_mask, empty_perm = _extension_jigsaw(0, 14, 14, 0.5, seed=5)
+    assert empty_mask.shape == empty_perm.shape == (0, 196)
+
+
+def test_sample_jigsaw_is_deterministic_across_thread_counts():
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _extension_jigsaw(300, 14, 14, 0.4, seed=9)
+        torch.set_num_threads(max(2, threads))
+        many = _extension_jigsaw(300, 14, 14, 0.4, seed=9)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one[0], many[0]) and torch.equal(one[1], many[1])
+
+
+def test_sample_jigsaw_rejects_bad_arguments():
+    h, w = sampler_tables(4, 5, 0.3, "cpu")
+    good = dict(
+        batch_size=2,
+        gh=4,
+        gw=5,
+        target=3,
+        min_block=8,
+        seed=1,
+        offset=0,
+        shared=False,
+        prob_threshold=2**32,
+        h_thresholds=h,
+        w_thresholds=w,
+    )
+    _C.sample_jigsaw(**good)
+    bad_cases = [
+        dict(target=21),
+        dict(target=-1),
+        dict(batch_size=-1),
+        dict(gh=0),
+        dict(gh=5),  # tables are for 4 rows
+        dict(prob_threshold=2**32 + 1),
+        dict(min_block=-1),
+        dict(h_thresholds=h.to(torch.int32)),
+        dict(w_thresholds=w[:, :4]),
+    ]
+    for bad in bad_cases:
+        with pytest.raises(RuntimeError):
+            _C.sample_jigsaw(**{**good, **bad})
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Patch embedding
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _reference_tokens(images, weight, bias, pos_embed, unk_embed, perm, mask):
+    """tokens [B, N, D] by unfold + gather + matmul, in the inputs' dtype."""
+    dim, _, patch, _ = weight.shape
+    rows, cols = images.shape[2] // patch, images.shape[3] // patch
+    patches = F.unfold(images[:, :, : rows * patch, : cols * patch], patch, stride=patch).transpose(1, 2)
+    if perm is not None:
+        patches = patches.gather(1, perm[..., None].expand(-1, -1, patches.shape[-1]))
+    tokens = patches @ weight.reshape(dim, -1).t()
+    if bias is not None:
+        tokens = tokens + bias
+    if mask is not None:
+        return tokens + torch.where(mask[..., None], unk_embed, pos_embed)
+    return tokens + pos_embed
+
+
+def _random_jigsaw(batch, positions, generator, device):
+    """A mask and a permutation of the masked positions among themselves, per sample."""
+    mask = torch.rand(batch, positions, generator=generator) < 0.4
+    perm = torch.arange(positions).repeat(batch, 1)
+    for b in range(batch):
+        masked = mask[b].nonzero().flatten()
+        perm[b, masked] = masked[torch.randperm(len(masked), generator=generator)]
+    return mask.to(device), perm.to(device)
+
+
+class Case:
+    """One patch-embedding problem: float64 master copies of every input."""
+
+    def __init__(
+        self, batch, channels, height, width, patch, dim, *, jigsaw=True, bias=True, unk=True, seed=0, device="cpu"
+    ):
+        g = torch.Generator().manual_seed(seed)
+        self.patch, self.dim = patch, dim
+        self.positions = (height // patch) * (width // patch)
+        self.images = torch.randn(batch, channels, height, width, generator=g, dtype=torch.float64).to(device)
+        self.weight = torch.randn(dim, channels, patch, patch, generator=g, dtype=torch.float64).to(device)
+        self.weight /= math.sqrt(channels * patch * patch)
+        self.bias = torch.randn(dim, generator=g, dtype=torch.float64).to(device) if bias else None
+        self.pos = torch.randn(self.positions, dim, generator=g, dtype=torch.float64).to(device)
+        self.unk = torch.randn(dim, generator=g, dtype=torch.float64).to(device) if unk else None
+        self.mask, self.perm = _random_jigsaw(batch, self.positions, g, device) if jigsaw else (None, None)
+        self.grad = torch.randn(batch, self.positions, dim, generator=g, dtype=torch.float64).to(device)
+
+    def inputs(self, dtype):
+        cast = lambda t: None if t is None else t.to(dtype)  # noqa: E731
+        return cast(self.images), cast(self.weight), cast(self.bias), cast(self.pos), cast(self.unk)
+
+    def forward(self, dtype, images=None):
+        x, w, b, p, u = self.inputs(dtype)
+        return _C.patch_embed_forward(x if images is None else images, w, b, p, u, self.perm, self.mask)
+
+    def backward(self, dtype, needs=(True, True, True, True, True)):
+        x, w, *_ = self.inputs(dtype)
+        return _C.patch_embed_backward(self.grad.to(dtype), x, w, self.perm, self.mask, *needs)
+
+    def reference(self, dtype):
+        """(tokens, [grad_images, grad_weight, grad_bias, grad_pos, grad_unk]) by autograd in ``dtype``."""
+        leaves = [None if t is None else t.detach().clone().requires_grad_() for t in self.inputs(dtype)]
+        tokens = _reference_tokens(*leaves, self.perm, self.mask)
+        tokens.backward(self.grad.to(dtype))
+        grads = [None if t is None else t.grad for t in leaves]
+        if grads[4] is None and self.unk is not None:
+            grads[4] = torch.zeros_like(leaves[4])
+        return tokens.detach(), grads
+
+
+SHAPES = [
+    # batch, channels, height, width, patch, dim
+    (2, 3, 12, 9, 3, 7),  # 4x3 grid, odd dim
+    (1, 1, 5, 5, 1, 4),  # P=1, C=1, batch 1
+    (3, 5, 8, 8, 8, 16),  # 1x1 grid, C=5
+    (2, 2, 7, 11, 3, 5),  # H, W not multiples of P: trailing pixels are not patches
+    (2, 3, 32, 48, 16, 24),  # 2x3 grid, ViT-sized patches
+    (3, 4, 6, 30, 3, 9),  # 2x10 grid
+]
+SHAPE_IDS = ["grid4x3", "P1C1B1", "grid1x1", "ragged", "P16", "grid2x10"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("jigsaw", [True, False], ids=["jigsaw", "plain"])
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+def test_patch_embed_float32_matches_reference(shape, jigsaw, device):
+    case = Case(*shape, jigsaw=jigsaw, seed=sum(shape), device=device)
+    expected, expected_grads = case.reference(torch.float64)
+    tokens = case.forward(torch.float32)
+    assert tokens.dtype == torch.float32 and tokens.shape == (shape[0], case.positions, shape[5])
+    torch.testing.assert_close(tokens.double(), expected, rtol=1e-5, atol=1e-5)
+    grads = case.backward(torch.float32)
+    assert len(grads) == 5
+    names = ["grad_images", "grad_weight", "grad_bias", "grad_pos", "grad_unk"]
+    for name, grad, want in zip(names, grads, expected_grads):
+        assert grad is not None and grad.dtype == torch.float32, name
+        assert grad.shape == want.shape, name
+        torch.testing.assert_close(grad.double(), want, rtol=1e-5, atol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[3]], ids=[SHAPE_IDS[0], SHAPE_IDS[3]])
+def test_patch_embed_float64_matches_reference(shape, device):
+    case = Case(*shape, seed=5, device=device)
+    expected, expected_grads = case.reference(torch.float64)
+    torch.testing.assert_close(case.forward(torch.float64), expected, rtol=1e-12, atol=1e-12)
+    for grad, want in zip(case.backward(torch.float64), expected_grads):
+        assert grad.dtype == torch.float64
+        torch.testing.assert_close(grad, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", LOW_PRECISION, ids=str)
+@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[2], SHAPES[4]], ids=[SHAPE_IDS[0], SHAPE_IDS[2], SHAPE_IDS[4]])
+def test_patch_embed_low_precision_within_twice_torch_error(shape, dtype, device):
+    case = Case(*shape, seed=7, device=device)
+    exact, exact_grads = case.reference(torch.float64)
+    in_dtype, in_dtype_grads = case.reference(dtype)
+    tokens, grads = case.forward(dtype), case.backward(dtype)
+    assert tokens.dtype == dtype and all(g.dtype == dtype for g in grads)
+
+    def error(value, want):
+        return (value.double() - want).abs().max().item()
+
+    # One ulp of the result's magnitude as a floor: torch may be exact by luck on tiny problems.
+    ulp = torch.finfo(dtype).eps
+    assert error(tokens, exact) <= 2 * error(in_dtype, exact) + ulp * exact.abs().max().item()
+    for name, grad, torch_grad, want in zip(
+        ["images", "weight", "bias", "pos", "unk"], grads, in_dtype_grads, exact_grads
+    ):
+        budget = 2 * error(torch_grad, want) + ulp * want.abs().max().item()
+        assert error(grad, want) <= budget, f"grad_{name}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_patch_embed_optional_inputs_and_requested_grads(device):
+    case = Case(2, 3, 12, 9, 3, 7, bias=False, device=device)
+    x, w, _, p, u = case.inputs(torch.float32)
+    expected = _reference_tokens(
+        *[t.double() if t is not None else None for t in (x, w, None, p, u)], case.perm, case.mask
+    )
+    torch.testing.assert_close(
+        _C.patch_embed_forward(x, w, None, p, u, case.perm, case.mask).double(), expected, rtol=1e-5, atol=1e-5
+    )
+    # perm without mask: shuffled patches, position embeddings everywhere.
+    expected = _reference_tokens(x.double(), w.double(), None, p.double(), None, case.perm, None)
+    torch.testing.assert_close(
+        _C.patch_embed_forward(x, w, None, p, None, case.perm, None).double(), expected, rtol=1e-5, atol=1e-5
+    )
+    # Only what is asked for comes back.
+    for needs in [(False,) * 5, (True, False, False, False, False), (False, False, True, False, True)]:
+        grads = case.backward(torch.float32, needs)
+        assert [g is not None for g in grads] == list(needs)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_patch_embed_strided_images(device):
+    case = Case(2, 3, 12, 9, 3, 7, device=device)
+    images = case.images.float()
+    expected = case.forward(torch.float32)
+    padded = torch.zeros(2, 3, 14, 12, device=device)
+    padded[:, :, 1:13, 2:11] = images
+    views = {
+        "cropped view": padded[:, :, 1:13, 2:11],
+        "channels_last": images.contiguous(memory_format=torch.channels_last),
+        "transposed twice": images.transpose(2, 3).contiguous().transpose(2, 3),
+    }
+    for name, view in views.items():
+        assert not view.is_contiguous(), name
+        torch.testing.assert_close(case.forward(torch.float32, images=view), expected, rtol=0, atol=0, msg=name)
+        _, w, *_ = case.inputs(torch.float32)
+        weight_grad = _C.patch_embed_backward(
+            case.grad.float(), view, w, case.perm, case.mask, False, True, False, False, False
+        )[1]
+        torch.testing.assert_close(weight_grad, case.backward(torch.float32)[1], rtol=1e-6, atol=1e-6, msg=name)
+
+
+def test_patch_embed_gradient_sums_are_deterministic():
+    case = Case(16, 3, 32, 32, 4, 40, seed=3)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = case.backward(torch.float32, (False, False, True, True, True))
+        torch.set_num_threads(max(2, threads))
+        many = case.backward(torch.float32, (False, False, True, True, True))
+        again = case.backward(torch.float32, (False, False, True, True, True))
+    finally:
+        torch.set_num_threads(threads)
+    for a, b, c in zip(one[2:], many[2:], again[2:]):
+        assert torch.equal(a, b) and torch.equal(b, c)
+
+
+def test_patch_embed_empty_batch():
+    case = Case(1, 3, 12, 9, 3, 7)
+    x, w, b, p, u = case.inputs(torch.float32)
+    tokens = _C.patch_embed_forward(x[:0], w, b, p, u, None, None)
+    assert tokens.shape == (0, 12, 7)
+    grads = _C.patch_embed_backward(tokens, x[:0], w, None, None, True, True, True, True, True)
+    assert grads[0].shape == (0, 3, 12, 9)
+    assert bool((grads[1] == 0).all()) and bool((grads[2] == 0).all()) and bool((grads[3] == 0).all())
+
+
+def test_patch_embed_rejects_bad_arguments():
+    case = Case(2, 3, 12, 9, 3, 7)
+    x, w, b, p, u = case.inputs(torch.float32)
+    good = (x, w, b, p, u, case.perm, case.mask)
+    _C.patch_embed_forward(*good)
+    bad_cases = {
+        "3-d images": (x[0], w, b, p, u, case.perm, case.mask),
+        "channel mismatch": (x[:, :2], w, b, p, u, case.perm, case.mask),
+        "non-square kernel": (x, w[:, :, :, :2], b, p, u, case.perm, case.mask),
+        "int images": (x.int(), w.int(), b.int(), p.int(), u.int(), case.perm, case.mask),
+        "mixed dtypes": (x, w.half(), b, p, u, case.perm, case.mask),
+        "pos too short": (x, w, b, p[:-1], u, case.perm, case.mask),
+        "bias wrong size": (x, w, b[:-1], p, u, case.perm, case.mask),
+        "perm int32": (x, w, b, p, u, case.perm.int(), case.mask),
+        "perm wrong size": (x, w, b, p, u, case.perm[:1], case.mask),
+        "mask not bool": (x, w, b, p, u, case.perm, case.mask.int()),
+        "perm out of range": (x, w, b, p, u, case.perm + 100, case.mask),
+        "perm negative": (x, w, b, p, u, case.perm - 100, case.mask),
+    }
+    for name, args in bad_cases.items():
+        with pytest.raises(RuntimeError):
+            _C.patch_embed_forward(*args)
+            pytest.fail(name)
+    grad = case.grad.float()
+    with pytest.raises(RuntimeError):
+        _C.patch_embed_backward(grad[:, :-1], x, w, case.perm, case.mask, True, True, True, True, True)
+    with pytest.raises(RuntimeError):
+        _C.patch_embed_backward(grad, x, w, case.perm + 100, case.mask, True, False, False, False, False)
+
+
+def test_has_cuda_reports_a_bool():
+    assert isinstance(_C.has_cuda(), bool)
