@@ -1,0 +1,91 @@
+"""Settings runner, table, JSON and grid; ``mjp attack`` end to end on a folder of photos."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from mjp_fast.cli import main
+from mjp_fast.privacy import METRICS, SETTINGS, april_attack, markdown_table, run_settings, save_grid, write_json
+from mjp_fast.privacy.report import CAPTION_HEIGHT, GAP, GRID_COLUMNS
+from mjp_fast.privacy.settings import SAMPLE_PHOTOS, load_images
+
+
+@pytest.fixture(scope="module")
+def two_attacks(attack_model, photos):
+    names, images = photos
+    return run_settings(attack_model, images[:2], april_attack, ratio=0.5, seed=0, names=names[:2])
+
+
+def test_table_json_and_grid(two_attacks, tmp_path):
+    from mjp_fast.privacy import setting_metrics, summarize
+
+    summary = summarize(setting_metrics(two_attacks))
+    assert list(summary) == list(SETTINGS)
+    table = markdown_table(summary, title="t")
+    for setting in SETTINGS:
+        assert f"| `{setting}` |" in table
+    assert "PSNR (dB) ↓" in table and "LPIPS ↑" in table
+    write_json(summary, tmp_path / "out.json")
+    loaded = json.loads((tmp_path / "out.json").read_text())
+    assert set(loaded) == set(SETTINGS)
+    assert loaded["b"]["psnr"] == pytest.approx(summary["b"]["psnr"])
+    assert all(set(row) == set(METRICS) for row in loaded.values())
+    path = save_grid(two_attacks, tmp_path / "grid.png", patch_size=8, scale=2)
+    with Image.open(path) as grid:
+        assert grid.size == (GAP + len(GRID_COLUMNS) * (128 + GAP), CAPTION_HEIGHT + GAP + 2 * (128 + GAP))
+        pixels = torch.from_numpy(np.array(grid.convert("RGB"))).permute(2, 0, 1).double() / 255
+    top, left = CAPTION_HEIGHT + GAP, GAP
+    original = pixels[:, top : top + 128 : 2, left : left + 128 : 2]
+    torch.testing.assert_close(original, two_attacks[0].original, rtol=0, atol=0.5 / 255 + 1e-9)
+
+
+def test_run_settings_uses_one_jigsaw_per_image(two_attacks):
+    first, second = two_attacks
+    assert not torch.equal(first.mask, second.mask)
+    assert set(first.reconstructions) == {"plain", "unk", "no_unk"}
+    assert all(seconds > 0 for seconds in first.seconds.values())
+
+
+def test_load_images(tmp_path):
+    names, images = load_images(None, 64, max_images=2)
+    assert names == list(SAMPLE_PHOTOS)[:2] and images.shape == (2, 3, 64, 64)
+    assert images.dtype == torch.float64 and 0 <= float(images.min()) and float(images.max()) <= 1
+    with pytest.raises(ValueError, match="no image files"):
+        load_images(tmp_path)
+    with pytest.raises(ValueError, match="not a folder"):
+        load_images(tmp_path / "missing")
+
+
+def test_mjp_attack_command(tmp_path, photos, capsys):
+    names, images = photos
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    for name, image in zip(names[:2], images[:2], strict=True):
+        array = (image.permute(1, 2, 0).numpy() * 255).round().astype("uint8")
+        Image.fromarray(array).save(folder / f"{name}.png")
+    (folder / "notes.txt").write_text("not an image")
+    out = tmp_path / "attack.json"
+    grid = tmp_path / "attack.png"
+    status = main(["attack", "--images", str(folder), "--ratio", "0.5", "--json", str(out), "--grid", str(grid)])
+    assert status == 0
+    result = json.loads(out.read_text())
+    assert set(result) == set(SETTINGS)
+    assert all(set(row) == set(METRICS) for row in result.values())
+    assert result["a"]["psnr"] > 60 and result["no_unk_b"]["psnr"] > 60
+    assert result["b"]["psnr"] < 15 and result["c"]["psnr"] < 15
+    assert grid.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    printed = capsys.readouterr().out
+    assert "| `no_unk_c` |" in printed and "jigsaw ratio 0.5" in printed
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [(["--ratio", "1.5"], "ratio must be in"), (["--images", "/nonexistent/folder"], "not a folder")],
+)
+def test_mjp_attack_rejects_bad_arguments(arguments, message, tmp_path, capsys):
+    status = main(["attack", "--grid", str(tmp_path / "g.png"), *arguments])
+    assert status == 2
+    assert message in capsys.readouterr().err
