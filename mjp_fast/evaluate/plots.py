@@ -1,0 +1,172 @@
+"""PNG plots of what a model learned: its position embeddings and its last-layer attention.
+
+- ``position_pca_2d.png`` / ``position_pca_3d.png``: the patch position embeddings projected on their first two /
+  three principal components, each point colored by its row and labelled by its column (the paper's Figure 2 uses
+  UMAP; ``position_umap.png`` is written too when umap-learn is installed).
+- ``position_similarity.png``: for each patch position, the cosine similarity of its embedding with every other
+  one, drawn as a small grid at that position (ViT paper, Figure 7).
+- ``attention.png``: for a few images, the last block's attention from the class token to every patch, one panel
+  per head (supplementary Figure 3).
+
+matplotlib draws off-screen (the Agg backend); nothing here opens a window.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _principal_components(embeddings: np.ndarray, count: int) -> np.ndarray:
+    centered = embeddings - embeddings.mean(axis=0, keepdims=True)
+    _, _, right = np.linalg.svd(centered, full_matrices=False)
+    projection = centered @ right[:count].T
+    if projection.shape[1] < count:
+        projection = np.pad(projection, ((0, 0), (0, count - projection.shape[1])))
+    return projection
+
+
+def plot_position_embeddings(
+    embeddings: np.ndarray, grid: tuple[int, int], out_dir: str | Path, *, title: str = ""
+) -> list[Path]:
+    """Writes the PCA (2D, 3D), similarity and (with umap-learn) UMAP plots of ``embeddings`` ``[rows*cols, D]``.
+
+    Returns the paths written.
+    """
+    plt = _pyplot()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows, cols = grid
+    index = np.arange(rows * cols)
+    row, col = index // cols, index % cols
+    written = []
+    label_points = rows * cols <= 256
+
+    projection = _principal_components(embeddings, 3)
+    figure, axis = plt.subplots(figsize=(6, 5.5))
+    points = axis.scatter(projection[:, 0], projection[:, 1], c=row, cmap="viridis", s=28)
+    if label_points:
+        for n in index:
+            axis.annotate(str(col[n]), projection[n, :2], fontsize=6, ha="center", va="center", color="white")
+    figure.colorbar(points, ax=axis, label="row")
+    axis.set_xlabel("PC 1")
+    axis.set_ylabel("PC 2")
+    axis.set_title(f"{title} position embeddings, PCA (color: row, label: column)".strip())
+    written.append(out_dir / "position_pca_2d.png")
+    figure.savefig(written[-1], dpi=120, bbox_inches="tight")
+    plt.close(figure)
+
+    figure = plt.figure(figsize=(6.5, 5.5))
+    axis = figure.add_subplot(projection="3d")
+    points = axis.scatter(projection[:, 0], projection[:, 1], projection[:, 2], c=row, cmap="viridis", s=20)
+    axis.set_xlabel("PC 1")
+    axis.set_ylabel("PC 2")
+    axis.set_zlabel("PC 3")
+    figure.colorbar(points, ax=axis, label="row", shrink=0.7)
+    axis.set_title(f"{title} position embeddings, PCA 3D".strip())
+    written.append(out_dir / "position_pca_3d.png")
+    figure.savefig(written[-1], dpi=120, bbox_inches="tight")
+    plt.close(figure)
+
+    normalized = embeddings / np.maximum(np.linalg.norm(embeddings, axis=1, keepdims=True), 1e-12)
+    similarity = (normalized @ normalized.T).reshape(rows, cols, rows, cols)
+    figure, axes = plt.subplots(rows, cols, figsize=(min(1.0 * cols, 14), min(1.0 * rows, 14)), squeeze=False)
+    for r in range(rows):
+        for c in range(cols):
+            axes[r][c].imshow(similarity[r, c], vmin=-1, vmax=1, cmap="viridis")
+            axes[r][c].set_xticks([])
+            axes[r][c].set_yticks([])
+    figure.suptitle(f"{title} cosine similarity of position embeddings".strip())
+    written.append(out_dir / "position_similarity.png")
+    figure.savefig(written[-1], dpi=100, bbox_inches="tight")
+    plt.close(figure)
+
+    try:
+        import umap
+    except ImportError:
+        return written
+    neighbors = max(2, min(15, rows * cols - 1))
+    reduced = umap.UMAP(n_neighbors=neighbors, random_state=0).fit_transform(embeddings)
+    figure, axis = plt.subplots(figsize=(6, 5.5))
+    points = axis.scatter(reduced[:, 0], reduced[:, 1], c=row, cmap="viridis", s=28)
+    figure.colorbar(points, ax=axis, label="row")
+    axis.set_title(f"{title} position embeddings, UMAP".strip())
+    written.append(out_dir / "position_umap.png")
+    figure.savefig(written[-1], dpi=120, bbox_inches="tight")
+    plt.close(figure)
+    return written
+
+
+@torch.no_grad()
+def last_layer_attention(model: nn.Module, images: torch.Tensor) -> torch.Tensor:
+    """The last block's attention probabilities ``[B, heads, T, T]`` (T tokens, prefix tokens first) of a timm
+    ViT on normalized ``images``. The block runs its unfused path for this one forward, so the probabilities exist.
+    """
+    blocks = getattr(model, "blocks", None)
+    if blocks is None or len(blocks) == 0 or not hasattr(blocks[-1], "attn"):
+        raise ValueError(f"{type(model).__name__} has no transformer blocks with attention to plot")
+    attention = blocks[-1].attn
+    if not hasattr(attention, "attn_drop") or not hasattr(attention, "fused_attn"):
+        raise ValueError(f"{type(attention).__name__} does not expose its attention probabilities")
+    captured: list[torch.Tensor] = []
+    handle = attention.attn_drop.register_forward_hook(lambda module, inputs, output: captured.append(output))
+    fused = attention.fused_attn
+    attention.fused_attn = False
+    was_training = model.training
+    model.eval()
+    try:
+        model.forward_features(images)
+    finally:
+        attention.fused_attn = fused
+        handle.remove()
+        model.train(was_training)
+    if not captured:
+        raise ValueError("the last block's attention did not run its unfused path")
+    return captured[-1].float()
+
+
+def plot_attention_maps(
+    model: nn.Module, images: torch.Tensor, pictures: torch.Tensor, out_path: str | Path, *, title: str = ""
+) -> Path:
+    """Writes one row per image: the picture, then the class token's attention to the patches for each head.
+
+    Args:
+        images: normalized model input ``[B, 3, H, W]``. pictures: the same images for display, ``[B, 3, H, W]``
+            in [0, 1].
+    """
+    plt = _pyplot()
+    probabilities = last_layer_attention(model, images)  # [B, heads, T, T]
+    rows, cols = (int(size) for size in model.patch_embed.grid_size)
+    prefix = int(getattr(model, "num_prefix_tokens", 1))
+    # the class token's row (or, without one, the mean over tokens) to the patch tokens
+    query = probabilities[:, :, 0] if prefix > 0 else probabilities.mean(dim=2)
+    maps = query[:, :, prefix:].reshape(query.shape[0], query.shape[1], rows, cols).cpu().numpy()
+    batch, heads = maps.shape[:2]
+    figure, axes = plt.subplots(batch, heads + 1, figsize=(1.6 * (heads + 1), 1.6 * batch), squeeze=False)
+    for b in range(batch):
+        axes[b][0].imshow(pictures[b].permute(1, 2, 0).clamp(0, 1).cpu().numpy())
+        for h in range(heads):
+            axes[b][h + 1].imshow(maps[b, h], cmap="inferno")
+            if b == 0:
+                axes[b][h + 1].set_title(f"head {h + 1}", fontsize=8)
+        for axis in axes[b]:
+            axis.set_xticks([])
+            axis.set_yticks([])
+    figure.suptitle(f"{title} last-layer attention of the class token".strip(), fontsize=9)
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(out_path, dpi=110, bbox_inches="tight")
+    plt.close(figure)
+    return out_path

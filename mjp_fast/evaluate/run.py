@@ -1,0 +1,320 @@
+"""``mjp eval``: everything the paper measures, on one checkpoint (and optionally a baseline checkpoint).
+
+    results = evaluate_checkpoint("runs/x/mjp/last.pt", corruptions=["all"], baseline="runs/x/baseline/last.pt")
+
+Measures top-1/top-5, consistency and diff-norm (:mod:`mjp_fast.evaluate.metrics`), position regression
+(:mod:`mjp_fast.evaluate.position`), plots (:mod:`mjp_fast.evaluate.plots`) and, on request, the error under
+common corruptions with each corruption's CE and the mCE relative to the baseline
+(:mod:`mjp_fast.evaluate.corruptions`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from mjp_fast.evaluate.corruptions import CORRUPTIONS, SEVERITIES, corrupt, corruption_errors, resolve_corruptions
+from mjp_fast.evaluate.metrics import evaluate_model, resolve_jigsaw_mode
+from mjp_fast.evaluate.plots import plot_attention_maps, plot_position_embeddings
+from mjp_fast.evaluate.position import model_position_regression, patch_position_embeddings
+from mjp_fast.train.checkpoint import load_model
+from mjp_fast.train.config import FIELDS, ConfigError, TrainConfig, build_config
+from mjp_fast.train.data import build_datasets, default_workers, draw_seed, eval_loader, eval_transform
+from mjp_fast.train.loop import amp_dtype, resolve_device
+from mjp_fast.train.models import input_size
+
+REQUIRED_KEYS = ("top1", "top5", "consistency", "diff_norm", "pos_mae_1d", "pos_mae_2d")
+
+
+def checkpoint_config(checkpoint: dict[str, Any]) -> TrainConfig:
+    """The run's config from a checkpoint (keys this version does not know are dropped)."""
+    saved = checkpoint.get("config") or {}
+    return build_config({key: value for key, value in saved.items() if key in FIELDS})
+
+
+def _progress_bar(total: int, description: str, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="img", unit_scale=True, desc=description, leave=False, dynamic_ncols=True)
+
+
+class _Evaluator:
+    """One model with its data: the clean pass and the corrupted passes."""
+
+    def __init__(self, model: nn.Module, loader, *, device, mean, std, dtype, show_progress: bool) -> None:
+        self.model, self.loader, self.device = model, loader, device
+        self.mean, self.std, self.dtype = mean, std, dtype
+        self.show_progress = show_progress
+        self.images = len(loader.dataset)
+
+    def run(self, description: str, **kwargs: Any) -> dict[str, Any]:
+        bar = _progress_bar(self.images, description, self.show_progress)
+        try:
+            return evaluate_model(
+                self.model,
+                self.loader,
+                device=self.device,
+                mean=self.mean,
+                std=self.std,
+                amp_dtype=self.dtype,
+                criterion=nn.CrossEntropyLoss(),
+                progress=bar.update if bar is not None else None,
+                **kwargs,
+            )
+        finally:
+            if bar is not None:
+                bar.close()
+
+    def corruption_errors(self, names: list[str], severities: Sequence[int], seed: int) -> dict[str, list[float]]:
+        errors: dict[str, list[float]] = {}
+        generator_device = self.device if self.device.type == "cuda" else torch.device("cpu")
+        for name in names:
+            errors[name] = []
+            for severity in severities:
+                corrupt_batch = _BatchCorruption(name, severity, seed, generator_device)
+
+                result = self.run(f"{name} {severity}", ratio=0.0, jigsaw="none", corrupt=corrupt_batch)
+                errors[name].append(100.0 - result["top1"])
+        return errors
+
+
+class _BatchCorruption:
+    """``corrupt(images, batch_index)`` for one corruption and severity, seeded by (seed, corruption, severity,
+    batch): every model sees the same corrupted images."""
+
+    def __init__(self, name: str, severity: int, seed: int, device: torch.device) -> None:
+        self.name, self.severity, self.seed, self.device = name, severity, seed, device
+
+    def __call__(self, images: torch.Tensor, batch_index: int) -> torch.Tensor:
+        generator = torch.Generator(device=self.device)
+        corruption_index = list(CORRUPTIONS).index(self.name)
+        generator.manual_seed(draw_seed(self.seed, corruption_index, self.severity, batch_index))
+        return corrupt(images, self.name, self.severity, generator)
+
+
+def evaluate_checkpoint(
+    checkpoint: str | Path,
+    *,
+    data: str | None = None,
+    split: str = "auto",
+    baseline: str | Path | None = None,
+    ratio: float = 0.5,
+    seed: int = 0,
+    jigsaw: str = "auto",
+    batch_size: int = 128,
+    workers: int | None = None,
+    device: str = "auto",
+    amp: str = "auto",
+    max_images: int | None = None,
+    corruptions: Sequence[str] = (),
+    severities: Sequence[int] = SEVERITIES,
+    plots: str | Path | None = None,
+    attention_images: int = 4,
+    folds: int = 5,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """Evaluates a checkpoint of ``mjp train``; returns the results (see ``mjp eval --help``).
+
+    Raises:
+        ConfigError: a bad path or value.
+    """
+    if not 0.0 <= ratio <= 1.0:
+        raise ConfigError(f"--ratio must be in [0, 1], got {ratio}")
+    if any(severity not in SEVERITIES for severity in severities):
+        raise ConfigError(f"severities must be in 1..5, got {list(severities)}")
+    try:
+        names = resolve_corruptions(list(corruptions))
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    torch_device = resolve_device(device)
+    model, state = load_model(checkpoint, torch_device)
+    config = checkpoint_config(state)
+    if data is not None:
+        config = config.replace(data=str(data), dataset="folder")
+    config = config.replace(val_split=split, max_val_samples=max_images)
+    _, val_set, classes = build_datasets(config, need_train=False)
+    num_classes = getattr(model, "num_classes", None)
+    if num_classes is not None and num_classes != len(classes):
+        raise ConfigError(
+            f"the model has {num_classes} classes but the data has {len(classes)} ({config.data or 'digits'})"
+        )
+    img_size = input_size(model)
+    crop_pct = config.crop_pct if config.crop_pct is not None else 0.875
+    val_set.transform = eval_transform(img_size, config.interpolation, crop_pct)
+    if hasattr(val_set, "dataset"):
+        val_set.dataset.transform = val_set.transform
+    loader = eval_loader(
+        val_set,
+        batch_size,
+        workers if workers is not None else default_workers(1),
+        pin_memory=torch_device.type == "cuda",
+    )
+    mean = torch.tensor(config.mean if config.mean is not None else (0.485, 0.456, 0.406))
+    std = torch.tensor(config.std if config.std is not None else (0.229, 0.224, 0.225))
+    dtype = amp_dtype(config.replace(amp=amp), torch_device)
+    try:
+        mode = resolve_jigsaw_mode(model, jigsaw)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+
+    evaluator = _Evaluator(model, loader, device=torch_device, mean=mean, std=std, dtype=dtype, show_progress=progress)
+    clean = evaluator.run("clean", ratio=ratio, seed=seed, jigsaw=mode)
+    regression = model_position_regression(model, folds=folds)
+    results: dict[str, Any] = {
+        "checkpoint": str(checkpoint),
+        "model_name": state["model_name"],
+        "mjp": bool(config.mjp),
+        "data": config.data or "digits",
+        "images": clean["images"],
+        "top1": clean["top1"],
+        "top5": clean["top5"],
+        "loss": clean["loss"],
+        "consistency": clean["consistency"],
+        "diff_norm": clean["diff_norm"],
+        "eval_ratio": ratio,
+        "eval_seed": seed,
+        "jigsaw": mode if ratio > 0 else "none",
+        "pos_mae_1d": regression["mae_1d"] if regression else None,
+        "pos_mae_2d": regression["mae_2d"] if regression else None,
+        "position_regression": regression,
+        "epoch": state.get("epoch"),
+    }
+
+    if names:
+        errors = evaluator.corruption_errors(names, severities, seed)
+        corruption: dict[str, Any] = {
+            "severities": list(severities),
+            "error": errors,
+            "mean_error": {name: sum(values) / len(values) for name, values in errors.items()},
+        }
+        if baseline is not None:
+            baseline_model, baseline_state = load_model(baseline, torch_device)
+            baseline_config = checkpoint_config(baseline_state)
+            baseline_mean = torch.tensor(baseline_config.mean or mean.tolist())
+            baseline_std = torch.tensor(baseline_config.std or std.tolist())
+            if input_size(baseline_model) != img_size:
+                raise ConfigError(
+                    f"the baseline takes {input_size(baseline_model)}px images, the model {img_size}px: "
+                    "mCE needs both on the same images"
+                )
+            other = _Evaluator(
+                baseline_model,
+                loader,
+                device=torch_device,
+                mean=baseline_mean,
+                std=baseline_std,
+                dtype=dtype,
+                show_progress=progress,
+            )
+            baseline_errors = other.corruption_errors(names, severities, seed)
+            relative = corruption_errors(errors, baseline_errors)
+            corruption.update(
+                baseline=str(baseline), baseline_error=baseline_errors, ce=relative["ce"], mce=relative["mce"]
+            )
+            results["mce"] = relative["mce"]
+        else:
+            # Without a baseline, the mean corruption error itself (the unnormalized mCE).
+            corruption["mce"] = None
+            results["mce"] = None
+        results["mean_corruption_error"] = sum(corruption["mean_error"].values()) / len(names)
+        results["corruptions"] = corruption
+
+    if plots is not None:
+        results["plots"] = [str(path) for path in _write_plots(model, loader, Path(plots), mean, std, attention_images)]
+    return results
+
+
+def _write_plots(model, loader, out_dir: Path, mean, std, attention_images: int) -> list[Path]:
+    written: list[Path] = []
+    found = patch_position_embeddings(model)
+    if found is not None:
+        embeddings, grid = found
+        written += plot_position_embeddings(embeddings, grid, out_dir)
+    if attention_images > 0 and hasattr(model, "blocks"):
+        device = next(model.parameters()).device
+        pictures = []
+        for images, _ in loader:
+            pictures.append(images)
+            if sum(len(batch) for batch in pictures) >= attention_images:
+                break
+        pictures = torch.cat(pictures)[:attention_images].to(device)
+        pictures = pictures.float() / 255.0 if pictures.dtype == torch.uint8 else pictures.float()
+        normalized = (pictures - mean.to(device).view(1, -1, 1, 1)) / std.to(device).view(1, -1, 1, 1)
+        try:
+            written.append(plot_attention_maps(model, normalized, pictures, out_dir / "attention.png"))
+        except ValueError as error:
+            print(f"mjp eval: no attention plot: {error}", file=sys.stderr)
+    return written
+
+
+def _number(value: Any, pattern: str = "{:.2f}") -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return pattern.format(value)
+
+
+def results_table(results: dict[str, Any]) -> str:
+    """The headline numbers, then the corruption table, as Markdown."""
+    lines = [
+        "| metric | value |",
+        "|---|---|",
+        f"| top-1 (%) | {_number(results['top1'])} |",
+        f"| top-5 (%) | {_number(results['top5'])} |",
+        f"| consistency (%), ratio {results['eval_ratio']}, {results['jigsaw']} | {_number(results['consistency'])} |",
+        f"| diff-norm | {_number(results['diff_norm'], '{:.3f}')} |",
+        f"| position MAE 1D (cells) | {_number(results['pos_mae_1d'], '{:.3f}')} |",
+        f"| position MAE 2D (cells) | {_number(results['pos_mae_2d'], '{:.3f}')} |",
+    ]
+    corruption = results.get("corruptions")
+    if corruption:
+        lines += [
+            "",
+            "| corruption | " + " | ".join(f"error s{s}" for s in corruption["severities"]) + " | mean | CE |",
+        ]
+        lines.append("|---|" + "---|" * (len(corruption["severities"]) + 2))
+        for name, errors in corruption["error"].items():
+            ce = corruption.get("ce", {}).get(name)
+            cells = " | ".join(_number(error) for error in errors)
+            lines.append(f"| {name} | {cells} | {_number(corruption['mean_error'][name])} | {_number(ce)} |")
+        lines.append(f"\nmean corruption error: {_number(results['mean_corruption_error'])}")
+        if corruption.get("mce") is not None:
+            lines.append(f"mCE relative to {corruption['baseline']}: {_number(corruption['mce'])}")
+    if results.get("plots"):
+        lines.append("\nplots: " + ", ".join(results["plots"]))
+    return "\n".join(lines)
+
+
+def write_json(results: dict[str, Any], path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.tmp")
+    temporary.write_text(json.dumps(_finite(results), indent=2, allow_nan=False, default=_json_default) + "\n")
+    os.replace(temporary, path)
+    return path
+
+
+def _finite(value: Any) -> Any:
+    """NaN and infinities become None (null): JSON has no such numbers."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(item) for item in value]
+    return value
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"not JSON serializable: {type(value).__name__}")

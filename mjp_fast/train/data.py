@@ -1,0 +1,294 @@
+"""Datasets, transforms and loaders of ``mjp train`` and ``mjp eval``.
+
+Datasets: an ImageFolder tree ``<root>/<split>/<class>/<image>`` (ImageNet's layout, and the CIFAR-10/100 folders),
+or scikit-learn's digits (1,797 8x8 glyphs that ship inside scikit-learn: the embedded default needs no download).
+
+Transforms are timm's (``create_transform``): the training one with RandAugment, random erasing and the rest of the
+recipe; the evaluation one resizes and center-crops and returns uint8 tensors, so corruptions can be applied to
+the pixels before the loop normalizes them on the device.
+
+Reproducibility: every sample a training epoch draws gets its own seed from ``(seed, rank, epoch, position in the
+epoch)``, set before its transform runs. Augmentations are then a pure function of those four numbers, whatever
+the number of loader workers, and a run resumed in the middle of an epoch draws exactly what it would have drawn.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+from timm.data import ImageDataset, create_transform
+from timm.data.distributed_sampler import OrderedDistributedSampler, RepeatAugSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, Subset
+
+from mjp_fast.train.config import ConfigError, TrainConfig
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
+VAL_SPLIT_NAMES = ("val", "validation", "test")
+DIGITS_VAL_FRACTION = 0.2
+
+
+def draw_seed(*numbers: int) -> int:
+    """A 32-bit seed that mixes ``numbers`` (seed, rank, epoch, position...); distinct inputs give unrelated seeds."""
+    return int(np.random.SeedSequence([int(number) for number in numbers]).generate_state(1)[0])
+
+
+def seed_everything(seed: int) -> None:
+    """Seeds Python's, NumPy's and torch's global generators (CUDA's too, when initialized)."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+class DigitsDataset(Dataset):
+    """scikit-learn's handwritten digits (8x8 glyphs, 10 classes) as RGB PIL images; a fixed stratified split.
+
+    Args:
+        split: ``"train"`` (80 %, 1,437 images) or ``"val"`` (20 %, 360 images).
+    """
+
+    def __init__(self, split: str = "train", transform: Any = None) -> None:
+        from sklearn.datasets import load_digits
+        from sklearn.model_selection import train_test_split
+
+        if split not in ("train", "val"):
+            raise ValueError(f"split must be train or val, got {split!r}")
+        digits = load_digits()
+        images = np.round(digits.images * (255.0 / 16.0)).astype(np.uint8)
+        indices = np.arange(len(images))
+        train_index, val_index = train_test_split(
+            indices, test_size=DIGITS_VAL_FRACTION, random_state=0, stratify=digits.target
+        )
+        chosen = np.sort(train_index if split == "train" else val_index)
+        self.images = images[chosen]
+        self.targets = [int(target) for target in digits.target[chosen]]
+        self.classes = [str(digit) for digit in range(10)]
+        self.transform = transform
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def __getitem__(self, index: int) -> tuple[Any, int]:
+        image = Image.fromarray(self.images[index], mode="L").convert("RGB")
+        if self.transform is not None:
+            image = self.transform(image)
+        return image, self.targets[index]
+
+
+def _class_folders(split_dir: Path) -> list[str]:
+    return sorted(entry.name for entry in split_dir.iterdir() if entry.is_dir() and not entry.name.startswith("."))
+
+
+def resolve_split(root: str | Path, split: str, *, validation: bool = False) -> Path:
+    """The folder of ``split`` under ``root``; ``auto`` (validation only) tries val, validation, test."""
+    root = Path(root)
+    if not root.is_dir():
+        raise ConfigError(f"data folder {str(root)!r} does not exist")
+    candidates = VAL_SPLIT_NAMES if (validation and split == "auto") else (split,)
+    for name in candidates:
+        if (root / name).is_dir():
+            return root / name
+    expected = " or ".join(f"{root}/{name}" for name in candidates)
+    raise ConfigError(f"data folder {str(root)!r} has no {expected} folder (expected <data>/<split>/<class>/<image>)")
+
+
+def folder_dataset(split_dir: Path, classes: list[str] | None = None) -> ImageDataset:
+    """An ImageFolder dataset; refuses an empty split or one whose classes differ from ``classes``."""
+    found = _class_folders(split_dir)
+    if not found:
+        raise ConfigError(f"data folder {str(split_dir)!r} has no class folders (expected <split>/<class>/<image>)")
+    if classes is not None and found != classes:
+        missing = sorted(set(classes) - set(found))
+        extra = sorted(set(found) - set(classes))
+        raise ConfigError(
+            f"data folder {str(split_dir)!r} has other classes than the training split "
+            f"(missing: {missing[:5]}, extra: {extra[:5]})"
+        )
+    class_map = {name: index for index, name in enumerate(classes or found)}
+    dataset = ImageDataset(str(split_dir), class_map=class_map)
+    if len(dataset) == 0:
+        raise ConfigError(f"data folder {str(split_dir)!r} holds no images ({', '.join(IMAGE_EXTENSIONS)})")
+    dataset.classes = list(class_map)
+    return dataset
+
+
+def fixed_subset(dataset: Dataset, size: int | None) -> Dataset:
+    """The first ``size`` samples of a fixed shuffle of ``dataset`` (so a subset of a class-sorted folder still
+    holds every class); the whole dataset when ``size`` is None or not smaller."""
+    if size is None or size >= len(dataset):
+        return dataset
+    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(0))[:size]
+    subset = Subset(dataset, sorted(order.tolist()))
+    subset.classes = dataset.classes
+    return subset
+
+
+def build_datasets(config: TrainConfig, *, need_train: bool = True) -> tuple[Dataset | None, Dataset, list[str]]:
+    """(training set or None, validation set, class names), without transforms. Raises ConfigError."""
+    if config.dataset_kind == "digits":
+        train = DigitsDataset("train") if need_train else None
+        val = DigitsDataset("val")
+        classes = val.classes
+    else:
+        root = Path(config.data)
+        if need_train:
+            train = folder_dataset(resolve_split(root, config.train_split))
+            classes = train.classes
+        else:
+            train = None
+            classes = None
+        val = folder_dataset(resolve_split(root, config.val_split, validation=True), classes)
+        classes = val.classes
+    if train is not None:
+        train = fixed_subset(train, config.max_train_samples)
+    val = fixed_subset(val, config.max_val_samples)
+    return train, val, classes
+
+
+def _set_transform(dataset: Dataset, transform: Any) -> None:
+    base = dataset.dataset if isinstance(dataset, Subset) else dataset
+    base.transform = transform
+
+
+def train_transform(config: TrainConfig, img_size: int, mean: tuple, std: tuple) -> Any:
+    """timm's training transform with the config's augmentations, normalized float output."""
+    return create_transform(
+        img_size,
+        is_training=True,
+        scale=tuple(config.scale),
+        hflip=config.hflip,
+        color_jitter=config.color_jitter,
+        auto_augment=config.auto_augment,
+        interpolation=config.interpolation,
+        mean=mean,
+        std=std,
+        re_prob=config.reprob,
+        re_mode=config.remode,
+        re_count=config.recount,
+    )
+
+
+def eval_transform(img_size: int, interpolation: str, crop_pct: float) -> Any:
+    """timm's evaluation transform (resize, center crop) returning uint8 ``[3, H, W]`` tensors, not normalized."""
+    return create_transform(
+        img_size, is_training=False, interpolation=interpolation, crop_pct=crop_pct, normalize=False
+    )
+
+
+class SeededDataset(Dataset):
+    """Wraps a dataset whose indices come as ``(index, seed)``: the seed is set before the sample's transform."""
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, item: tuple[int, int]) -> Any:
+        index, seed = item
+        random.seed(seed)
+        np.random.seed(seed)
+        torch.default_generator.manual_seed(seed)  # the CPU generator only: transforms run on the CPU
+        return self.dataset[index]
+
+
+class SeededEpochSampler(Sampler):
+    """Yields ``(index, seed)`` for the indices of ``inner`` (a distributed or repeated-augmentation sampler) in
+    the current epoch, skipping the first ``start`` (to resume within an epoch)."""
+
+    def __init__(self, inner: Sampler, seed: int, rank: int) -> None:
+        self.inner, self.seed, self.rank = inner, seed, rank
+        self.epoch, self.start = 0, 0
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        self.epoch, self.start = epoch, start
+        # RepeatAugSampler shuffles with the epoch alone: fold the run's seed in, so seeds give different orders.
+        offset = self.seed * 1_000_003 if isinstance(self.inner, RepeatAugSampler) else 0
+        self.inner.set_epoch(epoch + offset)
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        for position, index in enumerate(self.inner):
+            if position >= self.start:
+                yield index, draw_seed(self.seed, self.rank, self.epoch, position)
+
+    def __len__(self) -> int:
+        return max(len(self.inner) - self.start, 0)
+
+
+def default_workers(world_size: int) -> int:
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(0, min(8, cpus // max(world_size, 1)))
+
+
+def train_loader(
+    config: TrainConfig, dataset: Dataset, *, rank: int, world_size: int, pin_memory: bool
+) -> tuple[DataLoader, SeededEpochSampler]:
+    """The training loader (drop_last, so every step has the same batch) and its sampler."""
+    if config.repeated_aug:
+        inner = RepeatAugSampler(dataset, num_replicas=world_size, rank=rank, num_repeats=config.aug_repeats)
+    else:
+        inner = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=config.seed)
+    if len(inner) < config.batch_size:
+        raise ConfigError(
+            f"the training set gives {len(inner)} samples per rank and epoch, fewer than batch_size "
+            f"{config.batch_size}: lower batch_size or use more data"
+        )
+    sampler = SeededEpochSampler(inner, config.seed, rank)
+    workers = config.workers if config.workers is not None else default_workers(world_size)
+    loader = DataLoader(
+        SeededDataset(dataset),
+        batch_size=config.batch_size,
+        sampler=sampler,
+        num_workers=workers,
+        pin_memory=pin_memory,
+        drop_last=True,
+        persistent_workers=workers > 0,
+    )
+    return loader, sampler
+
+
+def eval_loader(
+    dataset: Dataset, batch_size: int, workers: int, *, rank: int = 0, world_size: int = 1, pin_memory: bool = False
+) -> DataLoader:
+    """A sequential loader; with several ranks each gets its own shard (timm's OrderedDistributedSampler)."""
+    sampler = OrderedDistributedSampler(dataset, num_replicas=world_size, rank=rank) if world_size > 1 else None
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        shuffle=False,
+        num_workers=workers,
+        pin_memory=pin_memory,
+        persistent_workers=workers > 0,  # evaluation passes over it many times (corruptions)
+    )
+
+
+def normalize_batch(images: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """uint8 (or [0, 1] float) ``[B, C, H, W]`` -> normalized float32."""
+    if images.dtype == torch.uint8:
+        images = images.float().div_(255.0)
+    return (images - mean.view(1, -1, 1, 1)) / std.view(1, -1, 1, 1)
+
+
+__all__ = [
+    "DigitsDataset",
+    "SeededDataset",
+    "SeededEpochSampler",
+    "build_datasets",
+    "draw_seed",
+    "eval_loader",
+    "eval_transform",
+    "fixed_subset",
+    "folder_dataset",
+    "normalize_batch",
+    "resolve_split",
+    "seed_everything",
+    "train_loader",
+    "train_transform",
+]

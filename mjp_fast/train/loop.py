@@ -1,0 +1,629 @@
+"""The training loop of ``mjp train``: timm's optimizer, schedule, Mixup and losses, with MJP and DAL.
+
+One process per GPU under ``torchrun`` (DDP), or one process on a CPU or GPU:
+
+    torchrun --nproc_per_node=8 -m mjp_fast.cli train --config deit_s.yaml --data /data/imagenet
+
+Per step: mixup/cutmix on the batch, then the model's forward (which jigsaws the batch: MJP comes after mixup, as
+in the paper's code), the classification loss plus ``dal_weight(step) * model.mjp_aux_loss()``, backward, gradient
+clipping, the optimizer step and the schedule. The jigsaw starts at ``mjp_from_epoch`` (default: the end of
+warm-up); the DAL weight decays from ``dal_weight`` to ``dal_weight_end`` along a cosine over the whole run.
+
+Reproducibility and resumption: each step seeds the global generators from ``(seed, rank, epoch, batch)`` (mixup,
+drop-path) and each sample its transform (see :mod:`mjp_fast.train.data`); the jigsaw stream is the model's
+``mjp.sampler`` counter, a buffer in the checkpoint. A run resumed from any checkpoint, at an epoch boundary or
+within an epoch (``checkpoint_steps``), continues exactly as the uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from timm.data import Mixup, resolve_data_config
+from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
+from timm.optim import create_optimizer_v2
+from timm.scheduler import create_scheduler_v2
+from timm.utils import dispatch_clip_grad
+from torch import nn
+
+from mjp_fast.evaluate.metrics import evaluate_model
+from mjp_fast.evaluate.position import model_position_regression
+from mjp_fast.train import checkpoint as checkpoint_io
+from mjp_fast.train.config import ConfigError, TrainConfig, save_config
+from mjp_fast.train.data import (
+    build_datasets,
+    default_workers,
+    draw_seed,
+    eval_loader,
+    eval_transform,
+    seed_everything,
+    train_loader,
+    train_transform,
+)
+from mjp_fast.train.models import create_model, input_size, is_mjp_model, model_spec
+
+LAST_CHECKPOINT = "last.pt"
+BEST_CHECKPOINT = "best.pt"
+CONFIG_FILE = "config.yaml"
+METRICS_FILE = "metrics.jsonl"
+SCHEDULE_KEYS = ("epochs", "sched", "warmup_epochs", "warmup_lr", "min_lr", "cooldown_epochs", "lr")
+FINAL_KEYS = ("top1", "top5", "consistency", "diff_norm", "val_loss", "pos_mae_1d", "pos_mae_2d")
+
+# Called after every optimizer step with (step, epoch, batch_in_epoch); tests use it to interrupt a run.
+AFTER_UPDATE_HOOKS: list[Callable[[int, int, int], None]] = []
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss became NaN or infinite: the run stops (its last checkpoint is the last good state)."""
+
+
+@dataclass
+class RunResult:
+    """What a finished (or already finished) run produced."""
+
+    output: Path
+    checkpoint: Path
+    config: TrainConfig
+    history: list[dict[str, Any]]
+    final: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Distributed:
+    """The process's place in the job: rank, world size, device, and whether it set up the process group."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+    owns_group: bool = False
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"device must be cpu, cuda, cuda:N or auto, got {name!r}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device={name} but torch sees no CUDA GPU")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", local_rank)
+    return device
+
+
+def setup_distributed(config: TrainConfig) -> Distributed:
+    """Joins the ``torchrun`` job when ``WORLD_SIZE > 1`` (NCCL on GPUs, gloo on CPUs); else one process."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = resolve_device(config.device, local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world_size <= 1:
+        return Distributed(device=device)
+    owns = False
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        owns = True
+    return Distributed(dist.get_rank(), dist.get_world_size(), local_rank, device, owns)
+
+
+def _broadcast(value: Any, context: Distributed) -> Any:
+    if context.world_size == 1:
+        return value
+    holder = [value]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
+
+
+def default_output(config: TrainConfig) -> str:
+    name = "digits" if config.dataset_kind == "digits" else Path(str(config.data)).resolve().name or "data"
+    return str(Path("runs") / f"{name}-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}")
+
+
+def dal_weight_at(config: TrainConfig, step: int, total_steps: int) -> float:
+    """The DAL weight after ``step`` of ``total_steps`` optimizer steps: cosine from dal_weight to dal_weight_end."""
+    progress = min(max(step / max(total_steps, 1), 0.0), 1.0)
+    return config.dal_weight_end + (config.dal_weight - config.dal_weight_end) * 0.5 * (
+        1 + math.cos(math.pi * progress)
+    )
+
+
+def amp_dtype(config: TrainConfig, device: torch.device) -> torch.dtype | None:
+    choice = config.amp
+    if choice == "auto":
+        choice = "bf16" if device.type == "cuda" else "none"
+    if choice == "fp16" and device.type != "cuda":
+        raise ConfigError("amp=fp16 needs a CUDA device; use amp=bf16 or amp=none on the CPU")
+    return {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[choice]
+
+
+def _progress_enabled(config: TrainConfig, context: Distributed) -> bool:
+    if not context.is_main or config.progress == "off":
+        return False
+    return config.progress == "on" or sys.stderr.isatty()
+
+
+class _Writers:
+    """Rank 0's outputs: metrics.jsonl and, optionally, TensorBoard."""
+
+    def __init__(self, config: TrainConfig, output: Path, context: Distributed, history: list[dict]) -> None:
+        self.active = context.is_main
+        self.path = output / METRICS_FILE
+        self.board = None
+        if not self.active:
+            return
+        # Rewrite the records the checkpoint knows: a run killed after logging an epoch but before checkpointing
+        # it must not keep the orphan record.
+        temporary = self.path.with_suffix(".jsonl.tmp")
+        temporary.write_text("".join(json.dumps(record) + "\n" for record in history))
+        os.replace(temporary, self.path)
+        if config.tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise ConfigError("tensorboard=true needs the tensorboard package (pip install tensorboard)") from None
+            self.board = SummaryWriter(str(output / "tensorboard"))
+
+    def write(self, record: dict[str, Any]) -> None:
+        if not self.active:
+            return
+        with self.path.open("a") as file:
+            file.write(json.dumps(record) + "\n")
+        if self.board is not None:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key != "epoch":
+                    self.board.add_scalar(key, value, record["epoch"])
+            self.board.flush()
+
+    def close(self) -> None:
+        if self.board is not None:
+            self.board.close()
+
+
+def _say(context: Distributed, message: str) -> None:
+    if context.is_main:
+        print(message, flush=True)
+
+
+def _format_record(record: dict[str, Any], epochs: int) -> str:
+    parts = [f"epoch {record['epoch']:>3}/{epochs}", f"loss {record['train_loss']:.4f}"]
+    if record.get("dal_loss") is not None:
+        parts.append(f"dal {record['dal_loss']:.3f}")
+    parts.append(f"lr {record['lr']:.2e}")
+    if record.get("top1") is not None:
+        parts.append(f"top1 {record['top1']:.2f}")
+    if record.get("consistency") is not None:
+        parts.append(f"consistency {record['consistency']:.2f}")
+    parts.append(f"{record['train_images_per_second']:.0f} img/s")
+    parts.append(f"{record['epoch_seconds']:.1f} s")
+    return "  ".join(parts)
+
+
+def summary_table(history: list[dict[str, Any]], max_rows: int = 12) -> str:
+    """The per-epoch records as a Markdown table (first and last epochs when there are many)."""
+    columns = [
+        ("epoch", "epoch", "{}"),
+        ("train loss", "train_loss", "{:.4f}"),
+        ("lr", "lr", "{:.2e}"),
+        ("top-1", "top1", "{:.2f}"),
+        ("top-5", "top5", "{:.2f}"),
+        ("consistency", "consistency", "{:.2f}"),
+        ("diff-norm", "diff_norm", "{:.3f}"),
+        ("img/s", "train_images_per_second", "{:.0f}"),
+    ]
+    rows = history if len(history) <= max_rows else history[: max_rows // 2] + [None] + history[-max_rows // 2 :]
+    lines = ["| " + " | ".join(title for title, _, _ in columns) + " |", "|" + "---|" * len(columns)]
+    for record in rows:
+        if record is None:
+            lines.append("| ... |" + " |" * (len(columns) - 1))
+            continue
+        cells = []
+        for _, key, pattern in columns:
+            value = record.get(key)
+            cells.append("-" if value is None else pattern.format(value))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _resolve_config(
+    config: TrainConfig, model: nn.Module, data_config: dict, num_classes: int, lr: float
+) -> TrainConfig:
+    return config.replace(
+        num_classes=num_classes,
+        img_size=input_size(model),
+        lr=lr,
+        mean=[float(value) for value in data_config["mean"]],
+        std=[float(value) for value in data_config["std"]],
+        crop_pct=float(data_config["crop_pct"]),
+        mjp_seed=config.seed if config.mjp_seed is None else config.mjp_seed,
+        mjp_from_epoch=config.warmup_epochs if config.mjp_from_epoch is None else config.mjp_from_epoch,
+    )
+
+
+def train(config: TrainConfig, *, resume: bool | str | Path = False) -> RunResult:
+    """Trains one model as ``config`` says; returns its result. See the module docstring.
+
+    Args:
+        resume: False (a new run: its output folder must not hold a run already), True (continue from
+            ``<output>/last.pt``) or a checkpoint path.
+
+    Raises:
+        ConfigError: a bad config value or path. TrainingDiverged: a NaN or infinite loss.
+    """
+    config.validate()
+    context = setup_distributed(config)
+    try:
+        return _train(config, context, resume)
+    finally:
+        if context.owns_group:
+            dist.destroy_process_group()
+
+
+def _train(config: TrainConfig, context: Distributed, resume: bool | str | Path) -> RunResult:
+    output = Path(_broadcast(config.output or default_output(config), context))
+    config = config.replace(output=str(output))
+    last_path = output / LAST_CHECKPOINT
+    state = None
+    if resume:
+        resume_path = last_path if resume is True else Path(resume)
+        if resume is True and not resume_path.exists():
+            raise ConfigError(f"nothing to resume: {str(resume_path)!r} does not exist")
+        state = checkpoint_io.load_checkpoint(resume_path)
+    elif last_path.exists():
+        raise ConfigError(
+            f"output folder {str(output)!r} already holds a run ({LAST_CHECKPOINT}); pass --resume to continue it "
+            "or choose another --output"
+        )
+    if state is not None and state.get("finished") and state.get("epoch", 0) >= config.epochs + config.cooldown_epochs:
+        _say(context, f"{output}: this run finished already ({config.epochs} epochs); nothing to do")
+        history = list(state.get("metrics", []))
+        return RunResult(output, last_path, config, history, state.get("final", {}))
+
+    device = context.device
+    if config.threads is not None:
+        torch.set_num_threads(config.threads)
+    seed_everything(draw_seed(config.seed, context.rank))
+    train_set, val_set, classes = build_datasets(config)
+    num_classes = config.num_classes or len(classes)
+    model_name, model_kwargs = model_spec(config, num_classes)
+    model = create_model(model_name, model_kwargs)
+    if config.mjp and not is_mjp_model(model):  # pragma: no cover - model_spec always names an MJP model
+        raise ConfigError(f"model {model_name} is not an MJP model")
+    data_config = resolve_data_config(
+        {
+            key: value
+            for key, value in {"mean": config.mean, "std": config.std, "crop_pct": config.crop_pct}.items()
+            if value is not None
+        },
+        model=model,
+    )
+    if len(data_config["mean"]) == 1:
+        data_config["mean"], data_config["std"] = data_config["mean"] * 3, data_config["std"] * 3
+    img_size = input_size(model)
+    global_batch = config.batch_size * context.world_size * config.accum_steps
+    lr = config.lr if config.lr is not None else config.lr_base * global_batch / 512
+    config = _resolve_config(config, model, data_config, num_classes, lr)
+
+    _set_transform(train_set, train_transform(config, img_size, tuple(config.mean), tuple(config.std)))
+    _set_transform(val_set, eval_transform(img_size, config.interpolation, config.crop_pct))
+    pin = device.type == "cuda"
+    loader, sampler = train_loader(config, train_set, rank=context.rank, world_size=context.world_size, pin_memory=pin)
+    workers = config.workers if config.workers is not None else default_workers(context.world_size)
+    val_loader = eval_loader(
+        val_set,
+        config.eval_batch_size or 2 * config.batch_size,
+        workers,
+        rank=context.rank,
+        world_size=context.world_size,
+        pin_memory=pin,
+    )
+
+    model.to(device)
+    bare = model
+    optimizer_kwargs: dict[str, Any] = {"momentum": config.momentum}
+    if config.opt_eps is not None:
+        optimizer_kwargs["eps"] = config.opt_eps
+    try:
+        optimizer = create_optimizer_v2(
+            bare, opt=config.opt, lr=lr, weight_decay=config.weight_decay, **optimizer_kwargs
+        )
+    except (ValueError, AssertionError, TypeError) as error:
+        raise ConfigError(f"opt={config.opt!r}: {str(error).splitlines()[0]}") from None
+    batches_per_epoch = len(loader)
+    updates_per_epoch = math.ceil(batches_per_epoch / config.accum_steps)
+    try:
+        scheduler, total_epochs = create_scheduler_v2(
+            optimizer,
+            sched=config.sched,
+            num_epochs=config.epochs,
+            warmup_epochs=config.warmup_epochs,
+            warmup_lr=config.warmup_lr,
+            min_lr=config.min_lr,
+            cooldown_epochs=config.cooldown_epochs,
+            step_on_epochs=False,
+            updates_per_epoch=updates_per_epoch,
+        )
+    except (ValueError, AssertionError) as error:
+        raise ConfigError(f"sched={config.sched!r}: {str(error).splitlines()[0]}") from None
+    total_steps = updates_per_epoch * total_epochs
+    dtype = amp_dtype(config, device)
+    scaler = torch.amp.GradScaler("cuda") if dtype == torch.float16 else None
+
+    mixup = None
+    if config.mixing:
+        mixup = Mixup(
+            mixup_alpha=config.mixup,
+            cutmix_alpha=config.cutmix,
+            prob=config.mixup_prob,
+            switch_prob=config.mixup_switch_prob,
+            mode=config.mixup_mode,
+            label_smoothing=config.smoothing,
+            num_classes=num_classes,
+        )
+        criterion: nn.Module = SoftTargetCrossEntropy()
+    elif config.smoothing > 0:
+        criterion = LabelSmoothingCrossEntropy(smoothing=config.smoothing)
+    else:
+        criterion = nn.CrossEntropyLoss()
+    eval_criterion = nn.CrossEntropyLoss()
+
+    start_epoch, start_batch, step = 0, 0, 0
+    history: list[dict[str, Any]] = []
+    running: dict[str, float] | None = None
+    if state is not None:
+        if state["model_name"] != model_name:
+            raise ConfigError(f"the checkpoint holds {state['model_name']}, this config builds {model_name}")
+        bare.load_state_dict(state["state_dict"])
+        optimizer.load_state_dict(state["optimizer"])
+        saved_config = state.get("config") or {}
+        same_schedule = all(saved_config.get(key) == getattr(config, key) for key in SCHEDULE_KEYS)
+        if scheduler is not None and state.get("scheduler") is not None and same_schedule:
+            scheduler.load_state_dict(state["scheduler"])
+        elif not same_schedule:
+            _say(context, f"the schedule changed ({', '.join(SCHEDULE_KEYS)}): it continues as the new config says")
+        if scaler is not None and state.get("scaler") is not None:
+            scaler.load_state_dict(state["scaler"])
+        start_epoch, start_batch, step = state["epoch"], state.get("batch_in_epoch", 0), state["step"]
+        history = list(state.get("metrics", []))
+        running = state.get("running")
+        if state.get("rng") is not None:
+            checkpoint_io.restore_rng_states(state["rng"])
+        if start_batch >= batches_per_epoch:
+            start_epoch, start_batch, running = start_epoch + 1, 0, None
+        _say(context, f"resuming {output} at epoch {start_epoch + 1}, batch {start_batch}, step {step}")
+
+    forward_model: nn.Module = bare
+    if config.compile:
+        forward_model = torch.compile(forward_model)
+    ddp = context.world_size > 1
+    if ddp:
+        forward_model = nn.parallel.DistributedDataParallel(
+            forward_model, device_ids=[device.index] if device.type == "cuda" else None
+        )
+
+    if context.is_main:
+        output.mkdir(parents=True, exist_ok=True)
+        save_config(config, output / CONFIG_FILE)
+    writers = _Writers(config, output, context, history)
+    dal_on = config.mjp and config.mjp_dal != "none"
+    unk = getattr(getattr(bare, "mjp", None), "unk_embed", None)
+    best_top1 = max((record["top1"] for record in history if record.get("top1") is not None), default=-1.0)
+    show_progress = _progress_enabled(config, context)
+    if state is None:
+        params = sum(parameter.numel() for parameter in bare.parameters())
+        _say(
+            context,
+            f"mjp train: {model_name} ({params / 1e6:.2f} M parameters, {img_size}px, {num_classes} classes) on "
+            f"{len(train_set)} training / {len(val_set)} validation images; {total_epochs} epochs x "
+            f"{updates_per_epoch} steps, global batch {global_batch}, lr {lr:.2e}, {device}"
+            f"{f' x {context.world_size}' if ddp else ''}; output {output}",
+        )
+
+    def save(
+        epoch: int,
+        batch_in_epoch: int,
+        running_sums: dict[str, float] | None,
+        finished: bool = False,
+        best: bool = False,
+    ) -> None:
+        if not context.is_main:
+            return
+        payload = {
+            "model_name": model_name,
+            "model_kwargs": model_kwargs,
+            "state_dict": bare.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "scaler": scaler.state_dict() if scaler is not None else None,
+            "epoch": epoch,
+            "batch_in_epoch": batch_in_epoch,
+            "step": step,
+            "finished": finished,
+            "rng": checkpoint_io.rng_states(),
+            "config": config.to_dict(),
+            "metrics": history,
+            "running": running_sums,
+            "final": final,
+            "mjp_fast_version": _version(),
+        }
+        checkpoint_io.save_atomically(payload, last_path)
+        if best:
+            checkpoint_io.save_atomically(payload, output / BEST_CHECKPOINT)
+
+    final: dict[str, Any] = {}
+    try:
+        for epoch in range(start_epoch, total_epochs):
+            if is_mjp_model(bare):
+                bare.mjp.sampler.prob = config.mjp_prob if epoch >= config.mjp_from_epoch else 0.0
+            first_batch = start_batch if epoch == start_epoch else 0
+            sampler.set_epoch(epoch, start=first_batch * config.batch_size)
+            sums = dict(running) if (running and epoch == start_epoch) else {"loss": 0.0, "dal": 0.0, "samples": 0.0}
+            running = None
+            forward_model.train()
+            started = time.perf_counter()
+            epoch_images = 0
+            bar = None
+            if show_progress:
+                from tqdm import tqdm
+
+                bar = tqdm(
+                    total=(batches_per_epoch - first_batch) * config.batch_size * context.world_size,
+                    unit="img",
+                    unit_scale=True,
+                    desc=f"epoch {epoch + 1}/{total_epochs}",
+                    leave=False,
+                    dynamic_ncols=True,
+                )
+            for batch_index, (images, targets) in enumerate(loader, start=first_batch):
+                seed_everything(draw_seed(config.seed, context.rank, epoch, batch_index, 1))
+                images = images.to(device, non_blocking=True)
+                targets = targets.to(device, non_blocking=True)
+                if mixup is not None:
+                    images, targets = mixup(images, targets)
+                boundary = (batch_index + 1) % config.accum_steps == 0 or batch_index + 1 == batches_per_epoch
+                weight = dal_weight_at(config, step, total_steps)
+                sync = contextlib.nullcontext() if (boundary or not ddp) else forward_model.no_sync()
+                with sync:
+                    with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+                        logits = forward_model(images)
+                        loss = criterion(logits, targets)
+                        total = loss
+                        dal = None
+                        if dal_on:
+                            dal = bare.mjp_aux_loss()
+                            total = total + weight * dal
+                        if ddp and unk is not None:
+                            total = total + 0.0 * unk.sum()  # keeps unk_embed in the graph while the jigsaw is off
+                    loss_value = float(total.detach())
+                    if not math.isfinite(loss_value):
+                        dal_text = f", DAL {float(dal.detach()):.4g}" if dal is not None else ""
+                        raise TrainingDiverged(
+                            f"the loss became {loss_value} at epoch {epoch + 1}, batch {batch_index}, step {step} "
+                            f"(classification {float(loss.detach()):.4g}{dal_text}); stopping. The last good "
+                            f"checkpoint is {last_path if last_path.exists() else 'none yet'}; lower lr "
+                            f"(now {lr:.2e}), set clip_grad, or check the data"
+                        )
+                    scaled = total / config.accum_steps
+                    if scaler is not None:
+                        scaler.scale(scaled).backward()
+                    else:
+                        scaled.backward()
+                if boundary:
+                    if scaler is not None:
+                        if config.clip_grad is not None:
+                            scaler.unscale_(optimizer)
+                            dispatch_clip_grad(bare.parameters(), config.clip_grad, mode=config.clip_mode)
+                        scaler.step(optimizer)
+                        scaler.update()
+                    else:
+                        if config.clip_grad is not None:
+                            dispatch_clip_grad(bare.parameters(), config.clip_grad, mode=config.clip_mode)
+                        optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                    step += 1
+                    if scheduler is not None:
+                        scheduler.step_update(num_updates=step)
+                batch = images.shape[0]
+                sums["loss"] += float(loss.detach()) * batch
+                sums["dal"] += (float(dal.detach()) if dal is not None else 0.0) * batch
+                sums["samples"] += batch
+                epoch_images += batch * context.world_size
+                if bar is not None:
+                    bar.update(batch * context.world_size)
+                    if batch_index % config.log_interval == 0:
+                        bar.set_postfix(loss=f"{float(loss.detach()):.3f}", lr=f"{optimizer.param_groups[0]['lr']:.2e}")
+                if boundary:
+                    done = batch_index + 1
+                    if config.checkpoint_steps and step % config.checkpoint_steps == 0 and done < batches_per_epoch:
+                        save(epoch, done, sums)
+                    for hook in AFTER_UPDATE_HOOKS:
+                        hook(step, epoch, done)
+            if bar is not None:
+                bar.close()
+            seconds = time.perf_counter() - started
+            if scheduler is not None:
+                scheduler.step(epoch + 1)
+            if ddp:  # the epoch's loss over every rank's samples
+                totals = torch.tensor([sums["loss"], sums["dal"], sums["samples"]], dtype=torch.float64, device=device)
+                dist.all_reduce(totals)
+                sums = dict(zip(("loss", "dal", "samples"), totals.tolist(), strict=True))
+            samples = max(sums["samples"], 1.0)
+            record: dict[str, Any] = {
+                "epoch": epoch + 1,
+                "step": step,
+                "train_loss": sums["loss"] / samples,
+                "dal_loss": sums["dal"] / samples if dal_on else None,
+                "dal_weight": dal_weight_at(config, step, total_steps) if dal_on else None,
+                "lr": optimizer.param_groups[0]["lr"],
+                "mjp_prob": bare.mjp.sampler.prob if is_mjp_model(bare) else 0.0,
+                "train_images_per_second": epoch_images / max(seconds, 1e-9),
+                "epoch_seconds": seconds,
+            }
+            last_epoch = epoch + 1 == total_epochs
+            if (epoch + 1) % config.eval_interval == 0 or last_epoch:
+                results = evaluate_model(
+                    bare,
+                    val_loader,
+                    device=device,
+                    mean=torch.tensor(config.mean),
+                    std=torch.tensor(config.std),
+                    ratio=config.eval_ratio,
+                    seed=config.eval_seed,
+                    amp_dtype=dtype,
+                    criterion=eval_criterion,
+                )
+                record.update(
+                    top1=results["top1"],
+                    top5=results["top5"],
+                    val_loss=results["loss"],
+                    consistency=results["consistency"],
+                    diff_norm=results["diff_norm"],
+                )
+            if last_epoch:
+                regression = model_position_regression(bare)
+                record["pos_mae_1d"] = regression["mae_1d"] if regression else None
+                record["pos_mae_2d"] = regression["mae_2d"] if regression else None
+                final = {key: record.get(key) for key in FINAL_KEYS}
+            history.append(record)
+            writers.write(record)
+            _say(context, _format_record(record, total_epochs))
+            improved = record.get("top1") is not None and record["top1"] > best_top1
+            if improved:
+                best_top1 = record["top1"]
+            save(epoch + 1, 0, None, finished=last_epoch, best=improved)
+    finally:
+        writers.close()
+    if context.is_main:
+        print(f"\n{summary_table(history)}\n\ncheckpoint: {last_path}", flush=True)
+    return RunResult(output, last_path, config, history, final)
+
+
+def _set_transform(dataset: Any, transform: Any) -> None:
+    from torch.utils.data import Subset
+
+    base = dataset.dataset if isinstance(dataset, Subset) else dataset
+    base.transform = transform
+
+
+def _version() -> str:
+    from mjp_fast import __version__
+
+    return __version__

@@ -1,0 +1,110 @@
+"""Building the model of a run, and rebuilding it from a checkpoint.
+
+A checkpoint names its model the timm way: ``timm.create_model(model_name, pretrained=False, **model_kwargs)``
+rebuilds it. MJP models are ``mjp_<base>`` (``mjp_deit_small_patch16_224`` and friends are registered by
+``mjp_fast.timm``; :func:`ensure_registered` registers the same kind of entry point for any other timm base);
+their ``model_kwargs`` carry ``mjp_ratio``, ``mjp_prob``, ``mjp_dal`` and ``mjp_seed``. Baselines are the plain
+timm model.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any
+
+import timm
+import torch
+from timm.models import is_model, register_model
+from torch import nn
+
+import mjp_fast.timm as mjp_timm
+from mjp_fast.train.config import ConfigError, TrainConfig
+
+MJP_PREFIX = "mjp_"
+
+
+def base_name(name: str) -> str:
+    """``mjp_deit_small_patch16_224`` -> ``deit_small_patch16_224``."""
+    return name[len(MJP_PREFIX) :] if name.startswith(MJP_PREFIX) else name
+
+
+def ensure_registered(name: str) -> None:
+    """Makes ``timm.create_model(name)`` work for ``mjp_<any timm model>``. Raises ConfigError for an unknown name."""
+    if is_model(name):
+        return
+    base = base_name(name)
+    if name.startswith(MJP_PREFIX) and is_model(base):
+        register_model(mjp_timm._make_entrypoint(base))
+        return
+    close = difflib.get_close_matches(base, timm.list_models(), n=3, cutoff=0.6)
+    hint = f"; did you mean {' or '.join(close)}?" if close else " (timm.list_models() lists them)"
+    raise ConfigError(f"model {base!r} is not a timm model{hint}")
+
+
+def model_spec(config: TrainConfig, num_classes: int, *, mjp: bool | None = None) -> tuple[str, dict[str, Any]]:
+    """(model_name, model_kwargs) of the run: what ``timm.create_model`` needs to build it."""
+    use_mjp = config.mjp if mjp is None else mjp
+    base = base_name(config.model)
+    kwargs: dict[str, Any] = {"num_classes": num_classes, "drop_path_rate": config.drop_path}
+    for key in ("img_size", "patch_size", "embed_dim", "depth", "num_heads"):
+        value = getattr(config, key)
+        if value is not None:
+            kwargs[key] = value
+    if not use_mjp:
+        return base, kwargs
+    kwargs.update(
+        mjp_ratio=config.mjp_ratio,
+        mjp_prob=config.mjp_prob,
+        mjp_dal=None if config.mjp_dal == "none" else config.mjp_dal,
+        mjp_seed=config.seed if config.mjp_seed is None else config.mjp_seed,
+    )
+    return MJP_PREFIX + base, kwargs
+
+
+def create_model(model_name: str, model_kwargs: dict[str, Any]) -> nn.Module:
+    """``timm.create_model(model_name, pretrained=False, **model_kwargs)``, with readable errors."""
+    ensure_registered(model_name)
+    try:
+        return timm.create_model(model_name, pretrained=False, **model_kwargs)
+    except (TypeError, ValueError, AssertionError, RuntimeError) as error:
+        settings = ", ".join(f"{key}={value}" for key, value in model_kwargs.items())
+        message = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise ConfigError(f"cannot build model {model_name} with {settings}: {message}") from None
+
+
+def has_position_embeddings(model: nn.Module) -> bool:
+    return isinstance(getattr(model, "pos_embed", None), torch.Tensor)
+
+
+def is_mjp_model(model: nn.Module) -> bool:
+    return isinstance(model, mjp_timm._MJPMixin)
+
+
+def input_size(model: nn.Module, fallback: int = 224) -> int:
+    """The square input side the model expects."""
+    embed = getattr(model, "patch_embed", None)
+    size = getattr(embed, "img_size", None)
+    if size is not None:
+        return int(size[0] if isinstance(size, (tuple, list)) else size)
+    cfg = getattr(model, "pretrained_cfg", None) or {}
+    return int(cfg.get("input_size", (3, fallback, fallback))[-1])
+
+
+def patch_size_of(model: nn.Module) -> int | None:
+    embed = getattr(model, "patch_embed", None)
+    patch = getattr(embed, "patch_size", None)
+    if patch is None:
+        mjp = getattr(model, "mjp", None)
+        return getattr(mjp, "patch_size", None)
+    return int(patch[0] if isinstance(patch, (tuple, list)) else patch)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The bare model inside DDP and torch.compile wrappers."""
+    while True:
+        if hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        elif isinstance(model, nn.parallel.DistributedDataParallel):
+            model = model.module
+        else:
+            return model

@@ -1,0 +1,115 @@
+"""``mjp eval`` on checkpoints of tiny runs on real CIFAR-10 images: the JSON, the tables, plots, corruptions."""
+
+import json
+
+import pytest
+
+from mjp_fast.cli import main
+from mjp_fast.evaluate.run import REQUIRED_KEYS, evaluate_checkpoint
+from mjp_fast.train.config import load_config
+from mjp_fast.train.loop import train
+from tests.train.helpers import tiny_overrides
+
+
+@pytest.fixture(scope="module")
+def checkpoints(cifar_tree, tmp_path_factory):
+    root = tmp_path_factory.mktemp("runs")
+    paths = {}
+    for name, mjp in (("baseline", False), ("mjp", True)):
+        overrides = tiny_overrides(data=str(cifar_tree), output=str(root / name), mjp=mjp, epochs=1, warmup_epochs=0)
+        paths[name] = train(load_config(None, overrides)).checkpoint
+    return paths
+
+
+def test_eval_writes_json_tables_and_plots(checkpoints, tmp_path, capsys):
+    json_path = tmp_path / "out.json"
+    arguments = ["eval", "--checkpoint", str(checkpoints["mjp"]), "--json", str(json_path), "--output", str(tmp_path)]
+    assert main(arguments) == 0
+    printed = capsys.readouterr().out
+    assert "| top-1 (%) |" in printed and "| position MAE 2D (cells) |" in printed
+    results = json.loads(json_path.read_text())
+    for key in REQUIRED_KEYS:
+        assert isinstance(results[key], float), key
+    assert results["jigsaw"] == "unk" and results["images"] == 24 and results["mjp"] is True
+    assert set(results["position_regression"]) >= {"mae_1d", "mae_1d_std", "mae_2d", "mae_2d_std"}
+    names = sorted(path.name for path in tmp_path.glob("*.png"))
+    assert {"attention.png", "position_pca_2d.png", "position_pca_3d.png", "position_similarity.png"} <= set(names)
+    for path in tmp_path.glob("*.png"):
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_baseline_consistency_uses_the_pixel_jigsaw(checkpoints, cifar_tree):
+    results = evaluate_checkpoint(checkpoints["baseline"], data=str(cifar_tree), plots=None)
+    assert results["jigsaw"] == "pixel" and results["mjp"] is False
+    assert 0 <= results["consistency"] <= 100 and results["diff_norm"] >= 0
+    # the same checkpoint, no jigsaw: no consistency
+    none = evaluate_checkpoint(checkpoints["baseline"], jigsaw="none")
+    assert none["consistency"] is None and none["top1"] == results["top1"]
+
+
+def test_corruptions_and_mce_against_a_baseline(checkpoints):
+    results = evaluate_checkpoint(
+        checkpoints["mjp"],
+        corruptions=["gaussian_noise", "contrast"],
+        severities=[1, 5],
+        baseline=checkpoints["baseline"],
+    )
+    corruption = results["corruptions"]
+    assert set(corruption["error"]) == {"gaussian_noise", "contrast"}
+    assert all(len(errors) == 2 for errors in corruption["error"].values())
+    for name in ("gaussian_noise", "contrast"):
+        expected = 100 * sum(corruption["error"][name]) / sum(corruption["baseline_error"][name])
+        assert corruption["ce"][name] == pytest.approx(expected)
+    assert results["mce"] == pytest.approx(sum(corruption["ce"].values()) / 2)
+    # the corrupted images are the same from run to run
+    again = evaluate_checkpoint(checkpoints["mjp"], corruptions=["gaussian_noise"], severities=[1, 5])
+    assert again["corruptions"]["error"]["gaussian_noise"] == corruption["error"]["gaussian_noise"]
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["--checkpoint", "missing.pt"], "checkpoint 'missing.pt' does not exist"),
+        (["--ratio", "2"], "expected a number in [0, 1]"),
+        (["--corruptions", "fog"], "unknown corruption 'fog'"),
+        (["--data", "no/such/data"], "data folder 'no/such/data' does not exist"),
+        (["--jigsaw", "unk", "--baseline-run"], "unrecognized arguments"),
+    ],
+)
+def test_eval_errors(checkpoints, tmp_path, capsys, arguments, message):
+    if "--checkpoint" not in arguments:
+        arguments = ["--checkpoint", str(checkpoints["mjp"]), *arguments]
+    assert main(["eval", "--output", str(tmp_path), *arguments]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_eval_refuses_a_file_that_is_not_a_checkpoint(tmp_path, capsys):
+    broken = tmp_path / "broken.pt"
+    broken.write_bytes(b"not a checkpoint")
+    assert main(["eval", "--checkpoint", str(broken)]) == 2
+    assert "cannot read checkpoint" in capsys.readouterr().err
+    import torch
+
+    torch.save({"weights": 1}, tmp_path / "other.pt")
+    assert main(["eval", "--checkpoint", str(tmp_path / "other.pt")]) == 2
+    assert "is not an mjp checkpoint" in capsys.readouterr().err
+
+
+def test_eval_refuses_data_with_another_class_count(checkpoints, tmp_path, capsys, cifar_tree):
+    for split in ("val",):
+        for name in ("a", "b"):
+            (tmp_path / "data" / split / name).mkdir(parents=True)
+            source = next((cifar_tree / "test" / "cat").iterdir())
+            (tmp_path / "data" / split / name / "x.jpg").symlink_to(source.resolve())
+    assert main(["eval", "--checkpoint", str(checkpoints["mjp"]), "--data", str(tmp_path / "data")]) == 2
+    assert "the model has 3 classes but the data has 2" in capsys.readouterr().err
+
+
+def test_eval_help_explains_every_option(capsys):
+    assert main(["eval", "--help"]) == 0
+    text = capsys.readouterr().out
+    for option in ("--checkpoint", "--data", "--json", "--ratio", "--corruptions", "--baseline", "--severities"):
+        assert option in text
+    for metric in ("consistency", "diff-norm", "position MAE", "mCE"):
+        assert metric in text

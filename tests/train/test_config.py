@@ -1,0 +1,116 @@
+"""TrainConfig: the recipe's defaults, typed overrides, YAML files, and errors that name the key."""
+
+import pytest
+
+from mjp_fast.train.config import (
+    FIELDS,
+    PRESETS,
+    ConfigError,
+    TrainConfig,
+    help_table,
+    load_config,
+    parse_overrides,
+    read_config_file,
+    save_config,
+)
+
+
+def test_defaults_are_the_paper_recipe():
+    config = TrainConfig().validate()
+    assert (config.opt, config.lr, config.lr_base, config.weight_decay) == ("adamw", None, 5e-4, 0.05)
+    assert (config.sched, config.epochs, config.warmup_epochs) == ("cosine", 300, 20)
+    assert config.smoothing == 0.1 and config.auto_augment == "rand-m9-mstd0.5-inc1"
+    assert (config.mixup, config.cutmix, config.reprob) == (0.8, 1.0, 0.25)
+    assert config.repeated_aug and config.clip_grad is not None
+    assert (config.mjp, config.mjp_ratio, config.mjp_prob, config.mjp_dal) == (True, 0.1, 0.5, "nonlinear")
+    assert (config.dal_weight, config.dal_weight_end) == (0.01, 0.005)
+    assert config.mjp_from_epoch is None  # = warmup_epochs: the jigsaw starts after warm-up
+    assert config.eval_ratio == 0.5
+
+
+def test_overrides_are_typed():
+    values = parse_overrides(
+        ["epochs=3", "lr=1e-3", "mjp=false", "auto_augment=none", "scale=[0.5, 1]", "mean=0.5,0.5,0.5", "opt=sgd"]
+    )
+    assert values == {
+        "epochs": 3,
+        "lr": 1e-3,
+        "mjp": False,
+        "auto_augment": None,
+        "scale": [0.5, 1.0],
+        "mean": [0.5, 0.5, 0.5],
+        "opt": "sgd",
+    }
+    assert type(values["epochs"]) is int and type(values["lr"]) is float
+    config = load_config(None, ["epochs=30", "mjp-ratio=0.2"])  # dashes work as underscores
+    assert config.epochs == 30 and config.mjp_ratio == 0.2
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("epoch=3", "unknown config key 'epoch'; did you mean epochs"),
+        ("zzz=1", "unknown config key 'zzz'"),
+        ("epochs=three", "epochs must be an integer, got 'three'"),
+        ("lr=fast", "lr must be a number"),
+        ("lr=nan", "lr must be a finite number"),
+        ("mjp=maybe", "mjp must be true or false"),
+        ("mjp_ratio=1.5", "mjp_ratio must be in [0, 1], got 1.5"),
+        ("amp=fp8", "amp must be one of auto, none, bf16, fp16"),
+        ("epochs=0", "epochs must be >= 1"),
+        ("epochs=none", "epochs cannot be none"),
+        ("scale=[0.9, 0.1]", "scale must be [min, max]"),
+        ("batch_size=7", "batch_size must be even when mixup or cutmix is on"),
+        ("warmup_epochs=400", "warmup_epochs (400) must be <= epochs (300)"),
+        ("dataset=folder", "dataset=folder needs data=DIR"),
+        ("novalue", "overrides are key=value"),
+    ],
+)
+def test_bad_values_name_the_key(override, message):
+    with pytest.raises(ConfigError) as error:
+        load_config(None, [override])
+    assert message in str(error.value)
+
+
+def test_yaml_file_with_sections_and_flat_keys(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("model: deit_tiny_patch16_224\nmjp:\n  mjp_ratio: 0.2\noptimization:\n  lr: 1e-3\nepochs: 50\n")
+    config = load_config(path, ["epochs=70"])
+    assert (config.model, config.mjp_ratio, config.lr, config.epochs) == ("deit_tiny_patch16_224", 0.2, 1e-3, 70)
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("epochs: [1, 2\n", "is not valid YAML at line"),
+        ("- 1\n- 2\n", "must hold a mapping"),
+        ("epochs: many\n", "epochs must be an integer"),
+        ("learning_rate: 0.1\n", "unknown config key 'learning_rate'"),
+    ],
+)
+def test_bad_yaml_files(tmp_path, text, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as error:
+        read_config_file(path) if "mapping" in message or "YAML" in message else load_config(path)
+    assert message in str(error.value)
+
+
+def test_missing_config_file():
+    with pytest.raises(ConfigError, match="config file 'no/such.yaml' does not exist"):
+        load_config("no/such.yaml")
+
+
+def test_saved_config_loads_back_identically(tmp_path):
+    config = load_config("digits", ["epochs=4", "mean=[0.1,0.2,0.3]", "auto_augment=none", "clip_grad=none"])
+    save_config(config, tmp_path / "config.yaml")
+    assert load_config(tmp_path / "config.yaml") == config
+
+
+def test_digits_preset_and_help_table_cover_every_key():
+    config = load_config("digits")
+    assert config.dataset_kind == "digits" and config.compare
+    assert set(PRESETS["digits"]) <= set(FIELDS)
+    table = help_table()
+    for name in FIELDS:
+        assert f"  {name}=" in table

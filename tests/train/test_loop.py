@@ -1,0 +1,140 @@
+"""The training loop on real CIFAR-10 images: outputs, checkpoints, exact resumption, schedules, divergence."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from mjp_fast.train import loop
+from mjp_fast.train.checkpoint import load_checkpoint, load_model
+from mjp_fast.train.config import load_config
+from mjp_fast.train.loop import TrainingDiverged, dal_weight_at, train
+from tests.train.helpers import tiny_overrides
+
+
+def _config(cifar_tree, output, **changes):
+    return load_config(None, tiny_overrides(data=str(cifar_tree), output=str(output), **changes))
+
+
+class _Interrupt(Exception):
+    pass
+
+
+def _interrupt_after(step_to_stop: int):
+    def hook(step, epoch, batch_in_epoch):
+        if step == step_to_stop:
+            raise _Interrupt(f"stopped after step {step}")
+
+    return hook
+
+
+def test_tiny_run_end_to_end(cifar_tree, tmp_path):
+    config = _config(cifar_tree, tmp_path / "run")
+    result = train(config)
+    output = tmp_path / "run"
+    assert sorted(path.name for path in output.iterdir()) == ["best.pt", "config.yaml", "last.pt", "metrics.jsonl"]
+    records = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
+    assert [record["epoch"] for record in records] == [1, 2]
+    assert records == result.history
+    # the jigsaw is off during the warm-up epoch and on after it; DAL is on throughout
+    assert [record["mjp_prob"] for record in records] == [0.0, 0.5]
+    assert all(math.isfinite(record["train_loss"]) and record["dal_loss"] > 0 for record in records)
+    for key in ("top1", "top5", "consistency", "diff_norm", "pos_mae_1d", "pos_mae_2d"):
+        assert result.final[key] is not None and math.isfinite(result.final[key])
+    assert 0 <= result.final["top1"] <= result.final["top5"] <= 100
+
+    checkpoint = load_checkpoint(output / "last.pt")
+    assert checkpoint["model_name"] == "mjp_vit_tiny_patch16_224"
+    assert checkpoint["model_kwargs"]["mjp_ratio"] == 0.25 and checkpoint["model_kwargs"]["num_classes"] == 3
+    for key in ("optimizer", "scheduler", "rng", "config", "metrics", "epoch", "step"):
+        assert key in checkpoint
+    assert checkpoint["finished"] and checkpoint["epoch"] == 2 and checkpoint["batch_in_epoch"] == 0
+    assert set(checkpoint["rng"]) == {"python", "numpy", "torch", "cuda"}
+    # the resolved config: the learning rate, classes, input size and jigsaw start are filled in
+    saved = load_config(output / "config.yaml")
+    assert (saved.num_classes, saved.img_size, saved.mjp_from_epoch, saved.lr) == (3, 16, 1, 1e-3)
+    # the jigsaw stream advanced by the jigsawed epoch's samples only (prob 0 in warm-up draws nothing)
+    model, _ = load_model(output / "last.pt")
+    assert int(model.mjp.sampler.sample_counter) == records[1]["step"] * 8 - records[0]["step"] * 8
+    # a finished run resumed does nothing
+    again = train(config, resume=True)
+    assert again.history == result.history
+
+
+@pytest.mark.parametrize(
+    "stop_step, checkpoint_steps, saved_step",
+    [(5, 2, 4), (7, 0, 6)],
+    ids=["within-an-epoch", "at-an-epoch-boundary"],
+)
+def test_resume_matches_an_uninterrupted_run(
+    cifar_tree, tmp_path, monkeypatch, stop_step, checkpoint_steps, saved_step
+):
+    # RandAugment, random erasing, mixup/cutmix, drop-path, repeated augmentation and MJP all on: every random
+    # draw must come back the same after the restart.
+    changes = {"auto_augment": "rand-m9-mstd0.5-inc1", "reprob": 0.25, "mixup": 0.8, "cutmix": 1.0}
+    reference = train(_config(cifar_tree, tmp_path / "straight", **changes))
+
+    monkeypatch.setattr(loop, "AFTER_UPDATE_HOOKS", [_interrupt_after(stop_step)])
+    interrupted = _config(cifar_tree, tmp_path / "resumed", checkpoint_steps=checkpoint_steps, **changes)
+    with pytest.raises(_Interrupt):
+        train(interrupted)
+    saved = load_checkpoint(tmp_path / "resumed" / "last.pt")
+    # killed after step stop_step: the run loses what came after its last checkpoint, no more
+    assert saved["step"] == saved_step and not saved["finished"]
+    monkeypatch.setattr(loop, "AFTER_UPDATE_HOOKS", [])
+    resumed = train(interrupted, resume=True)
+
+    straight_state = load_checkpoint(tmp_path / "straight" / "last.pt")["state_dict"]
+    resumed_state = load_checkpoint(tmp_path / "resumed" / "last.pt")["state_dict"]
+    assert straight_state.keys() == resumed_state.keys()
+    for key in straight_state:
+        torch.testing.assert_close(resumed_state[key], straight_state[key], rtol=0, atol=0, msg=key)
+    timing = ("train_images_per_second", "epoch_seconds")
+    strip = lambda records: [{k: v for k, v in record.items() if k not in timing} for record in records]
+    assert strip(resumed.history) == strip(reference.history)
+    lines = (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 2  # no duplicated epoch records
+
+
+def test_output_folder_with_a_run_needs_resume(cifar_tree, tmp_path):
+    config = _config(cifar_tree, tmp_path / "run", epochs=1, warmup_epochs=0, max_train_samples=16)
+    train(config)
+    with pytest.raises(Exception, match="already holds a run"):
+        train(config)
+
+
+def test_baseline_is_a_plain_timm_model(cifar_tree, tmp_path):
+    result = train(_config(cifar_tree, tmp_path / "base", mjp=False, epochs=1, warmup_epochs=0))
+    checkpoint = load_checkpoint(tmp_path / "base" / "last.pt")
+    assert checkpoint["model_name"] == "vit_tiny_patch16_224"
+    assert not any(key.startswith("mjp") for key in checkpoint["model_kwargs"])
+    assert not any(key.startswith("mjp.") for key in checkpoint["state_dict"])
+    assert result.history[0]["dal_loss"] is None and result.final["consistency"] is not None
+
+
+def test_nan_loss_stops_the_run(cifar_tree, tmp_path, monkeypatch):
+    class NanLoss(torch.nn.Module):
+        def __init__(self, *args, **kwargs):
+            super().__init__()
+
+        def forward(self, logits, targets):
+            return logits.sum() * float("nan")
+
+    monkeypatch.setattr(loop, "SoftTargetCrossEntropy", NanLoss)  # the recipe's loss with mixup
+    with pytest.raises(TrainingDiverged, match=r"the loss became nan at epoch 1, batch 0, step 0"):
+        train(_config(cifar_tree, tmp_path / "nan"))
+
+
+def test_dal_weight_decays_along_a_cosine():
+    config = load_config("digits")
+    assert dal_weight_at(config, 0, 100) == pytest.approx(0.01)
+    assert dal_weight_at(config, 50, 100) == pytest.approx(0.0075)
+    assert dal_weight_at(config, 100, 100) == pytest.approx(0.005)
+    assert dal_weight_at(config, 25, 100) == pytest.approx(0.005 + 0.005 * 0.5 * (1 + math.cos(math.pi / 4)))
+
+
+def test_gradient_accumulation_and_sgd(cifar_tree, tmp_path):
+    result = train(_config(cifar_tree, tmp_path / "accum", accum_steps=3, opt="sgd", epochs=1, warmup_epochs=0))
+    # 48 images, batch 8: 6 micro-batches, 2 optimizer steps
+    assert result.history[0]["step"] == 2
