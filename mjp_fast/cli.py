@@ -2,18 +2,24 @@
 
     mjp demo [--image astronaut|chelsea|coffee|rocket|PATH] [--ratios 0.1 0.3 0.5 0.9] [--out mjp_demo.png] ...
     mjp backends
+    mjp bench [--smoke] [--cases sampler,patch_embed,jigsaw_apply,train_step] [--out DIR] ...
 
-This module only parses arguments; the work is in :mod:`mjp_fast.demo` and :mod:`mjp_fast.backend`.
+This module only parses arguments; the work is in :mod:`mjp_fast.demo`, :mod:`mjp_fast.backend` and, for
+``bench``, the repository checkout's ``bench/run.py`` (the benchmarks, their results and their baselines live in
+the repository, not in the installed package).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import math
 import os
 import sys
 import warnings
 from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -55,6 +61,9 @@ def _seed(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from mjp_fast.demo import BUILTIN_IMAGES
+    from mjp_fast.evaluate.cli import register as register_eval
+    from mjp_fast.privacy.cli import register as register_attack
+    from mjp_fast.train.cli import register as register_train
 
     parser = argparse.ArgumentParser(
         prog="mjp",
@@ -106,7 +115,84 @@ def build_parser() -> argparse.ArgumentParser:
         help="list the available backends and whether the compiled extension loaded",
         description="Lists the backends that can run here, fastest first, and whether mjp_fast._C loaded.",
     )
+
+    bench = commands.add_parser(
+        "bench",
+        help="run the benchmark suite of a repository checkout; print tables, write JSON",
+        description="Runs the benchmarks in the checkout's bench/ folder (run it from the repository root): "
+        "sampler, patch embedding, applying the jigsaw, and whole training steps, each against baselines "
+        "measured in the same run. Prints the tables and the pass/fail lines of the aims, and writes one JSON "
+        "file <out>/<device>-<YYYY-MM-DD>.json; `python bench/render.py` turns the results into "
+        "docs/benchmarks.md.",
+    )
+    bench.add_argument("--smoke", action="store_true", help="tiny sizes and 1-2 repeats: checks that it all runs")
+    bench.add_argument(
+        "--cases",
+        default=None,
+        metavar="CASE[,CASE...]",
+        help="a comma-separated subset of sampler,patch_embed,jigsaw_apply,train_step (default: all)",
+    )
+    bench.add_argument("--out", default=None, help="directory of the JSON results (default: <checkout>/bench/results)")
+    bench.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
+    bench.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: all cores)")
+    bench.add_argument("--repeats", type=_positive_int, default=None, help="override every case's repeat count")
+    bench.add_argument(
+        "--compile", dest="compile_model", action="store_true", help="torch.compile the training-step models"
+    )
+    register_attack(commands)
+    register_train(commands)
+    register_eval(commands)
     return parser
+
+
+def bench_runner(roots: Sequence[Path] | None = None) -> ModuleType:
+    """The checkout's ``bench.run`` module, found in the current directory or beside the installed package.
+
+    The benchmarks stay in the repository (they compare against timm and the paper's pipeline, and write
+    ``bench/results``); an editable install finds them beside the package, any install from the checkout's root.
+
+    Raises:
+        FileNotFoundError: no checkout with a ``bench/run.py`` in ``roots``.
+    """
+    if roots is None:
+        roots = [Path.cwd(), Path(__file__).resolve().parent.parent]
+    for root in roots:
+        root = Path(root).resolve()
+        if not ((root / "bench" / "run.py").is_file() and (root / "mjp_fast").is_dir()):
+            continue
+        loaded = sys.modules.get("bench")
+        if loaded is not None and Path(getattr(loaded, "__file__", "") or "").resolve().parent.parent != root:
+            continue  # another `bench` package is imported already: not ours
+        if str(root) not in sys.path:
+            sys.path.insert(0, str(root))
+        return importlib.import_module("bench.run")
+    searched = ", ".join(str(Path(root)) for root in roots)
+    raise FileNotFoundError(
+        "mjp bench runs the benchmarks of a repository checkout (its bench/run.py), and found none in "
+        f"{searched}: run it from the root of a mjp_fast checkout"
+    )
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    try:
+        runner = bench_runner()
+    except FileNotFoundError as error:
+        print(f"mjp bench: error: {error}", file=sys.stderr)
+        return 2
+    try:
+        runner.run_suite(
+            cases=args.cases,
+            smoke=args.smoke,
+            out_dir=args.out if args.out is not None else runner.RESULTS_DIR,
+            device=args.device,
+            threads=args.threads,
+            repeats=args.repeats,
+            compile_model=args.compile_model,
+        )
+    except ValueError as error:
+        print(f"mjp bench: error: {error}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def _print_backends() -> int:
@@ -138,8 +224,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     with warnings.catch_warnings():
         # Which backend runs is part of what the commands print; the import warning would only repeat it.
         warnings.filterwarnings("ignore", message=EXTENSION_WARNING, category=RuntimeWarning)
+        if getattr(args, "handler", None) is not None:
+            return args.handler(args)
         if args.command == "backends":
             return _print_backends()
+        if args.command == "bench":
+            return _run_bench(args)
         from mjp_fast.demo import run_demo
 
         try:
