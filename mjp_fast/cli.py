@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import math
 import os
 import sys
 import warnings
@@ -25,38 +24,9 @@ import torch
 
 from mjp_fast import __version__
 from mjp_fast import backend as backend_module
+from mjp_fast._argtypes import fraction, positive_int, seed
 
 EXTENSION_WARNING = "mjp_fast: the compiled extension"
-
-
-def _ratio(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"a ratio must be a number in [0, 1], got {text!r}") from None
-    if not (0.0 <= value <= 1.0) or math.isnan(value):
-        raise argparse.ArgumentTypeError(f"a ratio must be in [0, 1], got {text}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def _seed(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"a seed must be an integer in [0, 2**64), got {text!r}") from None
-    if not (0 <= value < 2**64):
-        raise argparse.ArgumentTypeError(f"a seed must be an integer in [0, 2**64), got {value}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -88,20 +58,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument(
         "--ratios",
-        type=_ratio,
+        type=fraction,
         nargs="+",
         default=[0.1, 0.3, 0.5, 0.9],
         metavar="R",
         help="mask ratios in [0, 1], one panel each (default: %(default)s)",
     )
-    demo.add_argument("--patch-size", type=_positive_int, default=16, help="patch side in pixels (default: 16)")
+    demo.add_argument("--patch-size", type=positive_int, default=16, help="patch side in pixels (default: 16)")
     demo.add_argument(
         "--size",
-        type=_positive_int,
+        type=positive_int,
         default=224,
         help="image side in pixels, a multiple of --patch-size (default: 224)",
     )
-    demo.add_argument("--seed", type=_seed, default=0, help="the sampler's seed (default: 0)")
+    demo.add_argument("--seed", type=seed, default=0, help="the sampler's seed (default: 0)")
     demo.add_argument("--out", default="mjp_demo.png", help="the PNG to write (default: %(default)s)")
     demo.add_argument(
         "--backend",
@@ -134,8 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--out", default=None, help="directory of the JSON results (default: <checkout>/bench/results)")
     bench.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
-    bench.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: all cores)")
-    bench.add_argument("--repeats", type=_positive_int, default=None, help="override every case's repeat count")
+    bench.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: all cores)")
+    bench.add_argument("--repeats", type=positive_int, default=None, help="override every case's repeat count")
     bench.add_argument(
         "--compile", dest="compile_model", action="store_true", help="torch.compile the training-step models"
     )

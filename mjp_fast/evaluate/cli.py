@@ -10,10 +10,10 @@ Exit codes: 0 done; 2 a bad argument or path.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
 
+from mjp_fast._argtypes import fraction, non_negative_int, positive_int
 from mjp_fast.evaluate.corruptions import CORRUPTIONS, FAMILIES, SEVERITIES
 
 DESCRIPTION = """\
@@ -35,36 +35,6 @@ Evaluates a checkpoint of `mjp train` on a dataset and measures what the paper m
 Prints the results as tables and writes them as JSON (keys: top1, top5, consistency, diff_norm, pos_mae_1d,
 pos_mae_2d, position_regression, corruptions, mce, mean_corruption_error, plots, ...).
 """
-
-
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
-    if math.isnan(value) or not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text}")
-    return value
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def _non_negative(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
 
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -92,9 +62,9 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="folder for eval.json and the plots (default: an eval/ folder beside the checkpoint)",
     )
     parser.add_argument(
-        "--ratio", type=_fraction, default=0.5, help="jigsaw ratio of consistency and diff-norm (default: 0.5)"
+        "--ratio", type=fraction, default=0.5, help="jigsaw ratio of consistency and diff-norm (default: 0.5)"
     )
-    parser.add_argument("--seed", type=_non_negative, default=0, help="seed of the jigsaws and corruptions")
+    parser.add_argument("--seed", type=non_negative_int, default=0, help="seed of the jigsaws and corruptions")
     parser.add_argument(
         "--jigsaw",
         choices=("auto", "unk", "pixel", "none"),
@@ -124,12 +94,12 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     )
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     parser.add_argument(
-        "--attention-images", type=_non_negative, default=4, help="images in the attention plot (default: 4)"
+        "--attention-images", type=non_negative_int, default=4, help="images in the attention plot (default: 4)"
     )
-    parser.add_argument("--folds", type=_positive, default=5, help="cross-validation folds of position regression")
-    parser.add_argument("--batch-size", type=_positive, default=128, help="images per batch (default: 128)")
-    parser.add_argument("--workers", type=_non_negative, default=None, help="data loader processes (default: auto)")
-    parser.add_argument("--max-images", type=_positive, default=None, help="evaluate a fixed subset of N images")
+    parser.add_argument("--folds", type=positive_int, default=5, help="cross-validation folds of position regression")
+    parser.add_argument("--batch-size", type=positive_int, default=128, help="images per batch (default: 128)")
+    parser.add_argument("--workers", type=non_negative_int, default=None, help="data loader processes (default: auto)")
+    parser.add_argument("--max-images", type=positive_int, default=None, help="evaluate a fixed subset of N images")
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
     parser.add_argument(
         "--amp", choices=("auto", "none", "bf16", "fp16"), default="auto", help="autocast (default: bf16 on CUDA)"

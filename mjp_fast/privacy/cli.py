@@ -12,42 +12,13 @@ blocks and the gradients float32. Prints the Markdown table; ``--json`` writes `
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from pathlib import Path
 
+from mjp_fast._argtypes import fraction, positive_int, torch_seed
+
 MODEL_CONFIG = {"img_size": 64, "patch_size": 8, "embed_dim": 256, "depth": 4, "num_heads": 4, "num_classes": 10}
-
-
-def _ratio(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"a ratio must be a number in [0, 1], got {text!r}") from None
-    if math.isnan(value) or not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"a ratio must be in [0, 1], got {text}")
-    return value
-
-
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def _seed(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"a seed must be an integer in [0, 2**63), got {text!r}") from None
-    if not 0 <= value < 2**63:
-        raise argparse.ArgumentTypeError(f"a seed must be an integer in [0, 2**63), got {value}")
-    return value
 
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -63,7 +34,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument(
         "--images", metavar="DIR", default=None, help="a folder of image files (default: scikit-image's sample photos)"
     )
-    parser.add_argument("--ratio", type=_ratio, default=0.5, help="the jigsaw ratio in [0, 1] (default: 0.5)")
+    parser.add_argument("--ratio", type=fraction, default=0.5, help="the jigsaw ratio in [0, 1] (default: 0.5)")
     parser.add_argument("--json", metavar="PATH", default=None, help="write {setting: {metric: mean}} here")
     parser.add_argument("--markdown", metavar="PATH", default=None, help="write the Markdown table here too")
     parser.add_argument(
@@ -77,18 +48,18 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "standard ViT (slow: about 0.2 s per step per update on 2 CPU cores)",
     )
     parser.add_argument(
-        "--steps", type=_count, default=300, help="Adam steps of the optimization attack (default: 300)"
+        "--steps", type=positive_int, default=300, help="Adam steps of the optimization attack (default: 300)"
     )
-    parser.add_argument("--max-images", type=_count, default=None, help="attack at most this many images")
+    parser.add_argument("--max-images", type=positive_int, default=None, help="attack at most this many images")
     parser.add_argument(
         "--threads",
-        type=_count,
+        type=positive_int,
         default=1,
         help="torch CPU threads while attacking (default: 1; the matrices are small, and on a busy machine more "
         "threads are much slower)",
     )
     parser.add_argument(
-        "--seed", type=_seed, default=0, help="seed of the model's weights and the jigsaws (default: 0)"
+        "--seed", type=torch_seed, default=0, help="seed of the model's weights and the jigsaws (default: 0)"
     )
     parser.set_defaults(handler=run_attack_command)
     return parser

@@ -70,7 +70,7 @@ def test_corruptions_and_mce_against_a_baseline(checkpoints):
     "arguments, message",
     [
         (["--checkpoint", "missing.pt"], "checkpoint 'missing.pt' does not exist"),
-        (["--ratio", "2"], "expected a number in [0, 1]"),
+        (["--ratio", "2"], "a ratio must be in [0, 1]"),
         (["--corruptions", "fog"], "unknown corruption 'fog'"),
         (["--data", "no/such/data"], "data folder 'no/such/data' does not exist"),
         (["--jigsaw", "unk", "--baseline-run"], "unrecognized arguments"),
