@@ -39,6 +39,7 @@ from mjp_fast._validate import check_int
 from mjp_fast.nn import DAL_KINDS, DALRegressor
 from mjp_fast.ops.dal_loss import dal_loss
 from mjp_fast.ops.jigsaw_images import jigsaw_images
+from mjp_fast.ops.permute import permute_rows
 from mjp_fast.ops.sample_jigsaw import Jigsaw
 from mjp_fast.sampler import JigsawSampler
 
@@ -152,7 +153,7 @@ class MJPVisionTransformer(_MJPMixin, VisionTransformer):
         patch_pos = pos_embed[:, prefix_positions:]
         if jigsaw is not None:
             # P(XW) = (PX)W: moving the embedded tokens is moving the patches.
-            x = x.gather(1, jigsaw.perm[..., None].expand(-1, -1, dim))
+            x = permute_rows(x, jigsaw.perm)
             x = x + torch.where(jigsaw.mask[..., None], state.unk_embed.to(patch_pos.dtype), patch_pos)
         else:
             x = x + patch_pos

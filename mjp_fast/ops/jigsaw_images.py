@@ -12,6 +12,7 @@ import torch
 from mjp_fast import backend as backend_module
 from mjp_fast._validate import check_int, check_tensor
 from mjp_fast.ops.patch_embed import check_jigsaw
+from mjp_fast.ops.permute import permute_rows
 from mjp_fast.ops.sample_jigsaw import Jigsaw
 
 
@@ -51,10 +52,8 @@ def jigsaw_images_ref(images: torch.Tensor, jigsaw: Jigsaw, patch_size: int) -> 
 def _jigsaw_images_torch(images: torch.Tensor, perm: torch.Tensor, rows: int, cols: int, patch: int) -> torch.Tensor:
     batch, channels, height, width = images.shape
     patches = images.reshape(batch, channels, rows, patch, cols, patch).permute(0, 2, 4, 1, 3, 5)
-    patches = patches.reshape(batch * rows * cols, channels * patch * patch)
-    # One flat row index per token: index_select moves whole patches, cheaper than gather's per-element index.
-    rows_index = (perm + torch.arange(batch, device=perm.device)[:, None] * (rows * cols)).reshape(-1)
-    shuffled = patches.index_select(0, rows_index).reshape(batch, rows, cols, channels, patch, patch)
+    patches = patches.reshape(batch, rows * cols, channels * patch * patch)
+    shuffled = permute_rows(patches, perm).reshape(batch, rows, cols, channels, patch, patch)
     return shuffled.permute(0, 3, 1, 4, 2, 5).reshape(batch, channels, height, width)
 
 

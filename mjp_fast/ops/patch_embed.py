@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from mjp_fast import backend as backend_module
 from mjp_fast._validate import check_float_dtype, check_same_device, check_tensor
+from mjp_fast.ops.permute import permute_rows
 from mjp_fast.ops.sample_jigsaw import Jigsaw
 
 
@@ -202,7 +203,7 @@ def _mjp_patch_embed_torch(
     # moves D values per token instead of C*P*P.
     tokens = F.conv2d(images, weight, bias, stride=geometry.patch_size).flatten(2).transpose(1, 2)
     if jigsaw is not None:
-        tokens = tokens.gather(1, jigsaw.perm[..., None].expand(-1, -1, geometry.dim))
+        tokens = permute_rows(tokens, jigsaw.perm)
     return tokens + _position_term(pos_embed, unk_embed, jigsaw)
 
 
