@@ -6,7 +6,7 @@ Compared, in the same run:
   sample, plus ``random.shuffle`` of the masked positions and the stacking into tensors: the same output as
   ``sample_jigsaw`` (mask ``[B, N]``, perm ``[B, N]``), made the way a per-sample Python data pipeline would.
 - ``torch``: ``sample_jigsaw(backend="torch")``, the pure-PyTorch oracle.
-- every other available backend (``cpu``: the compiled extension; ``cuda`` on a GPU).
+- every other available backend (``cpu``: the compiled extension; ``cuda`` and ``triton`` on a GPU).
 
 Aim: the compiled ``cpu`` sampler at least 50x faster per mask than the Python loop, in every configuration.
 
@@ -15,12 +15,9 @@ Aim: the compiled ``cpu`` sampler at least 50x faster per mask than the Python l
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import math
 import random
 import sys
-import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -32,16 +29,15 @@ import torch
 
 from bench.common import (
     Timing,
-    add_common_arguments,
+    aim_line,
     aim_verdict,
-    default_device,
-    device_info,
+    error_lines,
     format_seconds,
     format_timing,
     markdown_table,
     measure,
-    result_name,
-    write_results,
+    run_standalone,
+    where_measured,
 )
 
 NAME = "sampler"
@@ -96,7 +92,7 @@ def backends_on(device: str) -> list[str]:
     import mjp_fast
 
     available = mjp_fast.available_backends()
-    fits = {"cpu": ("torch", "cpu"), "cuda": ("torch", "cuda")}[device]
+    fits = {"cpu": ("torch", "cpu"), "cuda": ("torch", "cuda", "triton")}[device]
     return ["torch"] + [name for name in available if name in fits and name != "torch"]
 
 
@@ -139,8 +135,13 @@ def run(
     min_sample_s: float,
     max_seconds_each: float | None,
     device: str,
+    errors: dict[str, str] | None = None,
 ) -> tuple[list[dict], list[str]]:
-    """Measures every configuration; returns the result rows and the backends measured."""
+    """Measures every configuration; returns the result rows and the backends measured.
+
+    A backend that raises is left out of the rows and its first error recorded in ``errors``.
+    """
+    errors = {} if errors is None else errors
     backends = backends_on(device)
     rows = []
     for batch in batches:
@@ -156,9 +157,11 @@ def run(
                 min_sample_s=min_sample_s,
                 max_seconds_each=max_seconds_each,
                 device=device,
+                errors=errors,
             )
             baseline = timings[PYTHON_LOOP].median_s
-            mean_masked, matches = _check_backends(batch, grid, ratio, backends, device)
+            working = [name for name in backends if name in timings]
+            mean_masked, matches = _check_backends(batch, grid, ratio, working, device)
             mean_masked[PYTHON_LOOP] = float(
                 python_jigsaws(batch, grid, ratio, random.Random(5))[0].sum(1).float().mean()
             )
@@ -183,7 +186,7 @@ def run(
     return rows, backends
 
 
-def _table(rows: list[dict]) -> str:
+def table(rows: list[dict]) -> str:
     headers = ["batch", "ratio", "implementation", "per mask: median [p20, p80]", "per batch", "vs python", "masked"]
     body = [
         [
@@ -205,7 +208,7 @@ def format_timing_per_mask(row: dict) -> str:
     return format_timing(timing, scale=row["batch"])
 
 
-def _aims(rows: list[dict], *, smoke: bool) -> list[dict]:
+def _aims(rows: list[dict], *, smoke: bool, errors: dict[str, str] | None = None) -> list[dict]:
     speedups = [row["speedup_vs_python"] for row in rows if row["implementation"] == "cpu"]
     worst = min(speedups) if speedups else None
     aim = {
@@ -213,63 +216,53 @@ def _aims(rows: list[dict], *, smoke: bool) -> list[dict]:
         "(worst configuration)",
         "threshold": AIM_SPEEDUP,
         "measured": worst,
+        "unit": "x",
         "verdict": aim_verdict(worst, AIM_SPEEDUP, higher_is_better=True),
     }
-    if worst is None:
+    if errors and "cpu" in errors:  # a sampler that raises misses the aim, whatever its other timings
+        aim.update(verdict="FAIL", note=f"the cpu backend raised: {errors['cpu']}")
+    elif worst is None:
         aim["note"] = "the compiled extension mjp_fast._C is not available on this machine"
     elif smoke:
         aim.update(verdict="NOT JUDGED", note="smoke run: tiny sizes")
     return [aim]
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_common_arguments(parser)
-    args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = args.device or default_device()
-    if device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: no GPU is visible to torch")
-    if args.smoke:
+def collect(*, smoke: bool, device: str, repeats: int | None = None) -> dict:
+    """Measures the case; returns its section of the results: ``config``, ``backends``, ``results``, ``aims``."""
+    if smoke:
         config = {"batches": [8], "ratios": [0.1, 0.5], "grid": (14, 14), "warmup": 2, "min_sample_s": 0.0}
         config["max_seconds_each"] = None
-        config["repeats"] = args.repeats or 2
+        config["repeats"] = repeats or 2
     else:
         config = {"batches": [64, 256, 1024], "ratios": [0.1, 0.5], "grid": (14, 14), "warmup": 2}
         # The torch oracle takes seconds per call at batch 1024: a budget gives it fewer samples, not all night.
-        config.update(min_sample_s=0.05, max_seconds_each=15.0, repeats=args.repeats or 15)
-
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="mjp_fast: the compiled extension", category=RuntimeWarning)
-        info = device_info(device)
-        rows, backends = run(device=device, **config)
-
-    aims = _aims(rows, smoke=args.smoke)
-    payload = {
-        "benchmark": NAME,
-        "smoke": args.smoke,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": info,
+        config.update(min_sample_s=0.05, max_seconds_each=15.0, repeats=repeats or 15)
+    errors: dict[str, str] = {}
+    rows, backends = run(device=device, errors=errors, **config)
+    return {
         "config": {**config, "grid": list(config["grid"]), "min_block": MIN_BLOCK, "min_aspect": MIN_ASPECT},
         "backends": backends,
         "results": rows,
-        "aims": aims,
+        "errors": errors,
+        "aims": _aims(rows, smoke=smoke, errors=errors),
     }
-    path = write_results(payload, result_name(NAME, smoke=args.smoke, threads=args.threads), args.out)
 
-    where = info["gpu"] or f"{info['cpu']}, {info['torch_threads']} torch threads"
-    print(f"## Jigsaw sampler, {config['grid'][0]}x{config['grid'][1]} grid ({device}: {where}; torch {info['torch']})")
-    print()
-    print(_table(rows))
-    print()
-    for aim in aims:
-        measured = "n/a" if aim["measured"] is None else f"{aim['measured']:.1f}x"
-        print(f"{aim['verdict']}: {aim['aim']}: {measured}" + (f" ({aim['note']})" if "note" in aim else ""))
-    if args.smoke:
-        print("(smoke run: tiny sizes, the numbers mean nothing)")
-    print(f"results: {path}")
-    return 0
+
+def report(section: dict, info: dict) -> str:
+    """The printed Markdown of a section: title with device and shapes, the table, one line per aim."""
+    grid = section["config"]["grid"]
+    lines = [
+        f"## Jigsaw sampler, {grid[0]}x{grid[1]} grid, mask + permutation per sample ({where_measured(info)})",
+        "",
+        table(section["results"]),
+        "",
+    ]
+    return "\n".join(lines + error_lines(section) + [aim_line(aim) for aim in section["aims"]])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_standalone(NAME, __doc__.split("\n\n")[0], collect, report, argv)
 
 
 if __name__ == "__main__":

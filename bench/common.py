@@ -9,6 +9,8 @@ the same run: never against a number recorded earlier.
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -18,7 +20,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -77,6 +80,7 @@ def measure(
     max_calls_per_sample: int = 10_000,
     max_seconds_each: float | None = None,
     device: torch.device | str = "cpu",
+    errors: dict[str, str] | None = None,
 ) -> dict[str, Timing]:
     """Times several callables against each other, interleaved.
 
@@ -89,6 +93,8 @@ def measure(
         max_seconds_each: a time budget per callable: one whose samples are slow gets fewer of them (at least
             3, or ``repeats`` if smaller), so a slow oracle does not hold up the run.
         device: where the callables run; on a GPU every sample synchronizes it before and after.
+        errors: if given, a callable that raises in its first call is left out and its error recorded here
+            (name -> ``"TypeName: message"``), so one broken backend does not stop the others' measurement.
 
     Returns:
         name -> :class:`Timing` in seconds per call.
@@ -96,8 +102,16 @@ def measure(
     device = torch.device(device)
     repeats = max(1, int(repeats))
     numbers, wanted = {}, {}
-    for name, function in functions.items():
-        for _ in range(max(0, warmup - 1)):
+    functions = dict(functions)
+    for name, function in list(functions.items()):
+        if errors is not None:
+            try:
+                function()
+            except Exception as error:  # recorded in the results, reported beside the table
+                errors[name] = f"{type(error).__name__}: {error}"
+                del functions[name]
+                continue
+        for _ in range(max(0, warmup - 1 - (errors is not None))):
             function()
         single = _time_loop(function, 1, device)
         calls = int(min_sample_s / single) if single > 0 else max_calls_per_sample
@@ -107,6 +121,8 @@ def measure(
             affordable = int(max_seconds_each / max(single * numbers[name], 1e-9))
             wanted[name] = max(min(3, repeats), min(repeats, affordable))
 
+    if not functions:
+        return {}
     samples: dict[str, list[float]] = {name: [] for name in functions}
     order = list(functions)
     for round_index in range(max(wanted.values())):
@@ -192,11 +208,14 @@ def device_label(info: dict) -> str:
 
 
 def write_results(payload: dict, name: str, out_dir: Path | str = RESULTS_DIR, *, date: str | None = None) -> Path:
-    """Writes ``payload`` as JSON to ``out_dir/<device>-<YYYY-MM-DD>-<name>.json`` atomically; returns the path."""
+    """Writes ``payload`` as JSON to ``out_dir/<device>-<YYYY-MM-DD>-<name>.json`` atomically; returns the path.
+
+    An empty ``name`` gives ``<device>-<YYYY-MM-DD>.json``: the whole suite's file (``bench/run.py``).
+    """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     date = date or datetime.date.today().isoformat()
-    path = out_dir / f"{device_label(payload['device'])}-{date}-{name}.json"
+    path = out_dir / (f"{device_label(payload['device'])}-{date}" + (f"-{name}" if name else "") + ".json")
     handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=out_dir)
     try:
         with os.fdopen(handle, "w", encoding="utf-8") as stream:
@@ -263,7 +282,7 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def add_common_arguments(parser) -> None:
+def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     """The options every benchmark script takes."""
     parser.add_argument("--smoke", action="store_true", help="tiny sizes and 1-2 repeats: checks that it runs")
     parser.add_argument("--out", default=str(RESULTS_DIR), help="directory of the JSON results (default: %(default)s)")
@@ -275,3 +294,106 @@ def add_common_arguments(parser) -> None:
         default=None,
         help="torch CPU threads, also used by the compiled extension (default: torch's choice); named in the file",
     )
+
+
+def machine_threads() -> int:
+    """The CPU cores this process may run on (its affinity mask), for ``torch.set_num_threads``."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def utc_now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def format_measured(value: float | None, unit: str) -> str:
+    """An aim's measured value: ``1.04x`` for ratios, ``+0.31%`` for overheads, ``n/a`` when not measured."""
+    if value is None:
+        return "n/a"
+    if unit == "%":
+        return f"{value:+.2f}%"
+    return f"{value:.2f}{unit}"
+
+
+def aim_line(aim: dict) -> str:
+    """``PASS: <aim>: <measured> (<note>)``, one printed line per aim."""
+    measured = format_measured(aim["measured"], aim.get("unit", "x"))
+    return f"{aim['verdict']}: {aim['aim']}: {measured}" + (f" ({aim['note']})" if aim.get("note") else "")
+
+
+def where_measured(info: dict) -> str:
+    """``cpu: AMD EPYC, 2 torch threads`` or ``cuda: NVIDIA H100 80GB HBM3``."""
+    if info.get("gpu"):
+        return f"cuda: {info['gpu']}"
+    threads = info["torch_threads"]
+    return f"cpu: {info['cpu']}, {threads} torch thread{'' if threads == 1 else 's'}"
+
+
+def versions_line(info: dict) -> str:
+    """The software a result was measured with, in one line."""
+    parts = [f"torch {info['torch']}"]
+    if info.get("cuda"):
+        parts.append(f"CUDA {info['cuda']}")
+    parts += [f"python {info['python']}", f"mjp_fast {info['mjp_fast']}"]
+    if info.get("git_commit"):
+        parts.append(f"commit {info['git_commit'][:10]}")
+    extension = "loaded" if info.get("extension_loaded") else "not loaded"
+    parts.append(f"backends {', '.join(info.get('backends', []))} (mjp_fast._C {extension})")
+    return "; ".join(parts)
+
+
+@contextlib.contextmanager
+def quiet_extension_warning() -> Iterator[None]:
+    """Silences the package's one-time "compiled extension missing" warning: the reports name the backends."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="mjp_fast: the compiled extension", category=RuntimeWarning)
+        yield
+
+
+def run_standalone(
+    name: str,
+    description: str,
+    collect: Callable[..., dict],
+    report: Callable[[dict, dict], str],
+    argv: Sequence[str] | None,
+    add_arguments: Callable[[argparse.ArgumentParser], None] | None = None,
+) -> int:
+    """The ``main`` of one benchmark script: parse the options, measure, write the JSON, print the report.
+
+    ``collect(smoke=, device=, repeats=, **extra)`` returns the case's section (``config``, ``backends``,
+    ``results``, ``aims``), where ``extra`` holds the options that ``add_arguments`` added; ``report(section,
+    device_info)`` returns its printed Markdown.
+    """
+    parser = argparse.ArgumentParser(description=description)
+    add_common_arguments(parser)
+    common = set(vars(parser.parse_args([])))
+    if add_arguments is not None:
+        add_arguments(parser)
+    args = parser.parse_args(argv)
+    extra = {key: value for key, value in vars(args).items() if key not in common}
+    device = args.device or default_device()
+    if device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no GPU is visible to torch")
+    threads_before = torch.get_num_threads()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        with quiet_extension_warning():
+            info = device_info(device)
+            section = collect(smoke=args.smoke, device=device, repeats=args.repeats, **extra)
+    finally:
+        torch.set_num_threads(threads_before)
+    payload = {"benchmark": name, "smoke": args.smoke, "date": utc_now(), "device": info, **section}
+    path = write_results(payload, result_name(name, smoke=args.smoke, threads=args.threads), args.out)
+    print(report(section, info))
+    if args.smoke:
+        print("(smoke run: tiny sizes, the numbers mean nothing)")
+    print(f"results: {path}")
+    return 0
+
+
+def error_lines(section: dict) -> list[str]:
+    """``ERROR <implementation>: <message>`` for each implementation that raised instead of running."""
+    return [f"ERROR {name}: {message}" for name, message in section.get("errors", {}).items()]

@@ -4,6 +4,7 @@ import os
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
+import argparse
 import importlib
 import json
 import sys
@@ -73,3 +74,105 @@ def test_patch_embed_benchmark_smoke(tmp_path, capsys):
         assert "ratio_vs_timm" in row
         if row["max_abs_error_vs_ref"] is not None:
             assert row["max_abs_error_vs_ref"] < 1e-4
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The whole suite: `mjp bench --smoke`, its one JSON file, and the Markdown page rendered from it
+# ---------------------------------------------------------------------------------------------------------------
+
+CASE_ROW_KEYS = {
+    "sampler": {"batch", "ratio", "per_mask_median_s", "speedup_vs_python", "mean_masked", "matches_oracle"},
+    "patch_embed": {"mode", "backend", "ratio_vs_timm", "images_per_s", "max_abs_error_vs_ref"},
+    "jigsaw_apply": {"ratio", "output", "backend", "jigsaw_cost_s", "jigsaw_cost_vs_plain_embedding", "check"},
+    "train_step": {
+        "model",
+        "batch",
+        "image_size",
+        "prob",
+        "pairs",
+        "overhead_median_pct",
+        "overhead_p20_pct",
+        "overhead_p80_pct",
+        "quiet_pairs",
+        "isolated_overhead_pct",
+    },
+}
+
+
+@pytest.mark.timeout(300)
+def test_mjp_bench_smoke_runs_every_case_into_one_json(tmp_path, capsys):
+    from bench import render
+    from mjp_fast.cli import main
+
+    assert main(["bench", "--smoke", "--out", str(tmp_path), "--device", "cpu"]) == 0
+    printed = capsys.readouterr().out
+    files = sorted(tmp_path.glob("*.json"))
+    assert [path.name for path in files] == [files[0].name] and files[0].name.endswith("-smoke.json"), files
+    assert files[0].name.startswith("cpu-")
+    payload = json.loads(files[0].read_text())
+
+    assert payload.keys() >= {"suite", "smoke", "date", "device", "cases_run", "cases", "aims", "elapsed_s"}
+    assert payload["smoke"] is True
+    assert payload["device"].keys() >= DEVICE_KEYS
+    assert payload["cases_run"] == list(CASE_ROW_KEYS)
+    for name, row_keys in CASE_ROW_KEYS.items():
+        section = payload["cases"][name]
+        assert "error" not in section, section.get("traceback")
+        assert section.keys() >= {"config", "backends", "results", "aims", "elapsed_s"}
+        assert section["results"], name
+        for row in section["results"]:
+            assert row.keys() >= TIMING_KEYS | row_keys, (name, row.keys())
+            assert 0 < row["p20_s"] <= row["median_s"] <= row["p80_s"]
+    assert not payload["cases"]["jigsaw_apply"]["errors"]
+    checks = [row["check"] for row in payload["cases"]["jigsaw_apply"]["results"] if row["check"] is not None]
+    assert checks and all(check is True or check < 1e-4 for check in checks)  # the pipelines compute the same
+    variants = {row["implementation"] for row in payload["cases"]["train_step"]["results"]}
+    assert variants == {"plain", "mjp prob=0.5", "mjp prob=1"}
+    assert {aim["case"] for aim in payload["aims"]} == {"sampler", "patch_embed", "train_step"}
+    for aim in payload["aims"]:
+        assert aim["verdict"] == "NOT JUDGED"  # a smoke run judges nothing
+
+    for title in ("## Jigsaw sampler", "## Patch embedding", "## Applying the jigsaw", "## Training step", "## Aims"):
+        assert title in printed
+    assert f"results: {files[0]}" in printed
+
+    # The page: render skips smoke runs, so record this one as if it were real.
+    recorded = tmp_path / "recorded"
+    recorded.mkdir()
+    (recorded / "cpu-test-2000-01-01.json").write_text(json.dumps({**payload, "smoke": False}))
+    page = render.render(recorded)
+    assert page.startswith("# Benchmarks")
+    assert "## Summary: the aims, newest suite run per device" in page
+    assert "### Training step" in page and "### Applying the jigsaw" in page
+    assert payload["device"]["torch"] in page
+    assert render.render(tmp_path).count("## cpu-") == 0  # the smoke file itself is left out
+
+
+def test_mjp_bench_rejects_unknown_cases(tmp_path, capsys):
+    from mjp_fast.cli import main
+
+    assert main(["bench", "--smoke", "--cases", "sampler,nope", "--out", str(tmp_path)]) == 2
+    assert "cases must be a comma-separated subset of sampler,patch_embed,jigsaw_apply,train_step" in (
+        capsys.readouterr().err
+    )
+    assert not list(tmp_path.iterdir())
+
+
+def test_mjp_bench_explains_when_there_is_no_checkout(tmp_path):
+    from mjp_fast.cli import bench_runner
+
+    with pytest.raises(FileNotFoundError, match="run it from the root of a mjp_fast checkout"):
+        bench_runner([tmp_path])
+
+
+def test_mjp_bench_options_match_the_runner():
+    from bench import run
+    from mjp_fast.cli import build_parser
+
+    suite = argparse.ArgumentParser()
+    run.add_arguments(suite)
+    parser = build_parser()
+    command = parser.parse_args(["bench"])
+    assert set(vars(command)) - {"command"} == set(vars(suite.parse_args([])))
+    assert run.result_file_name(list(run.CASES), smoke=False, threads=None) == ""
+    assert run.result_file_name(["train_step"], smoke=True, threads=None) == "suite-train_step-smoke"

@@ -1,0 +1,439 @@
+"""What MJP adds to a whole training step of timm's DeiT-Tiny and DeiT-Small: the overhead in percent.
+
+Compared, in the same run, with identical starting weights:
+
+- ``plain``: ``timm.create_model(<deit>, pretrained=False)``; loss: cross-entropy.
+- ``mjp prob=0.5`` and ``mjp prob=1.0``: a deep copy of it through ``mjp_fast.timm.convert(copy, ratio=0.1,
+  prob=..., dal="nonlinear")``; loss: cross-entropy + 0.01 * ``model.mjp_aux_loss()`` (DAL).
+
+A step is forward, loss, backward, ``AdamW.step()`` and ``zero_grad(set_to_none=True)``, on one fixed synthetic
+batch already on the device (no data loading: it is the same for both). After warm-up rounds, the variants run
+in interleaved rounds (plain, 0.5, 1.0, then 1.0, 0.5, plain, ...), one step each, so that the machine's drifts
+hit them alike. The overhead of a round is ``t_mjp / t_plain - 1`` of that round's steps; we report its median
+over the rounds (the pairs) and its 20th/80th percentiles, and also the ratio of the median step times.
+
+On the CPU: float32, small batches (a DeiT-Tiny step at batch 32 takes seconds on 2 cores), wall-clock time.
+On a GPU: bfloat16 autocast, CUDA events around each step, optionally ``torch.compile`` (``--compile``).
+
+A second, low-noise estimate, "isolated": MJP's own work in a step (the jigsaw sampling, the token gather, the
+position term with ``unk_embed``, the DAL loss, forward and backward) timed alone with many repeats against the
+plain position-embedding add, divided by the plain step's median. It leaves out the optimizer's update of MJP's
+few extra parameters.
+
+Aims: on the CPU, DeiT-Tiny, batch 32, 224 px: overhead at most 2%. On an H100, bfloat16, DeiT-S, batch 256:
+at most 0.25%.
+
+    python bench/bench_train_step.py [--smoke] [--repeats PAIRS] [--out DIR] [--device cpu|cuda] [--threads N]
+        [--compile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make `bench` and `mjp_fast` importable from the checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from bench.common import (
+    Timing,
+    aim_line,
+    aim_verdict,
+    format_seconds,
+    format_timing,
+    markdown_table,
+    measure,
+    run_standalone,
+    synchronizer,
+    where_measured,
+)
+
+NAME = "train_step"
+MJP_RATIO = 0.1
+MJP_PROBS = (0.5, 1.0)
+DAL_KIND = "nonlinear"
+DAL_WEIGHT = 0.01
+PLAIN = "plain"
+MODEL_TITLES = {"deit_tiny_patch16_224": "DeiT-Tiny", "deit_small_patch16_224": "DeiT-Small"}
+
+# (model, batch, pairs, seconds budget); the budget ends a run early, after at least MIN_PAIRS pairs.
+CPU_RUNS = (("deit_tiny_patch16_224", 32, 30, 330.0), ("deit_small_patch16_224", 8, 15, 150.0))
+GPU_RUNS = (("deit_tiny_patch16_224", 256, 50, 120.0), ("deit_small_patch16_224", 256, 50, 120.0))
+SMOKE_RUNS = (("deit_tiny_patch16_224", 2, 2, None),)  # one block (see run_model): seconds, not minutes
+MIN_PAIRS = 5
+QUIET_MARGIN = 1.25  # a "quiet" pair: both steps within 25% of the fastest step measured for the model
+AIMS = (  # device kind, model, batch, dtype, threshold in percent
+    ("cpu", "deit_tiny_patch16_224", 32, "float32", 2.0),
+    ("H100", "deit_small_patch16_224", 256, "bfloat16", 0.25),
+)
+
+
+def variant_name(prob: float | None) -> str:
+    return PLAIN if prob is None else f"mjp prob={prob:g}"
+
+
+class Trainer:
+    """One model, its optimizer and its training step."""
+
+    def __init__(self, model: torch.nn.Module, *, mjp: bool, device: torch.device, compile_model: bool) -> None:
+        self.model = model
+        self.mjp = mjp
+        self.device = device
+        self.forward = torch.compile(model) if compile_model else model
+        self.optimizer = torch.optim.AdamW(
+            model.parameters(), lr=5e-4 * 32 / 512, weight_decay=0.05, fused=device.type == "cuda"
+        )
+
+    def step(self, images: torch.Tensor, targets: torch.Tensor) -> None:
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
+            logits = self.forward(images)
+            loss = F.cross_entropy(logits.float(), targets)
+            if self.mjp:
+                loss = loss + DAL_WEIGHT * self.model.mjp_aux_loss()
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+class StepTimer:
+    """Times one call: wall clock on the CPU, CUDA events on a GPU (then waits for the device)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.start = torch.cuda.Event(enable_timing=True)
+            self.end = torch.cuda.Event(enable_timing=True)
+
+    def __call__(self, function: Callable[[], object]) -> float:
+        if self.cuda:
+            self.start.record()
+            function()
+            self.end.record()
+            self.end.synchronize()
+            return self.start.elapsed_time(self.end) / 1e3
+        begin = time.perf_counter()
+        function()
+        return time.perf_counter() - begin
+
+
+def _models(
+    name: str, image_size: int, device: torch.device, depth: int | None = None
+) -> dict[float | None, torch.nn.Module]:
+    """The plain model and its MJP copies (one per prob), all with the same initial weights, in training mode.
+
+    ``depth``: fewer transformer blocks than the model has (smoke runs only).
+    """
+    import timm
+
+    import mjp_fast.timm as mjp_timm
+
+    torch.manual_seed(0)
+    overrides = {} if depth is None else {"depth": depth}
+    plain = timm.create_model(name, pretrained=False, img_size=image_size, num_classes=1000, **overrides)
+    models: dict[float | None, torch.nn.Module] = {None: plain}
+    for prob in MJP_PROBS:
+        models[prob] = mjp_timm.convert(copy.deepcopy(plain), ratio=MJP_RATIO, prob=prob, dal=DAL_KIND, seed=0)
+    return {prob: model.to(device).train() for prob, model in models.items()}
+
+
+def _isolated(
+    models: dict[float | None, torch.nn.Module], batch: int, device: torch.device, repeats: int, smoke: bool
+) -> dict[float, float]:
+    """MJP's own work in a step, timed alone: per prob, (its time - the plain position add's time) in seconds."""
+    plain = models[None]
+    num_positions = plain.patch_embed.num_patches
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randn(batch, num_positions, plain.embed_dim, generator=generator).to(device, dtype)
+    tokens.requires_grad_(True)
+    grad = torch.randn(batch, num_positions + plain.num_prefix_tokens, plain.embed_dim, generator=generator)
+    grad = grad.to(device, dtype)
+
+    def position_part(model: torch.nn.Module, mjp: bool) -> Callable[[], None]:
+        def run() -> None:
+            model.zero_grad(set_to_none=True)
+            tokens.grad = None
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                out = model._pos_embed(tokens)
+                aux = model.mjp_aux_loss() * DAL_WEIGHT if mjp else None
+            if aux is None:
+                out.backward(grad)
+            else:
+                torch.autograd.backward([out, aux], [grad, torch.ones_like(aux)])
+
+        return run
+
+    functions = {PLAIN: position_part(plain, False)}
+    for prob in MJP_PROBS:
+        functions[variant_name(prob)] = position_part(models[prob], True)
+    timings = measure(functions, repeats=repeats, warmup=2, min_sample_s=0.0 if smoke else 0.05, device=device)
+    return {prob: timings[variant_name(prob)].median_s - timings[PLAIN].median_s for prob in MJP_PROBS}
+
+
+def _percentiles(values: Sequence[float]) -> tuple[float, float, float]:
+    array = np.asarray(values)
+    return float(np.median(array)), float(np.percentile(array, 20)), float(np.percentile(array, 80))
+
+
+def run_model(
+    name: str,
+    *,
+    batch: int,
+    image_size: int,
+    pairs: int,
+    max_seconds: float | None,
+    warmup: int,
+    device: str,
+    compile_model: bool,
+    smoke: bool,
+) -> list[dict]:
+    """Interleaved training steps of the plain and MJP models; one result row per variant."""
+    from mjp_fast.backend import resolve_backend
+
+    device = torch.device(device)
+    models = _models(name, image_size, device, depth=1 if smoke else None)
+    trainers = {
+        prob: Trainer(model, mjp=prob is not None, device=device, compile_model=compile_model)
+        for prob, model in models.items()
+    }
+    generator = torch.Generator().manual_seed(0)
+    images = torch.randn(batch, 3, image_size, image_size, generator=generator).to(device)
+    targets = torch.randint(0, 1000, (batch,), generator=generator).to(device)
+    timer = StepTimer(device)
+    synchronize = synchronizer(device)
+    order = list(trainers)
+
+    for _ in range(warmup):
+        for prob in order:
+            trainers[prob].step(images, targets)
+    synchronize()
+
+    times: dict[float | None, list[float]] = {prob: [] for prob in order}
+    begin = time.perf_counter()
+    for round_index in range(pairs):
+        for prob in order if round_index % 2 == 0 else reversed(order):
+            times[prob].append(timer(lambda prob=prob: trainers[prob].step(images, targets)))
+        if max_seconds is not None and round_index + 1 >= MIN_PAIRS and time.perf_counter() - begin > max_seconds:
+            break
+    measured_s = time.perf_counter() - begin
+    isolated = _isolated(models, batch, device, repeats=3 if smoke else 15, smoke=smoke)
+
+    plain = np.asarray(times[None])
+    plain_median = float(np.median(plain))
+    # Steps that other processes slowed down: more than QUIET_MARGIN above the fastest step of any variant.
+    quiet_limit = QUIET_MARGIN * min(min(values) for values in times.values())
+    rows = []
+    for prob in order:
+        values = np.asarray(times[prob])
+        row = {
+            "model": name,
+            "batch": batch,
+            "image_size": image_size,
+            "implementation": variant_name(prob),
+            "prob": prob,
+            "median_s": float(np.median(values)),
+            "p20_s": float(np.percentile(values, 20)),
+            "p80_s": float(np.percentile(values, 80)),
+            "min_s": float(values.min()),
+            "samples": len(values),
+            "calls_per_sample": 1,
+            "images_per_s": batch / float(np.median(values)),
+            "pairs": len(values),
+            "measured_s": measured_s,
+            "overhead_median_pct": None,
+            "overhead_p20_pct": None,
+            "overhead_p80_pct": None,
+            "overhead_of_medians_pct": None,
+            "quiet_pairs": None,
+            "quiet_overhead_median_pct": None,
+            "isolated_extra_s": None,
+            "isolated_overhead_pct": None,
+            "sampler_backend": resolve_backend(None, device),
+        }
+        if prob is not None:
+            median, p20, p80 = _percentiles(100.0 * (values / plain - 1.0))
+            quiet = (values <= quiet_limit) & (plain <= quiet_limit)
+            row.update(
+                quiet_pairs=int(quiet.sum()),
+                quiet_overhead_median_pct=(
+                    float(np.median(100.0 * (values[quiet] / plain[quiet] - 1.0))) if quiet.any() else None
+                ),
+                overhead_median_pct=median,
+                overhead_p20_pct=p20,
+                overhead_p80_pct=p80,
+                overhead_of_medians_pct=100.0 * (row["median_s"] / plain_median - 1.0),
+                isolated_extra_s=isolated[prob],
+                isolated_overhead_pct=100.0 * isolated[prob] / plain_median,
+            )
+        rows.append(row)
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    headers = [
+        "model",
+        "batch",
+        "variant",
+        "step: median [p20, p80]",
+        "images/s",
+        "pairs",
+        "overhead: median [p20, p80]",
+        "ratio of medians",
+        "quiet pairs: n, median",
+        "isolated MJP work",
+    ]
+    body = []
+    for row in rows:
+        timing = Timing(*(row[key] for key in ("median_s", "p20_s", "p80_s", "min_s", "samples", "calls_per_sample")))
+        overhead = isolated = ratio = quiet = ""
+        if row["overhead_median_pct"] is not None:
+            quiet_median = row.get("quiet_overhead_median_pct")
+            if "quiet_pairs" in row:
+                quiet = f"{row['quiet_pairs']}" + ("" if quiet_median is None else f", {quiet_median:+.2f}%")
+            overhead = (
+                f"{row['overhead_median_pct']:+.2f}% [{row['overhead_p20_pct']:+.2f}%, {row['overhead_p80_pct']:+.2f}%]"
+            )
+            ratio = f"{row['overhead_of_medians_pct']:+.2f}%"
+            extra = row["isolated_extra_s"]
+            isolated = f"{'-' if extra < 0 else ''}{format_seconds(abs(extra))} = {row['isolated_overhead_pct']:+.3f}%"
+        body.append(
+            [
+                MODEL_TITLES.get(row["model"], row["model"]),
+                row["batch"],
+                row["implementation"],
+                format_timing(timing),
+                f"{row['images_per_s']:.1f}",
+                row["pairs"],
+                overhead,
+                ratio,
+                quiet,
+                isolated,
+            ]
+        )
+    return markdown_table(headers, body)
+
+
+def _aims(rows: list[dict], *, smoke: bool, device: str, gpu: str | None, dtype: str) -> list[dict]:
+    aims = []
+    for kind, model, batch, aim_dtype, threshold in AIMS:
+        title = MODEL_TITLES[model]
+        where = "on the CPU" if kind == "cpu" else f"on an {kind}"
+        for prob in MJP_PROBS:
+            aim = {
+                "aim": f"{where}, {title}, batch {batch}, {aim_dtype}: MJP (ratio {MJP_RATIO:g}, prob {prob:g}, DAL) "
+                f"training-step overhead at most {threshold:g}%",
+                "threshold": threshold,
+                "measured": None,
+                "unit": "%",
+                "verdict": "NOT RUN",
+            }
+            on_device = device == "cpu" if kind == "cpu" else (device == "cuda" and kind in (gpu or ""))
+            wanted = (model, batch, prob, 224)
+            key = lambda row: (row["model"], row["batch"], row["prob"], row["image_size"])  # noqa: E731
+            row = next((row for row in rows if key(row) == wanted), None)
+            if not on_device:
+                aim["note"] = f"needs {'the CPU' if kind == 'cpu' else 'an ' + kind}; measured on {gpu or device}"
+            elif row is None or dtype != aim_dtype:
+                aim["note"] = "this configuration was not measured"
+            else:
+                aim["measured"] = row["overhead_median_pct"]
+                aim["verdict"] = aim_verdict(aim["measured"], threshold, higher_is_better=False)
+            if smoke:
+                aim.update(verdict="NOT JUDGED", note="smoke run: tiny sizes")
+            aims.append(aim)
+    return aims
+
+
+def collect(*, smoke: bool, device: str, repeats: int | None = None, compile_model: bool = False) -> dict:
+    """Measures the case; returns its section of the results: ``config``, ``backends``, ``results``, ``aims``.
+
+    ``repeats`` overrides the number of interleaved rounds (pairs) per model.
+    """
+    from mjp_fast.backend import resolve_backend
+
+    if smoke:
+        runs, image_size, warmup = SMOKE_RUNS, 64, 1
+    elif device == "cuda":
+        runs, image_size, warmup = GPU_RUNS, 224, 10 if compile_model else 5
+    else:
+        runs, image_size, warmup = CPU_RUNS, 224, 2
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    rows, plan = [], []
+    for name, batch, pairs, max_seconds in runs:
+        pairs = repeats or pairs
+        plan.append({"model": name, "batch": batch, "pairs": pairs, "max_seconds": max_seconds})
+        rows += run_model(
+            name,
+            batch=batch,
+            image_size=image_size,
+            pairs=pairs,
+            max_seconds=max_seconds,
+            warmup=warmup,
+            device=device,
+            compile_model=compile_model,
+            smoke=smoke,
+        )
+    gpu = torch.cuda.get_device_name() if device == "cuda" else None
+    return {
+        "config": {
+            "runs": plan,
+            "image_size": image_size,
+            "dtype": dtype,
+            "autocast": device == "cuda",
+            "compile": compile_model,
+            "warmup_rounds": warmup,
+            "min_pairs": MIN_PAIRS,
+            "mjp_ratio": MJP_RATIO,
+            "mjp_probs": list(MJP_PROBS),
+            "dal": DAL_KIND,
+            "dal_weight": DAL_WEIGHT,
+            "optimizer": "AdamW(lr=5e-4*32/512, weight_decay=0.05" + (", fused)" if device == "cuda" else ")"),
+            "timer": "CUDA events" if device == "cuda" else "wall clock (perf_counter)",
+        },
+        "backends": [resolve_backend(None, torch.device(device))],
+        "results": rows,
+        "aims": _aims(rows, smoke=smoke, device=device, gpu=gpu, dtype=dtype),
+    }
+
+
+def report(section: dict, info: dict) -> str:
+    """The printed Markdown of a section: title with device and shapes, the table, one line per aim."""
+    config = section["config"]
+    how = config["dtype"] + (" autocast" if config["autocast"] else "")
+    how += ", torch.compile" if config["compile"] else ""
+    lines = [
+        f"## Training step, plain vs MJP (ratio {config['mjp_ratio']:g}, DAL {config['dal']}), "
+        f"{config['image_size']} px, {how}, sampler backend {', '.join(section['backends'])} ({where_measured(info)})",
+        "",
+        table(section["results"]),
+        "",
+        "overhead: per interleaved pair, t_mjp / t_plain - 1, median [p20, p80] over the pairs (the aims judge "
+        "this); ratio of medians: median MJP step / median plain step - 1; quiet pairs: the pairs whose two steps "
+        f"both ran within {100 * (QUIET_MARGIN - 1):.0f}% of the fastest step of the model (the others were slowed "
+        "by other processes), and their median overhead; isolated MJP work: MJP's position term + DAL (forward "
+        "and backward) timed alone minus the plain position add, and its share of the plain step's median.",
+        "",
+    ]
+    return "\n".join(lines + [aim_line(aim) for aim in section["aims"]])
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--compile", dest="compile_model", action="store_true", help="torch.compile the models (GPU runs)"
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_standalone(NAME, __doc__.split("\n\n")[0], collect, report, argv, _add_arguments)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
