@@ -156,6 +156,22 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown CPU"
 
 
+def _git_dirty() -> bool | None:
+    """Whether the checkout has uncommitted changes (so the commit alone does not say what ran)."""
+    try:
+        result = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return bool(result.stdout.strip()) if result.returncode == 0 else None
+
+
 def _git_commit() -> str | None:
     try:
         result = subprocess.run(
@@ -185,6 +201,7 @@ def device_info(device: torch.device | str) -> dict:
         "numpy": np.__version__,
         "mjp_fast": mjp_fast.__version__,
         "git_commit": _git_commit(),
+        "git_dirty": _git_dirty(),
         "backends": mjp_fast.available_backends(),
         "extension_loaded": backend_module.extension() is not None,
         "gpu": None,
@@ -338,7 +355,7 @@ def versions_line(info: dict) -> str:
         parts.append(f"CUDA {info['cuda']}")
     parts += [f"python {info['python']}", f"mjp_fast {info['mjp_fast']}"]
     if info.get("git_commit"):
-        parts.append(f"commit {info['git_commit'][:10]}")
+        parts.append(f"commit {info['git_commit'][:10]}" + (" + uncommitted changes" if info.get("git_dirty") else ""))
     extension = "loaded" if info.get("extension_loaded") else "not loaded"
     parts.append(f"backends {', '.join(info.get('backends', []))} (mjp_fast._C {extension})")
     return "; ".join(parts)
