@@ -8,6 +8,15 @@
 #include <cstdint>
 #include <cstring>
 
+// Host-only x86-64 fast paths (AVX2 Philox for the permutation's keys), chosen at run time by CPU support. The
+// CUDA build and other hosts use the portable code, which computes the same values.
+#if !defined(__CUDACC__) && !defined(__HIPCC__) && defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define MJP_HOST_X86_SIMD 1
+#include <immintrin.h>
+#else
+#define MJP_HOST_X86_SIMD 0
+#endif
+
 #if defined(__CUDACC__) || defined(__HIPCC__)
 #define MJP_HOST_DEVICE __host__ __device__
 #define MJP_FORCE_INLINE __forceinline__
@@ -76,20 +85,87 @@ MJP_HOST_DEVICE MJP_FORCE_INLINE int64_t perm_sort_key(uint64_t seed, int64_t po
 constexpr int kSortKeyPositionBits = 31;
 constexpr int64_t kSortKeyPositionMask = (int64_t(1) << kSortKeyPositionBits) - 1;
 
+#if MJP_HOST_X86_SIMD
+// values[i] = perm_sort_key(seed, values[i], c1, c2) for i < count - count % 4: four Philox streams per 256-bit
+// vector, one per 64-bit lane. Only the low 32 bits of a lane carry a Philox word: _mm256_mul_epu32 reads only
+// those, so the high halves may hold anything until the final shift drops them.
+__attribute__((target("avx2"))) inline void perm_sort_keys_avx2(uint64_t seed, uint32_t c1, uint32_t c2,
+                                                                  int64_t* values, int64_t count) {
+  const __m256i round_a = _mm256_set1_epi64x(kPhiloxRoundA);
+  const __m256i round_b = _mm256_set1_epi64x(kPhiloxRoundB);
+  const __m256i counter1 = _mm256_set1_epi64x(c1);
+  const __m256i counter2 = _mm256_set1_epi64x(c2);
+  const __m256i counter3 = _mm256_set1_epi64x(kTagPerm);
+  __m256i key0[10], key1[10];
+  uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
+  for (int round = 0; round < 10; ++round, k0 += kPhiloxKeyA, k1 += kPhiloxKeyB) {
+    key0[round] = _mm256_set1_epi64x(k0);
+    key1[round] = _mm256_set1_epi64x(k1);
+  }
+  for (int64_t i = 0; i + 4 <= count; i += 4) {
+    const __m256i positions = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values + i));
+    __m256i x0 = positions, x1 = counter1, x2 = counter2, x3 = counter3;
+    for (int round = 0; round < 10; ++round) {
+      const __m256i product_b = _mm256_mul_epu32(round_b, x2);
+      const __m256i product_a = _mm256_mul_epu32(round_a, x0);
+      x0 = _mm256_xor_si256(_mm256_xor_si256(_mm256_srli_epi64(product_b, 32), x1), key0[round]);
+      x2 = _mm256_xor_si256(_mm256_xor_si256(_mm256_srli_epi64(product_a, 32), x3), key1[round]);
+      x1 = product_b;
+      x3 = product_a;
+    }
+    // (o0 << 32) >> 1 == o0 * 2**31 with the lane's high garbage shifted out; then | position.
+    const __m256i keys = _mm256_srli_epi64(_mm256_slli_epi64(x0, 32), 1);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(values + i), _mm256_or_si256(keys, positions));
+  }
+}
+
+inline bool host_has_avx2() {
+  static const bool has = __builtin_cpu_supports("avx2");
+  return has;
+}
+#endif
+
+// values[i] = perm_sort_key(seed, values[i], c1, c2) for i < count: the sort keys of `count` positions.
+MJP_HOST_DEVICE inline void perm_sort_keys(uint64_t seed, uint32_t c1, uint32_t c2, int64_t* values,
+                                           int64_t count) {
+  int64_t done = 0;
+#if MJP_HOST_X86_SIMD
+  if (host_has_avx2()) {
+    perm_sort_keys_avx2(seed, c1, c2, values, count);
+    done = count - count % 4;
+  }
+#endif
+  for (int64_t i = done; i < count; ++i) values[i] = perm_sort_key(seed, values[i], c1, c2);
+}
+
 // ---- Sorting distinct non-negative int64 values in place or into a disjoint buffer, without allocation.
 
 constexpr int64_t kSmallSort = 32;     // insertion sort up to this many values (in place, within a bucket)
 constexpr int64_t kBucketSortMin = 8;  // bucket sort (out of place) above this many values
 constexpr int kMaxBucketBits = 7;      // counting-scatter buckets: at most 128 (int32 counters on the stack)
 constexpr int kMaxInPlaceBucketBits = 6;  // in-place bucket pass: at most 64 buckets (two counter arrays)
+constexpr int64_t kValuesPerBucketForOnePass = 4;  // up to this many values per bucket: one insertion sort
+constexpr int64_t kHostSortBuffer = 512;  // host: permutations of up to this many positions sort on the stack
+#if defined(__BYTE_ORDER__) && defined(__ORDER_LITTLE_ENDIAN__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+constexpr bool kLittleEndianHost = true;
+#else
+constexpr bool kLittleEndianHost = false;
+#endif
 
-// Ascending insertion sort of values[0, count): for short or nearly sorted arrays.
+// Ascending insertion sort of values[0, count): for short or nearly sorted arrays. Each value is first exchanged
+// with its predecessor without a branch (select), and only a value smaller than two sorted ones walks further:
+// in bucketed random keys the first exchange is a coin flip that a branch would mispredict, the walk is rare.
 MJP_HOST_DEVICE inline void insertion_sort(int64_t* values, int64_t count) {
   for (int64_t i = 1; i < count; ++i) {
     const int64_t value = values[i];
-    int64_t j = i;
+    const int64_t previous = values[i - 1];
+    const bool exchange = value < previous;
+    values[i] = exchange ? previous : value;
+    values[i - 1] = exchange ? value : previous;
+    // Only an exchanged value below values[i - 2] walks on; the test is false for every value that stayed.
+    int64_t j = i - 1;
     for (; j > 0 && values[j - 1] > value; --j) values[j] = values[j - 1];
-    values[j] = value;
+    values[j] = values[j] < value ? values[j] : value;
   }
 }
 
@@ -132,6 +208,22 @@ MJP_HOST_DEVICE MJP_FORCE_INLINE int bucket_bits_for(int64_t count, int max_bits
   return bits;
 }
 
+// Finishes a bucket sort: values[0, count) holds the buckets in order, bucket b ending at ends[b]. With a few
+// values per bucket (the usual case) one insertion sort over the whole array is cheapest: it only moves values
+// within their bucket, and its branches are predictable, where a loop over the buckets mispredicts at every
+// bucket's size. Crowded buckets (skewed input, or very many values) are sorted one by one.
+MJP_HOST_DEVICE MJP_FORCE_INLINE void sort_buckets(int64_t* values, int64_t count, const int32_t* ends, int buckets) {
+  if (count <= kValuesPerBucketForOnePass * buckets) {
+    insertion_sort(values, count);
+    return;
+  }
+  int64_t start = 0;
+  for (int b = 0; b < buckets; ++b) {
+    sort_bucket(values + start, ends[b] - start);
+    start = ends[b];
+  }
+}
+
 // Sorts source[0, count) into the disjoint destination[0, count): a counting scatter by the top bits of the
 // 63-bit values, then each bucket sorted. Expected O(count) for uniformly random top bits (the permutation's keys
 // are), exact for any input.
@@ -149,11 +241,7 @@ MJP_HOST_DEVICE inline void bucket_sort_into(const int64_t* source, int64_t coun
     total += size;
   }
   for (int64_t i = 0; i < count; ++i) destination[ends[source[i] >> shift]++] = source[i];
-  int64_t start = 0;  // now ends[b] is where bucket b ends
-  for (int b = 0; b < buckets; ++b) {
-    sort_bucket(destination + start, ends[b] - start);
-    start = ends[b];
-  }
+  sort_buckets(destination, count, ends, buckets);
 }
 
 // Sorts values[0, count) in place: one in-place bucket pass by the top bits ("American flag" cycles), then each
@@ -187,11 +275,7 @@ MJP_HOST_DEVICE inline void bucket_sort_in_place(int64_t* values, int64_t count)
       values[next[b]++] = carried;
     }
   }
-  int64_t start = 0;
-  for (int b = 0; b < buckets; ++b) {
-    sort_bucket(values + start, ends[b] - start);
-    start = ends[b];
-  }
+  sort_buckets(values, count, ends, buckets);
 }
 
 // The permutation of docs/sampler.md: perm_row[m_i] = s_i, where m_0 < m_1 < ... are the masked positions and
@@ -202,7 +286,37 @@ MJP_HOST_DEVICE inline void bucket_sort_in_place(int64_t* values, int64_t count)
 MJP_HOST_DEVICE inline void permute_masked(uint64_t seed, uint32_t c1, uint32_t c2, int64_t num_positions,
                                            int64_t masked, const bool* mask_row, int64_t* perm_row) {
   int64_t* listed = perm_row + (num_positions - masked);
-  for (int64_t i = 0; i < masked; ++i) listed[i] = perm_sort_key(seed, listed[i], c1, c2);
+  perm_sort_keys(seed, c1, c2, listed, masked);
+#if !defined(__CUDA_ARCH__)
+  if (masked <= kHostSortBuffer) {
+    // Host: sort into a stack buffer, then write perm_row front to back: the identity, then s_i at the i-th masked
+    // position, found a word of 8 mask bytes at a time. (A GPU thread keeps the in-place path below, which needs
+    // no per-thread buffer.)
+    int64_t sorted[kHostSortBuffer];
+    if (masked > kBucketSortMin) {
+      bucket_sort_into(listed, masked, sorted);
+    } else {
+      for (int64_t i = 0; i < masked; ++i) sorted[i] = listed[i];
+      insertion_sort(sorted, masked);
+    }
+    for (int64_t n = 0; n < num_positions; ++n) perm_row[n] = n;
+    int64_t next = 0;
+    int64_t n = 0;
+    for (; n + 8 <= num_positions; n += 8) {
+      uint64_t word;  // byte j is mask_row[n + j], 0 or 1 (little-endian hosts; big-endian ones take the tail loop)
+      memcpy(&word, mask_row + n, sizeof(word));
+      if (!kLittleEndianHost) break;
+      while (word != 0) {
+        perm_row[n + (__builtin_ctzll(word) >> 3)] = sorted[next++] & kSortKeyPositionMask;
+        word &= word - 1;
+      }
+    }
+    for (; n < num_positions; ++n) {
+      if (mask_row[n]) perm_row[n] = sorted[next++] & kSortKeyPositionMask;
+    }
+    return;
+  }
+#endif
   // Sort into perm_row[0, masked): out of place when the front half is free, else in place after a forward move.
   // The sort keys are distinct, so every sort gives the same order.
   if (masked > kBucketSortMin && 2 * masked <= num_positions) {
