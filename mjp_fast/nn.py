@@ -144,12 +144,13 @@ class MJPPatchEmbed(nn.Module):
     def no_weight_decay(self) -> set[str]:
         return {"pos_embed", "unk_embed"}
 
-    def jigsaw_eval(self, ratio: float = 0.5, seed: int = 0, prob: float = 1.0):
+    def jigsaw_eval(self, ratio: float = 0.5, seed: int = 0, prob: float = 1.0, start: int = 0):
         """Within this context, eval mode jigsaws its input too: the same jigsaws for the same seed.
 
         The paper's consistency protocol compares predictions on ``x`` and on ``x`` jigsawed at ratio 0.5.
+        ``start``: samples of the stream drawn before (see :meth:`JigsawSampler.jigsaw_eval`).
         """
-        return self.sampler.jigsaw_eval(ratio=ratio, seed=seed, prob=prob)
+        return self.sampler.jigsaw_eval(ratio=ratio, seed=seed, prob=prob, start=start)
 
     def forward(self, images: torch.Tensor, jigsaw: Jigsaw | None = None) -> torch.Tensor:
         """images ``[B, C, H, W]`` -> tokens ``[B, N, D]``; ``jigsaw`` overrides the module's own sampling."""

@@ -94,7 +94,7 @@ class JigsawSampler(nn.Module):
             settings = self._eval_settings
             ratio, prob, seed = settings["ratio"], settings["prob"], settings["seed"]
             if self._eval_counter is None or self._eval_counter.device != device:
-                self._eval_counter = torch.zeros((), dtype=torch.int64, device=device)
+                self._eval_counter = torch.full((), settings["start"], dtype=torch.int64, device=device)
             counter = self._eval_counter
         grid = self.grid_size if grid_size is None else tuple(grid_size)
         rank, world = self._rank_and_world()
@@ -131,12 +131,21 @@ class JigsawSampler(nn.Module):
         )
 
     @contextlib.contextmanager
-    def jigsaw_eval(self, ratio: float = 0.5, seed: int = 0, prob: float = 1.0) -> Iterator[JigsawSampler]:
-        """Within this context, eval mode jigsaws too, from a fresh stream: the same jigsaws for the same seed."""
+    def jigsaw_eval(
+        self, ratio: float = 0.5, seed: int = 0, prob: float = 1.0, start: int = 0
+    ) -> Iterator[JigsawSampler]:
+        """Within this context, eval mode jigsaws too, from the stream of ``seed``: the same jigsaws for the same
+        seed.
+
+        ``start``: how many samples of that stream this rank has drawn before. A pass that enters the context once
+        per batch (its plain forward outside) passes the count of samples so far and gets one uninterrupted
+        stream, the same jigsaws as a single entry would give.
+        """
         settings = {
             "ratio": check_fraction("ratio", ratio),
             "seed": check_int("seed", seed, minimum=0, maximum=2**64 - 1),
             "prob": check_fraction("prob", prob),
+            "start": check_int("start", start, minimum=0, maximum=2**62),
         }
         previous = (self._eval_settings, self._eval_counter)
         self._eval_settings, self._eval_counter = settings, None

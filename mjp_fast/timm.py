@@ -105,16 +105,17 @@ class _MJPMixin:
     mjp: MJPState
 
     @contextlib.contextmanager
-    def mjp_eval(self, ratio: float = 0.5, seed: int = 0, prob: float = 1.0) -> Iterator[nn.Module]:
+    def mjp_eval(self, ratio: float = 0.5, seed: int = 0, prob: float = 1.0, start: int = 0) -> Iterator[nn.Module]:
         """Eval mode on jigsawed input (with the UNK embedding), the same jigsaws for the same seed.
 
         The paper's consistency protocol: compare ``model(x)`` in eval mode with the output inside this context.
-        The model's training mode is restored on exit.
+        The model's training mode is restored on exit. ``start``: samples of the stream this rank drew before, for
+        a pass that enters once per batch (see :meth:`mjp_fast.JigsawSampler.jigsaw_eval`).
         """
         was_training = self.training
         self.eval()
         try:
-            with self.mjp.sampler.jigsaw_eval(ratio=ratio, seed=seed, prob=prob):
+            with self.mjp.sampler.jigsaw_eval(ratio=ratio, seed=seed, prob=prob, start=start):
                 yield self
         finally:
             self.train(was_training)
@@ -361,6 +362,27 @@ def _make_entrypoint(base: str):
     return entrypoint
 
 
+def register(base: str) -> str:
+    """Registers ``mjp_<base>`` with timm for any timm model ``base``; returns that name.
+
+    ``timm.create_model("mjp_<base>", mjp_ratio=..., mjp_prob=..., mjp_dal=..., mjp_seed=..., **timm_kwargs)``
+    then builds ``base`` (``pretrained`` and the other keywords go to timm) and converts it with :func:`convert`.
+    Registering a name twice is a no-op.
+
+    Raises:
+        ValueError: ``base`` is not a timm model name.
+    """
+    if not isinstance(base, str):
+        raise TypeError(f"base must be a timm model name (str), got {type(base).__name__}")
+    name = f"mjp_{base}"
+    if timm.is_model(name):
+        return name
+    if not timm.is_model(base):
+        raise ValueError(f"base must be a timm model name, got {base!r} (timm.list_models() lists them)")
+    entrypoint = _make_entrypoint(base)
+    globals()[entrypoint.__name__] = register_model(entrypoint)
+    return name
+
+
 for _base in REGISTERED_BASES:
-    _entrypoint = _make_entrypoint(_base)
-    globals()[_entrypoint.__name__] = register_model(_entrypoint)
+    register(_base)

@@ -24,6 +24,21 @@ def test_eval_mode_is_plain_unless_asked():
     assert sampler.samples_seen == 0  # eval draws do not move the training stream
 
 
+def test_eval_stream_continues_across_entries_with_start():
+    sampler = mjp_fast.JigsawSampler((4, 5), ratio=0.5, prob=1.0, min_block=2).eval()
+    with sampler.jigsaw_eval(ratio=0.5, seed=11):
+        whole = sampler(5, torch.device("cpu"))
+    parts = []
+    for start, batch in ((0, 2), (2, 3)):
+        with sampler.jigsaw_eval(ratio=0.5, seed=11, start=start):
+            parts.append(sampler(batch, torch.device("cpu")))
+    assert torch.equal(torch.cat([part.perm for part in parts]), whole.perm)
+    assert torch.equal(torch.cat([part.mask for part in parts]), whole.mask)
+    with pytest.raises(ValueError, match="start"):
+        with sampler.jigsaw_eval(start=-1):
+            pass
+
+
 def test_other_grids_and_inactive_settings():
     sampler = mjp_fast.JigsawSampler(4, ratio=0.5, prob=1.0, min_block=2)
     assert sampler(2, torch.device("cpu"), grid_size=(3, 6)).mask.shape == (2, 18)

@@ -157,6 +157,19 @@ def test_every_registered_name_creates_offline(name):
     assert model(torch.randn(1, 3, 64, 64)).shape == (1, 3)
 
 
+def test_register_any_timm_model():
+    name = mjp_timm.register("vit_tiny_patch16_224")
+    assert name == "mjp_vit_tiny_patch16_224" and timm.is_model(name)
+    assert mjp_timm.register("vit_tiny_patch16_224") == name  # twice: the same registration
+    model = timm.create_model(name, pretrained=False, img_size=32, mjp_ratio=0.25, mjp_prob=1.0, num_classes=2)
+    assert isinstance(model, mjp_timm.MJPVisionTransformer) and model.mjp.sampler.ratio == 0.25
+    assert model(torch.randn(1, 3, 32, 32)).shape == (1, 2)
+    with pytest.raises(ValueError, match="base must be a timm model name"):
+        mjp_timm.register("vit_no_such_model")
+    with pytest.raises(TypeError, match="base"):
+        mjp_timm.register(3)
+
+
 def test_compiled_model_has_no_graph_break():
     if not _has_triton():
         pytest.skip("needs the triton backend (interpreter) for an on-device sampler")

@@ -195,7 +195,6 @@ def evaluate_model(
     meter = ClassificationMeter()
     seen = 0
     autocast = torch.autocast(device.type, dtype=amp_dtype) if amp_dtype is not None else contextlib.nullcontext()
-    stream = JigsawEvalStream(model, ratio=ratio, seed=seed) if mode == "unk" else None
     try:
         for batch_index, (images, targets) in enumerate(loader):
             images = images.to(device, non_blocking=True)
@@ -215,7 +214,8 @@ def evaluate_model(
                     shuffled = jigsaw_images(images, shuffle, patch_size)
                     features_jigsawed, logits_jigsawed = features_and_logits(model, shuffled)
                 elif mode == "unk":
-                    with stream:
+                    # One stream over the pass, entered per batch (the plain forward runs outside it).
+                    with model.mjp_eval(ratio=ratio, seed=seed, start=seen):
                         features_jigsawed, logits_jigsawed = features_and_logits(model, images)
             loss_sum = None
             if criterion is not None:
@@ -228,28 +228,3 @@ def evaluate_model(
         model.train(was_training)
     meter.all_reduce()
     return meter.result()
-
-
-class JigsawEvalStream:
-    """``model.mjp_eval(ratio, seed)`` entered once per jigsawed forward, continuing one jigsaw stream over the pass.
-
-    ``jigsaw_eval`` starts a fresh stream at each entry (sample index 0); the plain forward of each batch must run
-    outside it, so the stream position is carried from one entry to the next here. This reads the sampler's
-    eval counter, which ``JigsawSampler`` keeps private: a public ``start`` argument of ``jigsaw_eval`` would
-    remove the need.
-    """
-
-    def __init__(self, model: nn.Module, *, ratio: float, seed: int) -> None:
-        self.model, self.ratio, self.seed = model, ratio, seed
-        self.counter: torch.Tensor | None = None
-        self._context: Any = None
-
-    def __enter__(self) -> JigsawEvalStream:
-        self._context = self.model.mjp_eval(ratio=self.ratio, seed=self.seed)
-        self._context.__enter__()
-        self.model.mjp.sampler._eval_counter = self.counter
-        return self
-
-    def __exit__(self, *exc_info: Any) -> None:
-        self.counter = self.model.mjp.sampler._eval_counter
-        self._context.__exit__(*exc_info)

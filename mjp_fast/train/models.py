@@ -14,7 +14,7 @@ from typing import Any
 
 import timm
 import torch
-from timm.models import is_model, register_model
+from timm.models import is_model
 from torch import nn
 
 import mjp_fast.timm as mjp_timm
@@ -34,7 +34,7 @@ def ensure_registered(name: str) -> None:
         return
     base = base_name(name)
     if name.startswith(MJP_PREFIX) and is_model(base):
-        register_model(mjp_timm._make_entrypoint(base))
+        mjp_timm.register(base)
         return
     close = difflib.get_close_matches(base, timm.list_models(), n=3, cutoff=0.6)
     hint = f"; did you mean {' or '.join(close)}?" if close else " (timm.list_models() lists them)"

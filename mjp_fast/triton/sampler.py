@@ -11,7 +11,14 @@ import torch
 import triton
 import triton.language as tl
 
-from mjp_fast.ops.sample_jigsaw import ASPECT_BIN_SHIFT, ATTEMPTS_PER_ROUND, TAG_COIN, TAG_MASK, TAG_PERM
+from mjp_fast.ops.sample_jigsaw import (
+    ASPECT_BIN_SHIFT,
+    ATTEMPTS_PER_ROUND,
+    TAG_COIN,
+    TAG_MASK,
+    TAG_PERM,
+    _empty_jigsaw,
+)
 from mjp_fast.triton import operator as _operator
 
 
@@ -146,8 +153,4 @@ def sample_jigsaw_triton(
 @sample_jigsaw_triton.register_fake
 def _(offset, h_thresholds, w_thresholds, batch_size, rows, cols, target, min_block, seed_bits, shared, prob_threshold):
     # Shapes only. (triton_op can trace the kernel launch itself on a GPU; under the CPU interpreter it cannot.)
-    device = h_thresholds.device
-    return (
-        torch.empty(batch_size, rows * cols, dtype=torch.bool, device=device),
-        torch.empty(batch_size, rows * cols, dtype=torch.int64, device=device),
-    )
+    return _empty_jigsaw(batch_size, rows * cols, h_thresholds.device)

@@ -10,6 +10,7 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -93,6 +94,8 @@ CASE_ROW_KEYS = {
         "overhead_median_pct",
         "overhead_p20_pct",
         "overhead_p80_pct",
+        "overhead_ci95_low_pct",
+        "overhead_ci95_high_pct",
         "quiet_pairs",
         "isolated_overhead_pct",
     },
@@ -176,3 +179,15 @@ def test_mjp_bench_options_match_the_runner():
     assert set(vars(command)) - {"command"} == set(vars(suite.parse_args([])))
     assert run.result_file_name(list(run.CASES), smoke=False, threads=None) == ""
     assert run.result_file_name(["train_step"], smoke=True, threads=None) == "suite-train_step-smoke"
+
+
+def test_train_step_median_interval_covers_the_median_and_narrows():
+    from bench.bench_train_step import _median_interval
+
+    rng = np.random.default_rng(3)
+    few, many = rng.normal(1.0, 5.0, 10), rng.normal(1.0, 5.0, 400)
+    for values in (few, many):
+        low, high = _median_interval(values)
+        assert low <= float(np.median(values)) <= high
+    assert np.subtract(*_median_interval(many)[::-1]) < np.subtract(*_median_interval(few)[::-1])
+    assert _median_interval([2.0] * 7) == (2.0, 2.0)
