@@ -8,9 +8,17 @@
 #include <cstdint>
 #include <cstring>
 
-// Host-only x86-64 fast paths (AVX2 Philox for the permutation's keys), chosen at run time by CPU support. The
-// CUDA build and other hosts use the portable code, which computes the same values.
-#if !defined(__CUDACC__) && !defined(__HIPCC__) && defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+// Host fast paths: the permutation sorted in a stack buffer, mask rows tested and set 8 cells at a time, and on
+// x86-64 AVX2 Philox for the permutation's keys (chosen at run time by CPU support). A GPU thread runs the
+// portable code, which computes the same values; defining MJP_SAMPLER_PORTABLE makes the host run it too (the
+// C++ tests build both).
+#if !defined(__CUDA_ARCH__) && !defined(MJP_SAMPLER_PORTABLE)
+#define MJP_HOST_FAST_PATHS 1
+#else
+#define MJP_HOST_FAST_PATHS 0
+#endif
+#if !defined(__CUDACC__) && !defined(__HIPCC__) && !defined(MJP_SAMPLER_PORTABLE) && defined(__x86_64__) && \
+    (defined(__GNUC__) || defined(__clang__))
 #define MJP_HOST_X86_SIMD 1
 #include <immintrin.h>
 #else
@@ -287,7 +295,7 @@ MJP_HOST_DEVICE inline void permute_masked(uint64_t seed, uint32_t c1, uint32_t 
                                            int64_t masked, const bool* mask_row, int64_t* perm_row) {
   int64_t* listed = perm_row + (num_positions - masked);
   perm_sort_keys(seed, c1, c2, listed, masked);
-#if !defined(__CUDA_ARCH__)
+#if MJP_HOST_FAST_PATHS
   if (masked <= kHostSortBuffer) {
     // Host: sort into a stack buffer, then write perm_row front to back: the identity, then s_i at the i-th masked
     // position, found a word of 8 mask bytes at a time. (A GPU thread keeps the in-place path below, which needs
@@ -353,6 +361,68 @@ MJP_HOST_DEVICE inline void permute_masked(uint64_t seed, uint32_t c1, uint32_t 
   }
 }
 
+// ---- The rectangle of an attempt: rows [top, top + height) x cols [left, left + width) of a mask with `cols`
+// columns and num_positions cells. On little-endian hosts a row of at most 8 cells is one 8-byte word (the mask's
+// bools are bytes 0 or 1) whenever 8 bytes from its start lie inside the mask; otherwise, and on a GPU, cell by
+// cell.
+
+// Bytes [0, width) of a word set, 1 <= width <= 8.
+MJP_HOST_DEVICE MJP_FORCE_INLINE uint64_t low_bytes(int64_t width) { return ~uint64_t(0) >> (64 - 8 * width); }
+
+MJP_HOST_DEVICE MJP_FORCE_INLINE bool row_is_one_word(int64_t start, int64_t width, int64_t num_positions) {
+  return kLittleEndianHost && width >= 1 && width <= 8 && start + 8 <= num_positions;
+}
+
+constexpr uint64_t kByteOnes = 0x0101010101010101ull;
+
+// How many cells of the rectangle are False.
+MJP_HOST_DEVICE MJP_FORCE_INLINE int64_t count_fresh_cells(const bool* mask_row, int64_t num_positions, int64_t cols,
+                                                           int64_t top, int64_t height, int64_t left, int64_t width) {
+  int64_t fresh = 0;
+  for (int64_t row = top; row < top + height; ++row) {
+    const int64_t start = row * cols + left;
+#if MJP_HOST_FAST_PATHS
+    if (row_is_one_word(start, width, num_positions)) {
+      uint64_t word;
+      memcpy(&word, mask_row + start, sizeof(word));
+      fresh += width - static_cast<int64_t>(((word & low_bytes(width)) * kByteOnes) >> 56);  // byte sum: the Trues
+      continue;
+    }
+#endif
+    for (int64_t col = 0; col < width; ++col) fresh += !mask_row[start + col];
+  }
+  return fresh;
+}
+
+// Sets the rectangle's cells True and lists each newly set position at list_end[0], list_end[-1], ... (row by
+// row, columns ascending).
+MJP_HOST_DEVICE MJP_FORCE_INLINE void mark_fresh_cells(bool* mask_row, int64_t num_positions, int64_t cols,
+                                                       int64_t top, int64_t height, int64_t left, int64_t width,
+                                                       int64_t* list_end) {
+  for (int64_t row = top; row < top + height; ++row) {
+    const int64_t start = row * cols + left;
+#if MJP_HOST_FAST_PATHS
+    if (row_is_one_word(start, width, num_positions)) {
+      uint64_t word;
+      memcpy(&word, mask_row + start, sizeof(word));
+      const uint64_t cells = kByteOnes & low_bytes(width);
+      for (uint64_t fresh = ~word & cells; fresh != 0; fresh &= fresh - 1) {
+        *list_end-- = start + (__builtin_ctzll(fresh) >> 3);
+      }
+      word |= cells;
+      memcpy(mask_row + start, &word, sizeof(word));
+      continue;
+    }
+#endif
+    for (int64_t col = 0; col < width; ++col) {
+      if (!mask_row[start + col]) {
+        mask_row[start + col] = true;
+        *list_end-- = start + col;
+      }
+    }
+  }
+}
+
 // Samples one jigsaw (docs/sampler.md, "Per sample") into mask_row[0, N) and perm_row[0, N), N = rows * cols.
 //
 // rows, cols: the grid, N <= 2**30; target: floor(ratio * N) in [0, N]; min_block in [0, 2**30];
@@ -396,24 +466,11 @@ MJP_HOST_DEVICE inline void sample_jigsaw_row(int64_t rows, int64_t cols, int64_
       if (width >= cols) continue;
       const int64_t top = static_cast<int64_t>((static_cast<uint64_t>(r.o2) * (rows - height + 1)) >> 32);
       const int64_t left = static_cast<int64_t>((static_cast<uint64_t>(r.o3) * (cols - width + 1)) >> 32);
-      int64_t fresh = 0;
-      for (int64_t row = top; row < top + height; ++row) {
-        const bool* cells = mask_row + row * cols + left;
-        for (int64_t col = 0; col < width; ++col) fresh += !cells[col];
-      }
+      const int64_t fresh = count_fresh_cells(mask_row, num_positions, cols, top, height, left, width);
       if (fresh > 0 && fresh <= remaining) {
         // Mark the new cells and list them downwards from perm_row[N - 1 - count]: after the loop,
         // perm_row[N - count, N) lists every masked position (in no particular order).
-        int64_t listed = num_positions - 1 - count;
-        for (int64_t row = top; row < top + height; ++row) {
-          bool* cells = mask_row + row * cols + left;
-          for (int64_t col = 0; col < width; ++col) {
-            if (!cells[col]) {
-              cells[col] = true;
-              perm_row[listed--] = row * cols + left + col;
-            }
-          }
-        }
+        mark_fresh_cells(mask_row, num_positions, cols, top, height, left, width, perm_row + (num_positions - 1 - count));
         delta = fresh;
       }
     }

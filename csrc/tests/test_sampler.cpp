@@ -13,6 +13,8 @@
 
 namespace {
 
+constexpr uint64_t kExpectedDigest = 0xe5f5611724eae3d4ull;
+
 int failures = 0;
 int checks = 0;
 
@@ -237,6 +239,33 @@ void test_distribution_sanity() {
   CHECK(distinct > 1990, "only %lld of 2000 consecutive masks differ", (long long)distinct);
 }
 
+// One digest of many sampled jigsaws (masks and permutations, FNV-1a over perm * 2 + mask). The host build and
+// the portable build (the code a GPU thread runs) must both give it: a change of either path, or of the sampler's
+// definition, shows here. The value is what both builds, and the sampler before the host fast paths existed,
+// gave when those paths were added, with every Python-side test of the compiled sampler against the PyTorch
+// oracle passing.
+void test_digest_of_both_code_paths() {
+  const int64_t grids[][2] = {{14, 14}, {7, 13}, {32, 32}, {23, 23}};
+  const double ratios[] = {0.05, 0.1, 0.3, 0.5, 0.75, 0.97};
+  uint64_t digest = 1469598103934665603ull;
+  for (const auto& grid : grids) {
+    const int64_t rows = grid[0], cols = grid[1], num_positions = rows * cols;
+    std::vector<int64_t> h, w;
+    build_tables(rows, cols, 0.3, h, w);
+    for (double ratio : ratios) {
+      const int64_t target = static_cast<int64_t>(std::floor(ratio * num_positions));
+      for (uint64_t stream = 0; stream < 40; ++stream) {
+        const Row r = sample(rows, cols, target, stream % 3 == 0 ? 1 : 8, 2024, stream, int64_t(1) << 32, h, w);
+        for (int64_t n = 0; n < num_positions; ++n) {
+          digest = (digest ^ static_cast<uint64_t>(r.perm[n + 1] * 2 + r.mask[n + 1])) * 1099511628211ull;
+        }
+      }
+    }
+  }
+  CHECK(digest == kExpectedDigest, "digest %016llx, expected %016llx", (unsigned long long)digest,
+        (unsigned long long)kExpectedDigest);
+}
+
 }  // namespace
 
 int main() {
@@ -245,6 +274,7 @@ int main() {
   test_permute_masked();
   test_sampled_rows();
   test_distribution_sanity();
+  test_digest_of_both_code_paths();
   std::printf("%d checks, %d failures\n", checks, failures);
   return failures == 0 ? 0 : 1;
 }
