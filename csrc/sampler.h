@@ -1,8 +1,10 @@
 // The jigsaw sampler of docs/sampler.md, written once for the host (C++) and the device (CUDA).
 //
-// Everything here is integer arithmetic on caller-provided memory (and about 1 KiB of stack): no allocation, no
-// floating point, no library calls but memcpy, so the CPU path and the CUDA kernel run the very same code and
-// give bit-identical results, equal to the PyTorch oracle `mjp_fast.ops.sample_jigsaw.sample_jigsaw_ref`.
+// Everything here is integer arithmetic on caller-provided memory (and at most about 5 KiB of stack): no
+// allocation, no floating point, no library calls but memcpy, so the CPU path and the CUDA kernel run the same
+// definition and give bit-identical results, equal to the PyTorch oracle
+// `mjp_fast.ops.sample_jigsaw.sample_jigsaw_ref`. The host adds a few fast paths (below) that compute the same
+// values as the portable code.
 #pragma once
 
 #include <cstdint>
@@ -154,10 +156,27 @@ constexpr int kMaxBucketBits = 7;      // counting-scatter buckets: at most 128 
 constexpr int kMaxInPlaceBucketBits = 6;  // in-place bucket pass: at most 64 buckets (two counter arrays)
 constexpr int64_t kValuesPerBucketForOnePass = 4;  // up to this many values per bucket: one insertion sort
 constexpr int64_t kHostSortBuffer = 512;  // host: permutations of up to this many positions sort on the stack
-#if defined(__BYTE_ORDER__) && defined(__ORDER_LITTLE_ENDIAN__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+#if (defined(__BYTE_ORDER__) && defined(__ORDER_LITTLE_ENDIAN__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__) || \
+    defined(_MSC_VER)
 constexpr bool kLittleEndianHost = true;
 #else
 constexpr bool kLittleEndianHost = false;
+#endif
+
+#if MJP_HOST_FAST_PATHS
+#if defined(_MSC_VER)
+#include <intrin.h>
+#endif
+// Index of the lowest set bit of a nonzero word (host only).
+inline int trailing_zeros(uint64_t word) {
+#if defined(_MSC_VER)
+  unsigned long index;
+  _BitScanForward64(&index, word);
+  return static_cast<int>(index);
+#else
+  return __builtin_ctzll(word);
+#endif
+}
 #endif
 
 // Ascending insertion sort of values[0, count): for short or nearly sorted arrays. Each value is first exchanged
@@ -310,13 +329,11 @@ MJP_HOST_DEVICE inline void permute_masked(uint64_t seed, uint32_t c1, uint32_t 
     for (int64_t n = 0; n < num_positions; ++n) perm_row[n] = n;
     int64_t next = 0;
     int64_t n = 0;
-    for (; n + 8 <= num_positions; n += 8) {
-      uint64_t word;  // byte j is mask_row[n + j], 0 or 1 (little-endian hosts; big-endian ones take the tail loop)
+    for (; kLittleEndianHost && n + 8 <= num_positions; n += 8) {  // big-endian hosts take the tail loop
+      uint64_t word;  // byte j is mask_row[n + j], 0 or 1
       memcpy(&word, mask_row + n, sizeof(word));
-      if (!kLittleEndianHost) break;
-      while (word != 0) {
-        perm_row[n + (__builtin_ctzll(word) >> 3)] = sorted[next++] & kSortKeyPositionMask;
-        word &= word - 1;
+      for (; word != 0; word &= word - 1) {
+        perm_row[n + (trailing_zeros(word) >> 3)] = sorted[next++] & kSortKeyPositionMask;
       }
     }
     for (; n < num_positions; ++n) {
@@ -407,7 +424,7 @@ MJP_HOST_DEVICE MJP_FORCE_INLINE void mark_fresh_cells(bool* mask_row, int64_t n
       memcpy(&word, mask_row + start, sizeof(word));
       const uint64_t cells = kByteOnes & low_bytes(width);
       for (uint64_t fresh = ~word & cells; fresh != 0; fresh &= fresh - 1) {
-        *list_end-- = start + (__builtin_ctzll(fresh) >> 3);
+        *list_end-- = start + (trailing_zeros(fresh) >> 3);
       }
       word |= cells;
       memcpy(mask_row + start, &word, sizeof(word));
@@ -470,7 +487,8 @@ MJP_HOST_DEVICE inline void sample_jigsaw_row(int64_t rows, int64_t cols, int64_
       if (fresh > 0 && fresh <= remaining) {
         // Mark the new cells and list them downwards from perm_row[N - 1 - count]: after the loop,
         // perm_row[N - count, N) lists every masked position (in no particular order).
-        mark_fresh_cells(mask_row, num_positions, cols, top, height, left, width, perm_row + (num_positions - 1 - count));
+        mark_fresh_cells(mask_row, num_positions, cols, top, height, left, width,
+                         perm_row + (num_positions - 1 - count));
         delta = fresh;
       }
     }
