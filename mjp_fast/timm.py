@@ -39,7 +39,7 @@ from mjp_fast._validate import check_int
 from mjp_fast.nn import DAL_KINDS, DALRegressor
 from mjp_fast.ops.dal_loss import dal_loss
 from mjp_fast.ops.jigsaw_images import jigsaw_images
-from mjp_fast.ops.permute import permute_rows
+from mjp_fast.ops.pos_embed import mjp_pos_embed
 from mjp_fast.ops.sample_jigsaw import Jigsaw
 from mjp_fast.sampler import JigsawSampler
 
@@ -153,9 +153,9 @@ class MJPVisionTransformer(_MJPMixin, VisionTransformer):
         prefix_positions = 0 if self.no_embed_class else self.num_prefix_tokens
         patch_pos = pos_embed[:, prefix_positions:]
         if jigsaw is not None:
-            # P(XW) = (PX)W: moving the embedded tokens is moving the patches.
-            x = permute_rows(x, jigsaw.perm)
-            x = x + torch.where(jigsaw.mask[..., None], state.unk_embed.to(patch_pos.dtype), patch_pos)
+            # P(XW) = (PX)W: moving the embedded tokens is moving the patches. One autograd node for the move and
+            # the position term (the sampler's jigsaws need no validation).
+            x = mjp_pos_embed(x, patch_pos, state.unk_embed, jigsaw, validate=False)
         else:
             x = x + patch_pos
         prefix = []

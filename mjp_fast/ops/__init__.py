@@ -3,6 +3,7 @@
 from mjp_fast.ops.dal_loss import dal_loss, dal_loss_ref, grid_coordinates
 from mjp_fast.ops.jigsaw_images import jigsaw_images, jigsaw_images_ref
 from mjp_fast.ops.patch_embed import mjp_patch_embed, mjp_patch_embed_ref
+from mjp_fast.ops.pos_embed import mjp_pos_embed, mjp_pos_embed_ref
 from mjp_fast.ops.sample_jigsaw import Jigsaw, block_mask_python, sample_jigsaw, sample_jigsaw_ref
 
 __all__ = [
@@ -15,6 +16,8 @@ __all__ = [
     "jigsaw_images_ref",
     "mjp_patch_embed",
     "mjp_patch_embed_ref",
+    "mjp_pos_embed",
+    "mjp_pos_embed_ref",
     "sample_jigsaw",
     "sample_jigsaw_ref",
 ]

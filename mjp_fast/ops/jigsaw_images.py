@@ -11,9 +11,8 @@ import torch
 
 from mjp_fast import backend as backend_module
 from mjp_fast._validate import check_int, check_tensor
-from mjp_fast.ops.patch_embed import check_jigsaw
 from mjp_fast.ops.permute import permute_rows
-from mjp_fast.ops.sample_jigsaw import Jigsaw
+from mjp_fast.ops.sample_jigsaw import Jigsaw, check_jigsaw
 
 
 def _check_args(images: object, jigsaw: object, patch_size: object, *, validate: bool) -> tuple[int, int, Jigsaw]:

@@ -18,8 +18,8 @@ import torch.nn.functional as F
 
 from mjp_fast import backend as backend_module
 from mjp_fast._validate import check_float_dtype, check_same_device, check_tensor
-from mjp_fast.ops.permute import permute_rows
-from mjp_fast.ops.sample_jigsaw import Jigsaw
+from mjp_fast.ops.pos_embed import _MJPPosEmbed
+from mjp_fast.ops.sample_jigsaw import Jigsaw, check_jigsaw
 
 
 @dataclass(frozen=True)
@@ -34,41 +34,6 @@ class PatchGeometry:
     @property
     def num_positions(self) -> int:
         return self.rows * self.cols
-
-
-def check_jigsaw(
-    jigsaw: object, batch: int, num_positions: int, device: torch.device, *, validate: bool
-) -> Jigsaw | None:
-    """Checks a ``Jigsaw(mask [B, N] bool, perm [B, N] integer)`` against the batch; returns it with int64 perm.
-
-    With ``validate``, also checks that ``perm`` permutes exactly the masked positions (a host sync on a GPU).
-    """
-    if jigsaw is None:
-        return None
-    if not isinstance(jigsaw, tuple) or len(jigsaw) != 2:
-        raise TypeError(f"jigsaw must be a Jigsaw(mask, perm) or None, got {type(jigsaw).__name__}")
-    mask = check_tensor("jigsaw.mask", jigsaw[0], ndims=(2,))
-    perm = check_tensor("jigsaw.perm", jigsaw[1], ndims=(2,))
-    if mask.dtype != torch.bool:
-        raise TypeError(f"jigsaw.mask must be a bool tensor, got {mask.dtype}")
-    if perm.dtype.is_floating_point or perm.dtype.is_complex or perm.dtype == torch.bool:
-        raise TypeError(f"jigsaw.perm must be an integer tensor, got {perm.dtype}")
-    expected = (batch, num_positions)
-    for name, tensor in (("jigsaw.mask", mask), ("jigsaw.perm", perm)):
-        if tuple(tensor.shape) != expected:
-            raise ValueError(f"{name} must have shape [batch, N] = {list(expected)}, got {list(tensor.shape)}")
-    check_same_device(images=torch.empty(0, device=device), mask=mask, perm=perm)
-    perm = perm.to(torch.int64)
-    if validate and perm.numel() > 0:
-        positions = torch.arange(num_positions, device=device)
-        if bool(((perm < 0) | (perm >= num_positions)).any()):
-            raise ValueError(f"jigsaw.perm has values outside [0, {num_positions})")
-        if not bool(((perm == positions) | mask).all()):
-            raise ValueError("jigsaw.perm must be the identity where jigsaw.mask is False")
-        hits = torch.zeros_like(perm).scatter_add_(1, perm, torch.ones_like(perm))
-        if not bool((hits == 1).all()):
-            raise ValueError("jigsaw.perm is not a permutation of the masked positions (a position repeats)")
-    return Jigsaw(mask, perm)
 
 
 def check_patch_embed_args(
@@ -202,9 +167,9 @@ def _mjp_patch_embed_torch(
     # Embedding first and shuffling tokens after is exact (each token is one linear map of one patch) and
     # moves D values per token instead of C*P*P.
     tokens = F.conv2d(images, weight, bias, stride=geometry.patch_size).flatten(2).transpose(1, 2)
-    if jigsaw is not None:
-        tokens = permute_rows(tokens, jigsaw.perm)
-    return tokens + _position_term(pos_embed, unk_embed, jigsaw)
+    if jigsaw is None:
+        return tokens + pos_embed
+    return _MJPPosEmbed.apply(tokens, jigsaw.perm, jigsaw.mask, pos_embed, unk_embed)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ def _flat_rows(perm: torch.Tensor) -> torch.Tensor:
 
 def _move(x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
     batch, num_positions = perm.shape
-    moved = x.reshape(batch * num_positions, -1).index_select(0, _flat_rows(perm))
+    moved = x.reshape(batch * num_positions, *x.shape[2:]).index_select(0, _flat_rows(perm))  # no -1: B may be 0
     return moved.reshape(x.shape)
 
 

@@ -21,3 +21,10 @@ def test_uint8_and_identity():
     x = torch.randint(0, 255, (2, 4, 3), dtype=torch.uint8)
     identity = torch.arange(4).repeat(2, 1)
     assert torch.equal(permute_rows(x, identity), x)
+
+
+def test_empty_batch():
+    x = torch.randn(0, 5, 3, requires_grad=True)
+    out = permute_rows(x, torch.zeros(0, 5, dtype=torch.int64))
+    out.sum().backward()
+    assert out.shape == (0, 5, 3) and x.grad.shape == (0, 5, 3)

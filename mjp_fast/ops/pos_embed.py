@@ -1,0 +1,154 @@
+"""``mjp_pos_embed``: MJP on tokens that are already embedded: move them by the jigsaw, add the position term.
+
+``out[b, n] = tokens[b, perm[b, n]] + (unk_embed if mask[b, n] else pos_embed[n])``
+
+This is how the timm models of :mod:`mjp_fast.timm` apply MJP after timm's own patch embedding: moving the
+embedded tokens is moving the patches, since each token is one linear map of one patch.
+
+It is one autograd node rather than the composition of the oracle (a gather, ``torch.where``, an add), whose
+backward materialises the ``where`` gradient twice at ``[B, N, D]`` and reduces each. Here:
+
+- the forward looks the position term up row by row in ``[pos_embed; unk_embed]`` (the same values as the
+  oracle's ``where``, so the sum is exact);
+- the backward's inverse move of the gradient is the tokens' gradient (each ``perm[b]`` is a permutation, so
+  the inverse move is a gather, not a scatter-add);
+- one batched matmul ``[N, 2, B] @ [N, B, D]`` (over a transposed copy of the gradient) gives, per position,
+  the gradient summed over the samples where it is unmasked (``pos_embed``'s) and where it is masked (summed
+  over positions: ``unk_embed``'s). The matmul accumulates both sums as the oracle's reductions do, so half
+  precision loses nothing to a difference of large sums.
+
+On 2 CPU cores at DeiT-Tiny's shapes (batch 32, ratio 0.1) forward + backward take about 3.5 ms against the
+composition's 5.5 ms.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from mjp_fast._validate import check_float_dtype, check_same_device, check_tensor
+from mjp_fast.ops.permute import _move
+from mjp_fast.ops.sample_jigsaw import Jigsaw, check_jigsaw
+
+
+def check_pos_embed_args(
+    tokens: object, pos_embed: object, unk_embed: object, jigsaw: object, *, validate: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Jigsaw | None]:
+    """Validates the arguments of :func:`mjp_pos_embed`.
+
+    Returns:
+        ``tokens`` ``[B, N, D]``, ``pos_embed`` as ``[N, D]``, ``unk_embed`` as ``[D]`` (or None), the jigsaw.
+    """
+    tokens = check_tensor("tokens", tokens, ndims=(3,))
+    check_float_dtype("tokens", tokens)
+    batch, num_positions, dim = tokens.shape
+    pos_embed = check_tensor("pos_embed", pos_embed, ndims=(2, 3))
+    if tuple(pos_embed.shape[-2:]) != (num_positions, dim) or (pos_embed.dim() == 3 and pos_embed.shape[0] != 1):
+        raise ValueError(
+            f"pos_embed must be [N, D] or [1, N, D] with the tokens' N = {num_positions} and D = {dim} (patch "
+            f"positions only, no class token), got shape {list(pos_embed.shape)}"
+        )
+    check_float_dtype("pos_embed", pos_embed)
+    pos_embed = pos_embed.reshape(num_positions, dim)
+    if unk_embed is not None:
+        unk_embed = check_tensor("unk_embed", unk_embed)
+        check_float_dtype("unk_embed", unk_embed)
+        if unk_embed.numel() != dim or unk_embed.shape[-1] != dim:
+            raise ValueError(f"unk_embed must be [D] = [{dim}] (or [1, 1, D]), got shape {list(unk_embed.shape)}")
+        unk_embed = unk_embed.reshape(dim)
+    elif jigsaw is not None:
+        raise ValueError("unk_embed must be given when a jigsaw is given (it replaces pos_embed at masked positions)")
+    device = check_same_device(tokens=tokens, pos_embed=pos_embed, unk_embed=unk_embed)
+    jigsaw = check_jigsaw(jigsaw, batch, num_positions, device, validate=validate)
+    return tokens, pos_embed, unk_embed, jigsaw
+
+
+def mjp_pos_embed_ref(
+    tokens: torch.Tensor, pos_embed: torch.Tensor, unk_embed: torch.Tensor | None, jigsaw: Jigsaw | None = None
+) -> torch.Tensor:
+    """Oracle: ``tokens`` gathered along the positions, plus ``torch.where(mask, unk_embed, pos_embed)``.
+
+    Shapes as :func:`mjp_pos_embed`; the result has the dtype ``tokens + pos_embed`` promotes to.
+    """
+    tokens, pos_embed, unk_embed, jigsaw = check_pos_embed_args(tokens, pos_embed, unk_embed, jigsaw, validate=False)
+    if jigsaw is None:
+        return tokens + pos_embed
+    moved = tokens.gather(1, jigsaw.perm[..., None].expand_as(tokens))
+    return moved + torch.where(jigsaw.mask[..., None], unk_embed.to(pos_embed.dtype), pos_embed)
+
+
+class _MJPPosEmbed(torch.autograd.Function):
+    """tokens ``[B, N, D]``, perm int64 ``[B, N]``, mask bool ``[B, N]``, pos_embed ``[N, D]``, unk ``[D]``."""
+
+    @staticmethod
+    def forward(ctx, tokens, perm, mask, pos_embed, unk_embed):  # type: ignore[override]
+        # The dtype of `tokens + pos_embed`, as timm's own add (under autocast: bfloat16 tokens, float32 table).
+        dtype = torch.promote_types(tokens.dtype, pos_embed.dtype)
+        out = _move(tokens, perm).to(dtype)  # a fresh tensor (the move gathers): the add goes in place
+        # The position term as a row lookup in [pos_embed; unk_embed] (row N is unk_embed): the oracle's values,
+        # copied row by row (several times faster on the CPU than where's broadcast; pos + mask * (unk - pos)
+        # would round twice).
+        num_positions = pos_embed.shape[0]
+        table = torch.cat((pos_embed.to(dtype), unk_embed.to(dtype).unsqueeze(0)))
+        rows = torch.where(mask, num_positions, torch.arange(num_positions, device=mask.device))
+        out.add_(F.embedding(rows, table))
+        ctx.save_for_backward(perm, mask)
+        ctx.dtypes = (tokens.dtype, pos_embed.dtype, unk_embed.dtype)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        perm, mask = ctx.saved_tensors
+        tokens_dtype, pos_dtype, unk_dtype = ctx.dtypes
+        need_tokens, _, _, need_pos, need_unk = ctx.needs_input_grad
+        grad = grad.contiguous()
+        grad_tokens = grad_pos = grad_unk = None
+        if need_tokens:
+            inverse = torch.argsort(perm, dim=1)  # perm[b] is a permutation: its inverse undoes the move
+            grad_tokens = _move(grad, inverse).to(tokens_dtype)
+        if need_pos or need_unk:
+            # weights[n, 0, b] = not masked, weights[n, 1, b] = masked: sums[n] = [pos_embed's, unk's share].
+            # The matmul wants the batch of each position contiguous: one transposed copy of the gradient.
+            weights = torch.stack((~mask, mask)).permute(2, 0, 1).to(grad.dtype).contiguous()  # [N, 2, B]
+            sums = torch.bmm(weights, grad.transpose(0, 1).contiguous())  # [N, 2, D]
+            if need_pos:
+                grad_pos = sums[:, 0].to(pos_dtype)
+            if need_unk:
+                grad_unk = sums[:, 1].sum(0).to(unk_dtype)
+        return grad_tokens, None, None, grad_pos, grad_unk
+
+
+def mjp_pos_embed(
+    tokens: torch.Tensor,
+    pos_embed: torch.Tensor,
+    unk_embed: torch.Tensor | None,
+    jigsaw: Jigsaw | None = None,
+    *,
+    validate: bool = True,
+) -> torch.Tensor:
+    """MJP on embedded tokens: ``out[b, n] = tokens[b, perm[b, n]] + (unk_embed if mask[b, n] else pos_embed[n])``.
+
+    Without a jigsaw it is ``tokens + pos_embed``. Differentiable in tokens, pos_embed and unk_embed. Use it after
+    any patch embedding (timm's ``PatchEmbed``, a norm after it): moving the embedded tokens is moving the
+    patches. :func:`mjp_patch_embed` fuses the move into the patch embedding itself instead.
+
+    Args:
+        tokens: ``[B, N, D]``, float32, float16 or bfloat16 (float64 too).
+        pos_embed: ``[N, D]`` or ``[1, N, D]``, patch positions only (no class token). Its dtype may differ from
+            the tokens' (a float32 table under autocast): the result has the promoted dtype, as ``tokens +
+            pos_embed`` would.
+        unk_embed: ``[D]``, the unknown position embedding (may be None without a jigsaw).
+        jigsaw: from :func:`sample_jigsaw`, or None.
+        validate: check that ``jigsaw.perm`` permutes exactly the masked positions (a host sync on a GPU; the
+            timm models skip it for the jigsaws they sample themselves).
+
+    Returns:
+        ``[B, N, D]``.
+    """
+    tokens, pos_embed, unk_embed, jigsaw = check_pos_embed_args(
+        tokens, pos_embed, unk_embed, jigsaw, validate=validate
+    )
+    if jigsaw is None:
+        return tokens + pos_embed
+    return _MJPPosEmbed.apply(tokens, jigsaw.perm, jigsaw.mask, pos_embed, unk_embed)
+

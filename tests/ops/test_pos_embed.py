@@ -1,0 +1,130 @@
+import pytest
+import torch
+
+from mjp_fast import Jigsaw, mjp_pos_embed, sample_jigsaw
+from mjp_fast.ops.pos_embed import mjp_pos_embed_ref
+
+# Per output dtype: the node sums the position gradients with one matmul, the oracle with reductions.
+TOLERANCES = {
+    torch.float64: dict(atol=1e-12, rtol=1e-12),
+    torch.float32: dict(atol=1e-5, rtol=1e-5),
+    torch.bfloat16: dict(atol=6e-2, rtol=2e-2),
+    torch.float16: dict(atol=1e-2, rtol=1e-2),
+}
+
+# (batch, rows, cols, dim): a single position, odd sizes, batch 1, a ViT-like grid.
+SHAPES = [(1, 1, 1, 1), (3, 1, 7, 5), (1, 3, 4, 16), (4, 5, 3, 9), (2, 14, 14, 24)]
+
+
+def _inputs(batch, rows, cols, dim, dtype, *, ratio=0.5, prob=1.0, seed=0, pos_dtype=None, pos_3d=False):
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randn(batch, rows * cols, dim, generator=generator).to(dtype).requires_grad_()
+    pos_shape = (1, rows * cols, dim) if pos_3d else (rows * cols, dim)
+    pos = torch.randn(*pos_shape, generator=generator).to(pos_dtype or dtype).requires_grad_()
+    unk = torch.randn(dim, generator=generator).to(pos_dtype or dtype).requires_grad_()
+    jigsaw = sample_jigsaw(batch, (rows, cols), ratio, seed=seed, prob=prob, min_block=1)
+    grad = torch.randn(batch, rows * cols, dim, generator=generator)
+    return tokens, pos, unk, jigsaw, grad
+
+
+def _forward_backward(function, tokens, pos, unk, jigsaw, grad):
+    out = function(tokens, pos, unk, jigsaw)
+    grads = torch.autograd.grad(out, (tokens, pos, unk), grad.to(out.dtype), allow_unused=True)
+    return out, grads
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("ratio", [0.0, 0.3, 1.0])
+def test_equals_oracle_with_gradients(shape, ratio, dtype):
+    tokens, pos, unk, jigsaw, grad = _inputs(*shape, dtype, ratio=ratio, pos_3d=shape[0] == 4)
+    out, grads = _forward_backward(mjp_pos_embed, tokens, pos, unk, jigsaw, grad)
+    expected, expected_grads = _forward_backward(mjp_pos_embed_ref, tokens, pos, unk, jigsaw, grad)
+    assert out.dtype == expected.dtype == dtype and out.shape == tokens.shape
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)  # the forward adds the same two terms
+    for name, got, want, leaf in zip(("tokens", "pos_embed", "unk_embed"), grads, expected_grads, (tokens, pos, unk)):
+        assert got.dtype == leaf.dtype and got.shape == leaf.shape, name
+        torch.testing.assert_close(got, want, **TOLERANCES[dtype], msg=lambda m, name=name: f"grad of {name}: {m}")
+
+
+def test_float32_table_with_half_tokens_promotes_as_timm_does():
+    # Under autocast the patch embedding gives bfloat16 tokens and the position table stays float32.
+    tokens, pos, unk, jigsaw, grad = _inputs(3, 4, 4, 8, torch.bfloat16, pos_dtype=torch.float32, pos_3d=True)
+    out, grads = _forward_backward(mjp_pos_embed, tokens, pos, unk, jigsaw, grad)
+    expected, expected_grads = _forward_backward(mjp_pos_embed_ref, tokens, pos, unk, jigsaw, grad)
+    assert out.dtype == torch.float32 == (tokens + pos).dtype
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)
+    assert [g.dtype for g in grads] == [torch.bfloat16, torch.float32, torch.float32]
+    for got, want in zip(grads, expected_grads):
+        torch.testing.assert_close(got, want, **TOLERANCES[torch.float32])
+
+
+def test_gradcheck_float64():
+    tokens, pos, unk, jigsaw, _ = _inputs(3, 2, 3, 4, torch.float64, ratio=0.5)
+    assert jigsaw.mask.any() and not jigsaw.mask.all()
+    assert torch.autograd.gradcheck(lambda t, p, u: mjp_pos_embed(t, p, u, jigsaw), (tokens, pos, unk))
+
+
+def test_only_some_inputs_need_gradients():
+    tokens, pos, unk, jigsaw, grad = _inputs(2, 3, 3, 4, torch.float32)
+    frozen_tokens = tokens.detach()
+    out = mjp_pos_embed(frozen_tokens, pos, unk.detach(), jigsaw)
+    (grad_pos,) = torch.autograd.grad(out, (pos,), grad)
+    expected = mjp_pos_embed_ref(frozen_tokens, pos, unk.detach(), jigsaw)
+    torch.testing.assert_close(grad_pos, torch.autograd.grad(expected, (pos,), grad)[0])
+
+
+def test_empty_batch():
+    tokens, pos, unk, jigsaw, _ = _inputs(0, 2, 3, 4, torch.float32)
+    out = mjp_pos_embed(tokens, pos, unk, jigsaw)
+    out.sum().backward()
+    assert out.shape == (0, 6, 4) and not pos.grad.any() and not unk.grad.any()
+
+
+def test_without_jigsaw_is_the_plain_add():
+    tokens, pos, unk, _, _ = _inputs(2, 3, 5, 6, torch.float32, pos_3d=True)
+    torch.testing.assert_close(mjp_pos_embed(tokens, pos, None), tokens + pos, atol=0, rtol=0)
+    torch.testing.assert_close(mjp_pos_embed(tokens, pos, unk, None), tokens + pos, atol=0, rtol=0)
+
+
+def test_agrees_with_the_fused_patch_embedding():
+    from mjp_fast import mjp_patch_embed
+
+    torch.manual_seed(0)
+    images, weight, bias = torch.randn(2, 3, 16, 24), torch.randn(8, 3, 4, 4), torch.randn(8)
+    pos, unk = torch.randn(24, 8), torch.randn(8)
+    jigsaw = sample_jigsaw(2, (4, 6), 0.5, seed=3, min_block=2)
+    tokens = torch.nn.functional.conv2d(images, weight, bias, stride=4).flatten(2).transpose(1, 2)
+    expected = mjp_patch_embed(images, weight, bias, pos, unk, jigsaw, backend="torch")
+    torch.testing.assert_close(mjp_pos_embed(tokens, pos, unk, jigsaw), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "words"),
+    [
+        (dict(tokens=torch.zeros(2, 6)), ValueError, "tokens must have 3 dimensions"),
+        (dict(tokens=torch.zeros(2, 6, 4, dtype=torch.int64)), TypeError, "tokens must be float32"),
+        (dict(pos=torch.zeros(5, 4)), ValueError, "pos_embed must be [N, D] or [1, N, D]"),
+        (dict(pos=torch.zeros(2, 6, 4)), ValueError, "pos_embed must be [N, D] or [1, N, D]"),
+        (dict(unk=torch.zeros(3)), ValueError, "unk_embed must be [D] = [4]"),
+        (dict(unk=None), ValueError, "unk_embed must be given when a jigsaw is given"),
+        (dict(jigsaw="mask"), TypeError, "jigsaw must be a Jigsaw"),
+        (dict(jigsaw=Jigsaw(torch.zeros(2, 5, dtype=torch.bool), torch.zeros(2, 5, dtype=torch.long))), ValueError,
+         "jigsaw.mask must have shape [batch, N] = [2, 6]"),
+        (dict(perm=torch.tensor([[1, 0, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5]])), ValueError,
+         "identity where jigsaw.mask is False"),
+        (dict(perm=torch.tensor([[1, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5]]), masked=True), ValueError,
+         "not a permutation"),
+        (dict(pos=torch.zeros(6, 4, device="meta")), ValueError, "mixed devices"),
+    ],
+    ids=lambda value: value if isinstance(value, str) else None,
+)
+def test_bad_inputs_are_named(change, error, words):
+    tokens, pos, unk = torch.zeros(2, 6, 4), torch.zeros(6, 4), torch.zeros(4)
+    mask = torch.zeros(2, 6, dtype=torch.bool)
+    if change.pop("masked", False):
+        mask[0, :2] = True
+    jigsaw = Jigsaw(mask, change.pop("perm", torch.arange(6).repeat(2, 1)))
+    arguments = dict(tokens=tokens, pos=pos, unk=unk, jigsaw=jigsaw) | change
+    with pytest.raises(error, match=words.replace("[", r"\[").replace("]", r"\]")):
+        mjp_pos_embed(arguments["tokens"], arguments["pos"], arguments["unk"], arguments["jigsaw"])
