@@ -155,7 +155,7 @@ class MJPVisionTransformer(_MJPMixin, VisionTransformer):
         if jigsaw is not None:
             # P(XW) = (PX)W: moving the embedded tokens is moving the patches. One autograd node for the move and
             # the position term (the sampler's jigsaws need no validation).
-            x = mjp_pos_embed(x, patch_pos, state.unk_embed, jigsaw, validate=False)
+            x = mjp_pos_embed(x, patch_pos, state.unk_embed, jigsaw, backend=state.sampler.backend, validate=False)
         else:
             x = x + patch_pos
         prefix = []

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from mjp_fast import backend as backend_module
 from mjp_fast._validate import check_float_dtype, check_same_device, check_tensor
 from mjp_fast.ops.permute import _move
 from mjp_fast.ops.sample_jigsaw import Jigsaw, check_jigsaw
@@ -89,7 +90,7 @@ class _MJPPosEmbed(torch.autograd.Function):
         # copied row by row (several times faster on the CPU than where's broadcast; pos + mask * (unk - pos)
         # would round twice).
         num_positions = pos_embed.shape[0]
-        table = torch.cat((pos_embed.to(dtype), unk_embed.to(dtype).unsqueeze(0)))
+        table = torch.cat((pos_embed.to(dtype), unk_embed.to(pos_embed.dtype).to(dtype).unsqueeze(0)))
         rows = torch.where(mask, num_positions, torch.arange(num_positions, device=mask.device))
         out.add_(F.embedding(rows, table))
         ctx.save_for_backward(perm, mask)
@@ -118,12 +119,62 @@ class _MJPPosEmbed(torch.autograd.Function):
         return grad_tokens, None, None, grad_pos, grad_unk
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# triton backend: torch.library operators with registered autograd
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _triton_forward_fake(tokens, perm, mask, pos_embed, unk_embed):
+    return tokens.new_empty(tokens.shape, dtype=pos_embed.dtype)
+
+
+def _triton_backward_fake(grad_out, perm, mask, tokens_dtype):
+    batch, num_positions, dim = grad_out.shape
+    return [
+        grad_out.new_empty((batch, num_positions, dim), dtype=tokens_dtype),
+        grad_out.new_empty((num_positions, dim)),
+        grad_out.new_empty((dim,)),
+    ]
+
+
+if backend_module.triton_importable():
+    from mjp_fast.triton.pos_embed import pos_embed_backward_triton, pos_embed_forward_triton
+
+    def _triton_setup_context(ctx, inputs, output):
+        tokens, perm, mask, _, _ = inputs
+        ctx.save_for_backward(perm, mask)
+        ctx.tokens_dtype = tokens.dtype
+
+    def _triton_backward(ctx, grad):
+        perm, mask = ctx.saved_tensors
+        grad_tokens, grad_pos, grad_unk = pos_embed_backward_triton(grad.contiguous(), perm, mask, ctx.tokens_dtype)
+        needs = ctx.needs_input_grad
+        return (
+            grad_tokens if needs[0] else None,
+            None,
+            None,
+            grad_pos if needs[3] else None,
+            grad_unk if needs[4] else None,
+        )
+
+    # Explicit shapes: triton_op traces kernel launches by itself on a GPU, not under the CPU interpreter.
+    pos_embed_forward_triton.register_fake(_triton_forward_fake)
+    pos_embed_backward_triton.register_fake(_triton_backward_fake)
+    pos_embed_forward_triton.register_autograd(_triton_backward, setup_context=_triton_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Public function
+# ----------------------------------------------------------------------------------------------------------------
+
+
 def mjp_pos_embed(
     tokens: torch.Tensor,
     pos_embed: torch.Tensor,
     unk_embed: torch.Tensor | None,
     jigsaw: Jigsaw | None = None,
     *,
+    backend: str | None = None,
     validate: bool = True,
 ) -> torch.Tensor:
     """MJP on embedded tokens: ``out[b, n] = tokens[b, perm[b, n]] + (unk_embed if mask[b, n] else pos_embed[n])``.
@@ -139,6 +190,9 @@ def mjp_pos_embed(
             pos_embed`` would.
         unk_embed: ``[D]``, the unknown position embedding (may be None without a jigsaw).
         jigsaw: from :func:`sample_jigsaw`, or None.
+        backend: ``triton`` runs the Triton kernels (one pass forward, one backward); ``torch`` the autograd node
+            of torch operations above. ``cpu`` and ``cuda`` have no kernels of their own for this operation and
+            run that node too. Default ``MJP_FAST_BACKEND``, else the fastest for the device (``triton`` on a GPU).
         validate: check that ``jigsaw.perm`` permutes exactly the masked positions (a host sync on a GPU; the
             timm models skip it for the jigsaws they sample themselves).
 
@@ -150,5 +204,18 @@ def mjp_pos_embed(
     )
     if jigsaw is None:
         return tokens + pos_embed
+    if backend_module.resolve_backend(backend, tokens.device) == "triton":
+        dtype = torch.promote_types(tokens.dtype, pos_embed.dtype)
+        if dtype == torch.float64:
+            raise TypeError("tokens: the triton backend supports float32, float16 and bfloat16, got float64")
+        # The table and unk_embed rounded to the output dtype here, as the oracle rounds them (autograd casts
+        # their gradients back).
+        return pos_embed_forward_triton(
+            tokens.contiguous(),
+            jigsaw.perm.contiguous(),
+            jigsaw.mask.contiguous(),
+            pos_embed.to(dtype).contiguous(),
+            unk_embed.to(pos_embed.dtype).to(dtype).contiguous(),
+        )
     return _MJPPosEmbed.apply(tokens, jigsaw.perm, jigsaw.mask, pos_embed, unk_embed)
 

@@ -78,16 +78,26 @@ def _patch_addresses(
     return address, valid
 
 
+# (BLOCK_M, BLOCK_D, BLOCK_K, num_warps, num_stages) of the GEMM kernels' autotuning on a GPU.
+GPU_GEMM_SHAPES = (
+    (128, 128, 64, 8, 3),
+    (128, 128, 32, 4, 4),
+    (128, 64, 32, 4, 4),
+    (64, 128, 32, 4, 4),
+    (64, 64, 32, 4, 3),
+)
+
+
 def _gemm_configs() -> list[triton.Config]:
     """Tiles tried on the GPU: large ones for Hopper and Ampere tensor cores, small ones as a safe default."""
     if _interpreting():
         # the interpreter's cost grows with the tile; tl.dot needs at least 16
         return [triton.Config({"BLOCK_M": 16, "BLOCK_D": 16, "BLOCK_K": 16}, num_warps=1, num_stages=1)]
-    shapes = [(128, 128, 64, 8, 3), (128, 128, 32, 4, 4), (128, 64, 32, 4, 4), (64, 128, 32, 4, 4), (64, 64, 32, 4, 3)]
     return [
         triton.Config({"BLOCK_M": m, "BLOCK_D": d, "BLOCK_K": k}, num_warps=warps, num_stages=stages)
-        for m, d, k, warps, stages in shapes
+        for m, d, k, warps, stages in GPU_GEMM_SHAPES
     ]
+
 
 
 @triton.autotune(configs=_gemm_configs(), key=["total_tokens", "D", "K"])
@@ -301,13 +311,18 @@ def _grad_position_kernel(
     mask_ptr,
     grad_pos_ptr,
     unk_partial_ptr,
+    perm_ptr,
+    grad_tokens_ptr,
     batch,
     num_positions,
     D,
     HAS_MASK: tl.constexpr,
+    SCATTER: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
+    # SCATTER (mjp_pos_embed's backward): also grad_tokens[b, perm[b, n]] = grad[b, n], the inverse move, from
+    # the same loads. perm[b] permutes the positions, so every row of grad_tokens is written exactly once.
     positions = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     channels = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     ok = (positions[:, None] < num_positions) & (channels[None, :] < D)
@@ -317,6 +332,14 @@ def _grad_position_kernel(
     for sample in range(0, batch):
         row = (wide_positions * 0 + sample) * num_positions + wide_positions  # int64: B*N may pass 2**31
         grad = tl.load(grad_ptr + row[:, None] * D + channels[None, :], mask=ok, other=0.0).to(tl.float32)
+        if SCATTER:
+            source = tl.load(perm_ptr + row, mask=positions < num_positions, other=0)
+            target = row - wide_positions + source
+            tl.store(
+                grad_tokens_ptr + target[:, None] * D + channels[None, :],
+                grad.to(grad_tokens_ptr.dtype.element_ty),
+                mask=ok,
+            )
         if HAS_MASK:
             masked = tl.load(mask_ptr + row, mask=positions < num_positions, other=0).to(tl.int1)
             kept += tl.where(masked[:, None], 0.0, grad)
@@ -509,10 +532,13 @@ def patch_embed_backward_triton(
             mask if mask is not None else dummy,
             grad_pos,
             unk_partial,
+            dummy,
+            dummy,
             batch,
             num_positions,
             dim,
             HAS_MASK=mask is not None,
+            SCATTER=False,
             BLOCK_N=block_n,
             BLOCK_D=block_dd,
         )

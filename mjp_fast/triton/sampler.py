@@ -11,15 +11,17 @@ import torch
 import triton
 import triton.language as tl
 
-from mjp_fast.ops.sample_jigsaw import (
-    ASPECT_BIN_SHIFT,
-    ATTEMPTS_PER_ROUND,
-    TAG_COIN,
-    TAG_MASK,
-    TAG_PERM,
-    _empty_jigsaw,
-)
+from mjp_fast.ops import sample_jigsaw as _spec
+from mjp_fast.ops.sample_jigsaw import _empty_jigsaw
 from mjp_fast.triton import operator as _operator
+
+# The sampler's constants as the compiler takes globals inside a kernel: constexpr. (The interpreter also reads
+# plain Python ints; compiling for a GPU refuses them, as tests/triton/compile_for_gpu.py found.)
+ASPECT_BIN_SHIFT = tl.constexpr(_spec.ASPECT_BIN_SHIFT)
+ATTEMPTS_PER_ROUND = tl.constexpr(_spec.ATTEMPTS_PER_ROUND)
+TAG_COIN = tl.constexpr(_spec.TAG_COIN)
+TAG_MASK = tl.constexpr(_spec.TAG_MASK)
+TAG_PERM = tl.constexpr(_spec.TAG_PERM)
 
 
 @triton.jit

@@ -1,0 +1,195 @@
+"""Compiles every Triton kernel of mjp_fast down to a GPU binary (cubin), with no GPU present.
+
+The tests run the kernels in the Triton interpreter, which checks what they compute but not that they compile
+for a GPU: the interpreter takes constructs that the compiler refuses, and skips layouts, shared memory and
+register allocation. Triton compiles for a named target without a device, so this script compiles each kernel
+with the argument types, tile sizes and warps of its launches on a GPU, for Ampere (sm_80) and Hopper (sm_90).
+
+Run without TRITON_INTERPRET (tests/triton/test_compile_for_gpu.py starts it in a subprocess):
+
+    python tests/triton/compile_for_gpu.py [--arch 80,90]
+
+Prints one line per kernel and variant; exits 1 if any fails to compile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import traceback
+
+# Shared memory one block may use (opt-in maximum), by compute capability: A100, H100/H200.
+MAX_SHARED_BYTES = {80: 166912, 90: 232448}
+
+
+def _variants() -> list[tuple[str, object, dict[str, str], dict[str, object], dict[str, int]]]:
+    """(name, kernel, signature, constexprs, options) of each launch to compile."""
+    from mjp_fast.triton import patch_embed, pos_embed, sampler
+
+    variants = []
+    sampler_signature = {
+        "mask_ptr": "*i1",
+        "perm_ptr": "*i64",
+        "h_thresholds_ptr": "*i64",
+        "w_thresholds_ptr": "*i64",
+        "offset_ptr": "*i64",
+        "seed": "i64",
+        "rows": "i32",
+        "cols": "i32",
+        "target": "i32",
+        "min_block": "i32",
+        "prob_threshold": "i64",
+        "SHARED": "constexpr",
+        "BLOCK_N": "constexpr",
+        "BLOCK_G": "constexpr",
+    }
+    for shared in (False, True):
+        variants.append(
+            (
+                f"sampler 14x14 shared={shared}",
+                sampler._sample_jigsaw_kernel,
+                sampler_signature,
+                {"SHARED": shared, "BLOCK_N": 256, "BLOCK_G": 16},
+                {},
+            )
+        )
+
+    image_ints = {name: "i32" for name in ("stride_b", "stride_c", "stride_h", "stride_w")}
+    for dtype, precision in (("bf16", "tf32"), ("fp32", "ieee")):
+        for m, d, k, warps, stages in patch_embed.GPU_GEMM_SHAPES[:2]:
+            tiles = {"BLOCK_M": m, "BLOCK_D": d, "BLOCK_K": k}
+            options = {"num_warps": warps, "num_stages": stages}
+            forward = {
+                "images_ptr": f"*{dtype}",
+                "weight_ptr": f"*{dtype}",
+                "bias_ptr": f"*{dtype}",
+                "pos_ptr": f"*{dtype}",
+                "unk_ptr": f"*{dtype}",
+                "perm_ptr": "*i64",
+                "mask_ptr": "*i1",
+                "out_ptr": f"*{dtype}",
+                **{name: "i32" for name in ("total_tokens", "num_positions", "cols", "K", "D")},
+                **image_ints,
+            }
+            flags = {"PATCH": 16, "HAS_PERM": True, "PRECISION": precision, "UPCAST": False}
+            variants.append(
+                (
+                    f"patch_embed forward {dtype} {m}x{d}x{k}",
+                    patch_embed._forward_kernel.fn,  # the autotuner's kernel
+                    {**forward, **dict.fromkeys((*flags, "HAS_BIAS", "HAS_MASK", *tiles), "constexpr")},
+                    {**flags, "HAS_BIAS": True, "HAS_MASK": True, **tiles},
+                    options,
+                )
+            )
+            grad_images = {
+                "grad_ptr": f"*{dtype}",
+                "weight_ptr": f"*{dtype}",
+                "perm_ptr": "*i64",
+                "grad_images_ptr": f"*{dtype}",
+                **{name: "i32" for name in ("total_tokens", "num_positions", "cols", "K", "D")},
+                **image_ints,
+            }
+            variants.append(
+                (
+                    f"patch_embed grad_images {dtype} {m}x{d}x{k}",
+                    patch_embed._grad_images_kernel.fn,
+                    {**grad_images, **dict.fromkeys((*flags, *tiles), "constexpr")},
+                    {**flags, **tiles},
+                    options,
+                )
+            )
+        grad_weight = {
+            "grad_ptr": f"*{dtype}",
+            "images_ptr": f"*{dtype}",
+            "perm_ptr": "*i64",
+            "partial_ptr": "*fp32",
+            **{name: "i32" for name in ("total_tokens", "num_positions", "cols", "K", "D", "tokens_per_split")},
+            **image_ints,
+        }
+        tiles = {"BLOCK_M": 64, "BLOCK_D": 128, "BLOCK_K": 64}  # _grad_weight_tiles on DeiT shapes
+        flags = {"PATCH": 16, "HAS_PERM": True, "PRECISION": precision, "UPCAST": False}
+        variants.append(
+            (
+                f"patch_embed grad_weight {dtype}",
+                patch_embed._grad_weight_kernel,
+                {**grad_weight, **dict.fromkeys((*flags, *tiles), "constexpr")},
+                {**flags, **tiles},
+                {},
+            )
+        )
+        for scatter in (False, True):
+            variants.append(
+                (
+                    f"grad_position {dtype} scatter={scatter}",
+                    patch_embed._grad_position_kernel,
+                    {
+                        "grad_ptr": f"*{dtype}",
+                        "mask_ptr": "*i1",
+                        "grad_pos_ptr": "*fp32",
+                        "unk_partial_ptr": "*fp32",
+                        "perm_ptr": "*i64",
+                        "grad_tokens_ptr": f"*{dtype}",
+                        **{name: "i32" for name in ("batch", "num_positions", "D")},
+                        **dict.fromkeys(("HAS_MASK", "SCATTER", "BLOCK_N", "BLOCK_D"), "constexpr"),
+                    },
+                    {"HAS_MASK": True, "SCATTER": scatter, "BLOCK_N": 32, "BLOCK_D": 64},
+                    {},
+                )
+            )
+        variants.append(
+            (
+                f"pos_embed forward {dtype}",
+                pos_embed._forward_kernel,
+                {
+                    "tokens_ptr": f"*{dtype}",
+                    "perm_ptr": "*i64",
+                    "mask_ptr": "*i1",
+                    "pos_ptr": f"*{dtype}",
+                    "unk_ptr": f"*{dtype}",
+                    "out_ptr": f"*{dtype}",
+                    **{name: "i32" for name in ("total", "num_positions", "D")},
+                    **dict.fromkeys(("BLOCK_R", "BLOCK_D"), "constexpr"),
+                },
+                {"BLOCK_R": 32, "BLOCK_D": 128},
+                {},
+            )
+        )
+    return variants
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arch", default="80,90", help="compute capabilities, comma-separated")
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        print("unset TRITON_INTERPRET: the interpreter replaces the kernels that this script compiles")
+        return 2
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    failures = 0
+    for arch in (int(part) for part in args.arch.split(",")):
+        target = GPUTarget("cuda", arch, 32)
+        for name, kernel, signature, constexprs, options in _variants():
+            start = time.perf_counter()
+            try:
+                source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+                compiled = triton.compile(source, target=target, options=options or None)
+                shared = compiled.metadata.shared
+                detail = f"cubin {len(compiled.asm['cubin'])} bytes, shared {shared} bytes"
+                if shared > MAX_SHARED_BYTES.get(arch, shared):
+                    # Not a failure: launching raises OutOfResources, and the autotuner drops the config.
+                    detail += f" (over sm_{arch}'s {MAX_SHARED_BYTES[arch]}: the autotuner will skip this tile)"
+                print(f"ok   sm_{arch} {name}: {detail} ({time.perf_counter() - start:.1f} s)", flush=True)
+            except Exception:  # noqa: BLE001 - report every kernel, then fail
+                failures += 1
+                print(f"FAIL sm_{arch} {name}:\n{traceback.format_exc()}", flush=True)
+    print(f"{failures} failed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
