@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from mjp_fast import backend as backend_module
 from mjp_fast._validate import check_float_dtype, check_same_device, check_tensor
-from mjp_fast.ops.pos_embed import _MJPPosEmbed
+from mjp_fast.ops.pos_embed import _MJPPosEmbed, check_position_table, check_unk_embed, position_term
 from mjp_fast.ops.sample_jigsaw import Jigsaw, check_jigsaw
 
 
@@ -71,24 +71,13 @@ def check_patch_embed_args(
     geometry = PatchGeometry(batch, channels, patch, rows, cols, dim)
     num_positions = rows * cols
 
-    pos_embed = check_tensor("pos_embed", pos_embed, ndims=(2, 3))
-    if tuple(pos_embed.shape[-2:]) != (num_positions, dim) or (pos_embed.dim() == 3 and pos_embed.shape[0] != 1):
-        raise ValueError(
-            f"pos_embed must be [N, D] or [1, N, D] with N = {rows}x{cols} = {num_positions} patch positions "
-            f"(no class token) and D = {dim}, got shape {list(pos_embed.shape)}"
-        )
-    pos_embed = pos_embed.reshape(num_positions, dim)
+    positions = f"N = {rows}x{cols} = {num_positions} patch positions (no class token)"
+    pos_embed = check_position_table(pos_embed, num_positions, dim, positions)
     if bias is not None:
         bias = check_tensor("bias", bias, ndims=(1,))
         if bias.shape[0] != dim:
             raise ValueError(f"bias must be [D] = [{dim}], got shape {list(bias.shape)}")
-    if unk_embed is not None:
-        unk_embed = check_tensor("unk_embed", unk_embed)
-        if unk_embed.numel() != dim or unk_embed.shape[-1] != dim:
-            raise ValueError(f"unk_embed must be [D] = [{dim}] (or [1, 1, D]), got shape {list(unk_embed.shape)}")
-        unk_embed = unk_embed.reshape(dim)
-    elif jigsaw is not None:
-        raise ValueError("unk_embed must be given when a jigsaw is given (it replaces pos_embed at masked positions)")
+    unk_embed = check_unk_embed(unk_embed, dim, jigsaw)
 
     floats = {"images": images, "weight": weight, "bias": bias, "pos_embed": pos_embed, "unk_embed": unk_embed}
     for name, tensor in floats.items():
@@ -97,13 +86,6 @@ def check_patch_embed_args(
     device = check_same_device(**floats)
     jigsaw = check_jigsaw(jigsaw, batch, num_positions, device, validate=validate)
     return geometry, pos_embed, unk_embed, jigsaw
-
-
-def _position_term(pos_embed: torch.Tensor, unk_embed: torch.Tensor | None, jigsaw: Jigsaw | None) -> torch.Tensor:
-    """``[N, D]`` without a jigsaw, ``[B, N, D]`` with one."""
-    if jigsaw is None:
-        return pos_embed
-    return torch.where(jigsaw.mask[..., None], unk_embed, pos_embed)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -147,7 +129,7 @@ def mjp_patch_embed_ref(
     tokens = patches @ weight.reshape(geometry.dim, -1).t()
     if bias is not None:
         tokens = tokens + bias
-    return (tokens + _position_term(pos_embed, unk_embed, jigsaw)).to(out_dtype)
+    return (tokens + position_term(pos_embed, unk_embed, jigsaw)).to(out_dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -32,6 +32,38 @@ from mjp_fast.ops.permute import _move
 from mjp_fast.ops.sample_jigsaw import Jigsaw, check_jigsaw
 
 
+def check_position_table(pos_embed: object, num_positions: int, dim: int, positions: str) -> torch.Tensor:
+    """``pos_embed`` ``[N, D]`` or ``[1, N, D]``, returned as ``[N, D]``; ``positions`` says where N comes from."""
+    pos_embed = check_tensor("pos_embed", pos_embed, ndims=(2, 3))
+    if tuple(pos_embed.shape[-2:]) != (num_positions, dim) or (pos_embed.dim() == 3 and pos_embed.shape[0] != 1):
+        raise ValueError(
+            f"pos_embed must be [N, D] or [1, N, D] with {positions} and D = {dim}, got shape {list(pos_embed.shape)}"
+        )
+    return pos_embed.reshape(num_positions, dim)
+
+
+def check_unk_embed(unk_embed: object, dim: int, jigsaw: object) -> torch.Tensor | None:
+    """``unk_embed`` ``[D]`` (or ``[1, 1, D]``), returned as ``[D]``; required when a jigsaw is given."""
+    if unk_embed is None:
+        if jigsaw is not None:
+            raise ValueError(
+                "unk_embed must be given when a jigsaw is given (it replaces pos_embed at masked positions)"
+            )
+        return None
+    unk_embed = check_tensor("unk_embed", unk_embed)
+    if unk_embed.numel() != dim or unk_embed.shape[-1] != dim:
+        raise ValueError(f"unk_embed must be [D] = [{dim}] (or [1, 1, D]), got shape {list(unk_embed.shape)}")
+    return unk_embed.reshape(dim)
+
+
+def position_term(pos_embed: torch.Tensor, unk_embed: torch.Tensor | None, jigsaw: Jigsaw | None) -> torch.Tensor:
+    """The oracles' position term: ``pos_embed`` ``[N, D]`` without a jigsaw; with one, ``[B, N, D]``
+    ``torch.where(mask, unk_embed, pos_embed)`` in the table's dtype."""
+    if jigsaw is None:
+        return pos_embed
+    return torch.where(jigsaw.mask[..., None], unk_embed.to(pos_embed.dtype), pos_embed)
+
+
 def check_pos_embed_args(
     tokens: object, pos_embed: object, unk_embed: object, jigsaw: object, *, validate: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Jigsaw | None]:
@@ -43,22 +75,12 @@ def check_pos_embed_args(
     tokens = check_tensor("tokens", tokens, ndims=(3,))
     check_float_dtype("tokens", tokens)
     batch, num_positions, dim = tokens.shape
-    pos_embed = check_tensor("pos_embed", pos_embed, ndims=(2, 3))
-    if tuple(pos_embed.shape[-2:]) != (num_positions, dim) or (pos_embed.dim() == 3 and pos_embed.shape[0] != 1):
-        raise ValueError(
-            f"pos_embed must be [N, D] or [1, N, D] with the tokens' N = {num_positions} and D = {dim} (patch "
-            f"positions only, no class token), got shape {list(pos_embed.shape)}"
-        )
+    positions = f"the tokens' N = {num_positions} (patch positions only, no class token)"
+    pos_embed = check_position_table(pos_embed, num_positions, dim, positions)
     check_float_dtype("pos_embed", pos_embed)
-    pos_embed = pos_embed.reshape(num_positions, dim)
+    unk_embed = check_unk_embed(unk_embed, dim, jigsaw)
     if unk_embed is not None:
-        unk_embed = check_tensor("unk_embed", unk_embed)
         check_float_dtype("unk_embed", unk_embed)
-        if unk_embed.numel() != dim or unk_embed.shape[-1] != dim:
-            raise ValueError(f"unk_embed must be [D] = [{dim}] (or [1, 1, D]), got shape {list(unk_embed.shape)}")
-        unk_embed = unk_embed.reshape(dim)
-    elif jigsaw is not None:
-        raise ValueError("unk_embed must be given when a jigsaw is given (it replaces pos_embed at masked positions)")
     device = check_same_device(tokens=tokens, pos_embed=pos_embed, unk_embed=unk_embed)
     jigsaw = check_jigsaw(jigsaw, batch, num_positions, device, validate=validate)
     return tokens, pos_embed, unk_embed, jigsaw
@@ -75,7 +97,7 @@ def mjp_pos_embed_ref(
     if jigsaw is None:
         return tokens + pos_embed
     moved = tokens.gather(1, jigsaw.perm[..., None].expand_as(tokens))
-    return moved + torch.where(jigsaw.mask[..., None], unk_embed.to(pos_embed.dtype), pos_embed)
+    return moved + position_term(pos_embed, unk_embed, jigsaw)
 
 
 class _MJPPosEmbed(torch.autograd.Function):
@@ -199,9 +221,7 @@ def mjp_pos_embed(
     Returns:
         ``[B, N, D]``.
     """
-    tokens, pos_embed, unk_embed, jigsaw = check_pos_embed_args(
-        tokens, pos_embed, unk_embed, jigsaw, validate=validate
-    )
+    tokens, pos_embed, unk_embed, jigsaw = check_pos_embed_args(tokens, pos_embed, unk_embed, jigsaw, validate=validate)
     if jigsaw is None:
         return tokens + pos_embed
     if backend_module.resolve_backend(backend, tokens.device) == "triton":
@@ -218,4 +238,3 @@ def mjp_pos_embed(
             unk_embed.to(pos_embed.dtype).to(dtype).contiguous(),
         )
     return _MJPPosEmbed.apply(tokens, jigsaw.perm, jigsaw.mask, pos_embed, unk_embed)
-

@@ -58,6 +58,7 @@ def _variants() -> list[tuple[str, object, dict[str, str], dict[str, object], di
 
     image_ints = {name: "i32" for name in ("stride_b", "stride_c", "stride_h", "stride_w")}
     for dtype, precision in (("bf16", "tf32"), ("fp32", "ieee")):
+        flags = {"PATCH": 16, "HAS_PERM": True, "PRECISION": precision, "UPCAST": False}
         for m, d, k, warps, stages in patch_embed.GPU_GEMM_SHAPES[:2]:
             tiles = {"BLOCK_M": m, "BLOCK_D": d, "BLOCK_K": k}
             options = {"num_warps": warps, "num_stages": stages}
@@ -73,7 +74,6 @@ def _variants() -> list[tuple[str, object, dict[str, str], dict[str, object], di
                 **{name: "i32" for name in ("total_tokens", "num_positions", "cols", "K", "D")},
                 **image_ints,
             }
-            flags = {"PATCH": 16, "HAS_PERM": True, "PRECISION": precision, "UPCAST": False}
             variants.append(
                 (
                     f"patch_embed forward {dtype} {m}x{d}x{k}",
@@ -109,7 +109,6 @@ def _variants() -> list[tuple[str, object, dict[str, str], dict[str, object], di
             **image_ints,
         }
         tiles = {"BLOCK_M": 64, "BLOCK_D": 128, "BLOCK_K": 64}  # _grad_weight_tiles on DeiT shapes
-        flags = {"PATCH": 16, "HAS_PERM": True, "PRECISION": precision, "UPCAST": False}
         variants.append(
             (
                 f"patch_embed grad_weight {dtype}",
