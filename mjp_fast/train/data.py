@@ -27,6 +27,7 @@ from timm.data import ImageDataset, create_transform
 from timm.data.distributed_sampler import OrderedDistributedSampler, RepeatAugSampler
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, Subset
 
+from mjp_fast.train.augment import pillow_safe
 from mjp_fast.train.config import ConfigError, TrainConfig
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
@@ -157,8 +158,12 @@ def _set_transform(dataset: Dataset, transform: Any) -> None:
 
 
 def train_transform(config: TrainConfig, img_size: int, mean: tuple, std: tuple) -> Any:
-    """timm's training transform with the config's augmentations, normalized float output."""
-    return create_transform(
+    """timm's training transform with the config's augmentations, normalized float output.
+
+    Its auto-augment operations posterize through :func:`mjp_fast.train.augment.posterize`, which takes the 0 bits
+    that the recipe's RandAugment draws at full magnitude on any Pillow (Pillow 13 refuses them).
+    """
+    transform = create_transform(
         img_size,
         is_training=True,
         scale=tuple(config.scale),
@@ -172,6 +177,7 @@ def train_transform(config: TrainConfig, img_size: int, mean: tuple, std: tuple)
         re_mode=config.remode,
         re_count=config.recount,
     )
+    return pillow_safe(transform)
 
 
 def eval_transform(img_size: int, interpolation: str, crop_pct: float) -> Any:
