@@ -28,6 +28,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from mjp_fast._atomic import write_atomically
+
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -224,24 +226,38 @@ def device_label(info: dict) -> str:
     return "cpu-" + _slug(info["cpu"])
 
 
+def smoke_results_dir() -> Path:
+    """Where smoke runs write by default: a folder in the system's temporary directory, one per user.
+
+    Smoke numbers mean nothing, so they stay out of the checkout's ``bench/results`` (the recorded results).
+    """
+    user = str(os.getuid()) if hasattr(os, "getuid") else os.environ.get("USERNAME", "user")
+    return Path(tempfile.gettempdir()) / f"mjp_fast-bench-smoke-{user}"
+
+
+def results_dir(out: Path | str | None, *, smoke: bool) -> Path:
+    """The folder of a run's JSON file: ``out`` when given, else ``bench/results`` (the smoke folder for smoke)."""
+    if out is not None:
+        return Path(out)
+    return smoke_results_dir() if smoke else RESULTS_DIR
+
+
+def out_help() -> str:
+    """The help of ``--out``: both defaults, spelled out for this machine."""
+    return f"directory of the JSON results (default: {RESULTS_DIR}; with --smoke: {smoke_results_dir()})"
+
+
 def write_results(payload: dict, name: str, out_dir: Path | str = RESULTS_DIR, *, date: str | None = None) -> Path:
     """Writes ``payload`` as JSON to ``out_dir/<device>-<YYYY-MM-DD>-<name>.json`` atomically; returns the path.
 
     An empty ``name`` gives ``<device>-<YYYY-MM-DD>.json``: the whole suite's file (``bench/run.py``).
     """
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     date = date or datetime.date.today().isoformat()
     path = out_dir / (f"{device_label(payload['device'])}-{date}" + (f"-{name}" if name else "") + ".json")
-    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=out_dir)
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as stream:
-            json.dump(payload, stream, indent=2, sort_keys=False)
-            stream.write("\n")
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
+    with write_atomically(path, text=True) as stream:
+        json.dump(payload, stream, indent=2, sort_keys=False)
+        stream.write("\n")
     return path
 
 
@@ -302,7 +318,7 @@ def default_device() -> str:
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     """The options every benchmark script takes."""
     parser.add_argument("--smoke", action="store_true", help="tiny sizes and 1-2 repeats: checks that it runs")
-    parser.add_argument("--out", default=str(RESULTS_DIR), help="directory of the JSON results (default: %(default)s)")
+    parser.add_argument("--out", default=None, help=out_help())
     parser.add_argument("--repeats", type=int, default=None, help="timed samples per callable")
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
     parser.add_argument(
@@ -403,7 +419,9 @@ def run_standalone(
     finally:
         torch.set_num_threads(threads_before)
     payload = {"benchmark": name, "smoke": args.smoke, "date": utc_now(), "device": info, **section}
-    path = write_results(payload, result_name(name, smoke=args.smoke, threads=args.threads), args.out)
+    path = write_results(
+        payload, result_name(name, smoke=args.smoke, threads=args.threads), results_dir(args.out, smoke=args.smoke)
+    )
     print(report(section, info))
     if args.smoke:
         print("(smoke run: tiny sizes, the numbers mean nothing)")

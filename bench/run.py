@@ -8,8 +8,10 @@ Cases (each measures its baselines in the same run, interleaved):
 - ``train_step``: whole DeiT-Tiny / DeiT-Small training steps, plain against MJP: the overhead in percent.
 
 The file is ``<out>/<device>-<YYYY-MM-DD>.json`` (``-smoke`` for a smoke run, ``-suite-<cases>`` for a subset of
-the cases, ``-threads<N>`` for a thread count other than the machine's). ``python bench/render.py`` turns the
-recorded files into ``docs/benchmarks.md``.
+the cases, ``-threads<N>`` for a thread count other than the machine's). ``<out>`` is ``bench/results``, except for
+smoke runs, which go to a folder in the system's temporary directory unless ``--out`` says otherwise: their numbers
+mean nothing, and the checkout keeps only recorded results. ``python bench/render.py`` turns the recorded files
+into ``docs/benchmarks.md``.
 
     python -m bench.run [--smoke] [--cases sampler,patch_embed,jigsaw_apply,train_step] [--out DIR]
         [--device cpu|cuda] [--threads N] [--repeats N] [--compile]
@@ -36,12 +38,13 @@ if __package__ in (None, ""):  # run as a script: make `bench` and `mjp_fast` im
 import torch
 
 from bench.common import (
-    RESULTS_DIR,
     aim_line,
     default_device,
     device_info,
     machine_threads,
+    out_help,
     quiet_extension_warning,
+    results_dir,
     utc_now,
     versions_line,
     where_measured,
@@ -116,7 +119,7 @@ def run_suite(
     *,
     cases: str | Sequence[str] | None = None,
     smoke: bool = False,
-    out_dir: Path | str = RESULTS_DIR,
+    out_dir: Path | str | None = None,
     device: str | None = None,
     threads: int | None = None,
     repeats: int | None = None,
@@ -128,7 +131,8 @@ def run_suite(
     Args:
         cases: which cases (default all), as names or one comma-separated string.
         smoke: tiny sizes and 1-2 repeats: checks that everything runs, judges no aim.
-        out_dir: where the JSON goes (default ``bench/results``).
+        out_dir: where the JSON goes (default ``bench/results``; for a smoke run, a folder in the system's
+            temporary directory: :func:`bench.common.smoke_results_dir`).
         device: ``cpu`` or ``cuda`` (default: cuda when available).
         threads: torch CPU threads (default: every core this process may use); restored afterwards.
         repeats: overrides each case's repeat count (for ``train_step``: the interleaved pairs per model).
@@ -193,7 +197,9 @@ def run_suite(
         # other processes share the machine: its 1-minute load average, before and after
         "load_average": {"start": load_before, "end": _load_average()},
     }
-    path = write_results(payload, result_file_name(names, smoke=smoke, threads=threads), out_dir)
+    path = write_results(
+        payload, result_file_name(names, smoke=smoke, threads=threads), results_dir(out_dir, smoke=smoke)
+    )
     say("## Aims")
     say()
     for aim in aims:
@@ -212,7 +218,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="CASE[,CASE...]",
         help=f"a comma-separated subset of {','.join(CASES)} (default: all)",
     )
-    parser.add_argument("--out", default=str(RESULTS_DIR), help="directory of the JSON results (default: %(default)s)")
+    parser.add_argument("--out", default=None, help=out_help())
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all of this machine's)")
     parser.add_argument("--repeats", type=int, default=None, help="override every case's repeat count")

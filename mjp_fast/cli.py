@@ -102,7 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="CASE[,CASE...]",
         help="a comma-separated subset of sampler,patch_embed,jigsaw_apply,train_step (default: all)",
     )
-    bench.add_argument("--out", default=None, help="directory of the JSON results (default: <checkout>/bench/results)")
+    bench.add_argument(
+        "--out",
+        default=None,
+        help="directory of the JSON results (default: <checkout>/bench/results; with --smoke: "
+        "<system temp dir>/mjp_fast-bench-smoke-<uid>, so smoke runs leave the checkout alone)",
+    )
     bench.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
     bench.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: all cores)")
     bench.add_argument("--repeats", type=positive_int, default=None, help="override every case's repeat count")
@@ -153,7 +158,7 @@ def _run_bench(args: argparse.Namespace) -> int:
         runner.run_suite(
             cases=args.cases,
             smoke=args.smoke,
-            out_dir=args.out if args.out is not None else runner.RESULTS_DIR,
+            out_dir=args.out,  # None: bench/results, or for --smoke a folder in the temp directory
             device=args.device,
             threads=args.threads,
             repeats=args.repeats,

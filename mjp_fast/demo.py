@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +19,7 @@ import torch
 from PIL import Image, ImageDraw, ImageFont
 
 from mjp_fast import backend as backend_module
+from mjp_fast._atomic import write_atomically
 from mjp_fast.ops import jigsaw_images, sample_jigsaw
 
 # Photos that scikit-image ships inside its package: no download needed.
@@ -241,16 +240,12 @@ def make_demo_image(
 
 
 def save_png_atomically(image: Image.Image, path: Path) -> None:
-    """Writes ``image`` as PNG to a temporary file beside ``path``, then renames it: no half-written file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(handle, "wb") as stream:
-            image.save(stream, format="PNG")
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
+    """Writes ``image`` as PNG to a temporary file beside ``path``, then renames it: no half-written file.
+
+    The file gets the permissions of a plain write (see :func:`mjp_fast._atomic.write_atomically`).
+    """
+    with write_atomically(path) as stream:
+        image.save(stream, format="PNG")
 
 
 def run_demo(args: argparse.Namespace) -> int:

@@ -4,6 +4,7 @@ import os
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -61,6 +62,18 @@ def test_demo_is_deterministic_and_the_same_on_every_backend(tmp_path):
             pictures.append(np.asarray(image))
     for picture in pictures[1:]:
         np.testing.assert_array_equal(picture, pictures[0])
+
+
+@pytest.mark.skipif(os.name != "posix", reason="POSIX permission bits")
+@pytest.mark.parametrize("umask, expected", [(0o022, 0o644), (0o077, 0o600)])
+def test_demo_png_gets_the_mode_of_a_plain_write(tmp_path, umask, expected):
+    previous = os.umask(umask)
+    try:
+        status, out = _demo(tmp_path, "--ratios", "0.5")
+    finally:
+        os.umask(previous)
+    assert status == 0
+    assert stat.S_IMODE(out.stat().st_mode) == expected
 
 
 def test_demo_reads_an_image_file(tmp_path):

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -21,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mjp_fast._atomic import write_atomically
 from mjp_fast.evaluate.corruptions import CORRUPTIONS, SEVERITIES, corrupt, corruption_errors, resolve_corruptions
 from mjp_fast.evaluate.metrics import evaluate_model, resolve_jigsaw_mode
 from mjp_fast.evaluate.plots import plot_attention_maps, plot_position_embeddings
@@ -149,6 +149,14 @@ def evaluate_checkpoint(
             f"the model has {num_classes} classes but the data has {len(classes)} ({config.data or 'digits'})"
         )
     img_size = input_size(model)
+    baseline_model = baseline_state = None
+    if baseline is not None and names:  # loaded first: a bad path fails now, not after the model's evaluation
+        baseline_model, baseline_state = load_model(baseline, torch_device, what="baseline checkpoint")
+        if input_size(baseline_model) != img_size:
+            raise ConfigError(
+                f"the baseline takes {input_size(baseline_model)}px images, the model {img_size}px: "
+                "mCE needs both on the same images"
+            )
     crop_pct = config.crop_pct if config.crop_pct is not None else 0.875
     val_set.transform = eval_transform(img_size, config.interpolation, crop_pct)
     if hasattr(val_set, "dataset"):
@@ -197,16 +205,10 @@ def evaluate_checkpoint(
             "error": errors,
             "mean_error": {name: sum(values) / len(values) for name, values in errors.items()},
         }
-        if baseline is not None:
-            baseline_model, baseline_state = load_model(baseline, torch_device)
+        if baseline_model is not None:
             baseline_config = checkpoint_config(baseline_state)
             baseline_mean = torch.tensor(baseline_config.mean or mean.tolist())
             baseline_std = torch.tensor(baseline_config.std or std.tolist())
-            if input_size(baseline_model) != img_size:
-                raise ConfigError(
-                    f"the baseline takes {input_size(baseline_model)}px images, the model {img_size}px: "
-                    "mCE needs both on the same images"
-                )
             other = _Evaluator(
                 baseline_model,
                 loader,
@@ -296,10 +298,8 @@ def results_table(results: dict[str, Any]) -> str:
 
 def write_json(results: dict[str, Any], path: str | Path) -> Path:
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.tmp")
-    temporary.write_text(json.dumps(_finite(results), indent=2, allow_nan=False, default=_json_default) + "\n")
-    os.replace(temporary, path)
+    with write_atomically(path, text=True) as file:
+        file.write(json.dumps(_finite(results), indent=2, allow_nan=False, default=_json_default) + "\n")
     return path
 
 

@@ -7,6 +7,8 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 import argparse
 import importlib
 import json
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -149,6 +151,44 @@ def test_mjp_bench_smoke_runs_every_case_into_one_json(tmp_path, capsys):
     assert "### Training step" in page and "### Applying the jigsaw" in page
     assert payload["device"]["torch"] in page
     assert render.render(tmp_path).count("## cpu-") == 0  # the smoke file itself is left out
+
+
+def _listing(folder: Path) -> dict[str, tuple[int, int]]:
+    return {path.name: (path.stat().st_size, path.stat().st_mtime_ns) for path in folder.iterdir()}
+
+
+@pytest.mark.timeout(300)
+def test_smoke_runs_leave_the_checkout_results_alone(tmp_path, capsys, monkeypatch):
+    import tempfile
+
+    from bench import common
+    from mjp_fast.cli import main
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the system temp dir, for this test
+    before = _listing(common.RESULTS_DIR)
+    assert main(["bench", "--smoke", "--cases", "sampler", "--device", "cpu", "--repeats", "1"]) == 0
+    assert importlib.import_module("bench.bench_sampler").main(["--smoke", "--device", "cpu", "--repeats", "1"]) == 0
+    assert _listing(common.RESULTS_DIR) == before
+    smoke_dir = common.smoke_results_dir()
+    assert smoke_dir.parent == tmp_path
+    names = sorted(path.name for path in smoke_dir.iterdir())
+    assert len(names) == 2 and all(name.endswith("-smoke.json") for name in names), names
+    assert str(smoke_dir) in capsys.readouterr().out
+    # --out still wins, and a real run's default stays the recorded results
+    assert common.results_dir(tmp_path / "mine", smoke=True) == tmp_path / "mine"
+    assert common.results_dir(None, smoke=False) == common.RESULTS_DIR
+
+
+def test_git_ignores_smoke_results():
+    if not (REPO_ROOT / ".git").exists() or shutil.which("git") is None:
+        pytest.skip("not a git checkout")
+    probe = "bench/results/cpu-test-2000-01-01-smoke.json"
+    ignored = subprocess.run(["git", "check-ignore", "-q", probe], cwd=REPO_ROOT, check=False, timeout=60)
+    assert ignored.returncode == 0, f"{probe} is not ignored by git"
+    recorded = subprocess.run(
+        ["git", "check-ignore", "-q", "bench/results/cpu-test-2000-01-01.json"], cwd=REPO_ROOT, check=False, timeout=60
+    )
+    assert recorded.returncode == 1  # real results are committed
 
 
 def test_mjp_bench_rejects_unknown_cases(tmp_path, capsys):

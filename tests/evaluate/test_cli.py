@@ -84,16 +84,70 @@ def test_eval_errors(checkpoints, tmp_path, capsys, arguments, message):
     assert message in err and "Traceback" not in err
 
 
+def _eval_error(capsys, *arguments: str) -> str:
+    """Runs ``mjp eval`` expecting exit code 2; returns its one-line error."""
+    assert main(["eval", *arguments]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mjp eval: error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    return err.strip()
+
+
 def test_eval_refuses_a_file_that_is_not_a_checkpoint(tmp_path, capsys):
-    broken = tmp_path / "broken.pt"
-    broken.write_bytes(b"not a checkpoint")
-    assert main(["eval", "--checkpoint", str(broken)]) == 2
-    assert "cannot read checkpoint" in capsys.readouterr().err
     import torch
 
+    broken = tmp_path / "broken.pt"
+    broken.write_bytes(b"not a checkpoint")
+    assert "is not a file written by mjp train (torch.load failed: " in _eval_error(capsys, "--checkpoint", str(broken))
+    text = tmp_path / "notes.txt"
+    text.write_text("hello world\nsecond line of text here\n")
+    assert f"checkpoint {str(text)!r} is not a file written by mjp train (torch.load failed: " in _eval_error(
+        capsys, "--checkpoint", str(text)
+    )
     torch.save({"weights": 1}, tmp_path / "other.pt")
-    assert main(["eval", "--checkpoint", str(tmp_path / "other.pt")]) == 2
-    assert "is not an mjp checkpoint" in capsys.readouterr().err
+    err = _eval_error(capsys, "--checkpoint", str(tmp_path / "other.pt"))
+    assert err.endswith(
+        "is a torch file but not a checkpoint written by mjp train: it lacks the keys model_name, model_kwargs, "
+        "state_dict (its keys: weights)"
+    )
+
+
+def test_eval_refuses_a_truncated_checkpoint(checkpoints, tmp_path, capsys):
+    cut = tmp_path / "cut.pt"
+    cut.write_bytes(checkpoints["mjp"].read_bytes()[:1000])
+    assert f"checkpoint {str(cut)!r} is truncated or damaged, or not a checkpoint written by mjp train" in (
+        _eval_error(capsys, "--checkpoint", str(cut))
+    )
+
+
+def test_eval_given_a_directory_suggests_its_checkpoints(checkpoints, tmp_path, capsys):
+    run = checkpoints["mjp"].parent
+    err = _eval_error(capsys, "--checkpoint", str(run), "--output", str(tmp_path))
+    assert (
+        f"checkpoint {str(run)!r} is a directory, not a checkpoint file; did you mean {str(run / 'last.pt')!r}" in err
+    )
+    assert "does not exist" not in err
+    # the folder of a compare run (or any folder above the runs): its mjp/ and baseline/ checkpoints
+    assert f"did you mean {str(run.parent / 'mjp' / 'last.pt')!r} or {str(run.parent / 'baseline' / 'last.pt')!r}?" in (
+        _eval_error(capsys, "--checkpoint", str(run.parent), "--output", str(tmp_path))
+    )
+    err = _eval_error(capsys, "--checkpoint", str(tmp_path))
+    assert "is a directory, not a checkpoint file; mjp train writes last.pt and best.pt into its output folder" in err
+
+
+def test_eval_checks_the_baseline_before_evaluating(checkpoints, tmp_path, capsys, monkeypatch):
+    from mjp_fast.evaluate import run as evaluate_run
+
+    def no_evaluation(*args, **kwargs):
+        raise AssertionError("the model was evaluated before the baseline was loaded")
+
+    monkeypatch.setattr(evaluate_run, "_Evaluator", no_evaluation)
+    (tmp_path / "notes.txt").write_text("not a checkpoint")
+    arguments = ["--checkpoint", str(checkpoints["mjp"]), "--corruptions", "contrast", "--output", str(tmp_path)]
+    err = _eval_error(capsys, *arguments, "--baseline", str(tmp_path / "notes.txt"))
+    assert f"baseline checkpoint {str(tmp_path / 'notes.txt')!r} is not a file written by mjp train" in err
+    run = checkpoints["baseline"].parent
+    err = _eval_error(capsys, *arguments, "--baseline", str(run))
+    assert f"baseline checkpoint {str(run)!r} is a directory, not a checkpoint file; did you mean" in err
 
 
 def test_eval_refuses_data_with_another_class_count(checkpoints, tmp_path, capsys, cifar_tree):
