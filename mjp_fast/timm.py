@@ -23,12 +23,15 @@ the plain model the same way (only ``mjp.*`` keys unexpected).
 from __future__ import annotations
 
 import contextlib
+from collections import deque
 from collections.abc import Iterator
 
 import timm
 import torch
-from timm.layers import resample_abs_pos_embed
-from timm.models import register_model
+import torch.fx
+from timm.layers import register_notrace_module, resample_abs_pos_embed
+from timm.models import DefaultCfg, get_arch_pretrained_cfgs, register_model
+from timm.models._features import FeatureDictNet, FeatureGetterNet
 from timm.models.convnext import ConvNeXt
 from timm.models.resnet import ResNet
 from timm.models.swin_transformer import SwinTransformer
@@ -43,7 +46,6 @@ from mjp_fast.ops.pos_embed import mjp_pos_embed
 from mjp_fast.ops.sample_jigsaw import Jigsaw
 from mjp_fast.sampler import JigsawSampler
 
-PIXEL_MODEL_CLASSES = (ResNet, SwinTransformer, ConvNeXt)
 REGISTERED_BASES = (
     "deit_tiny_patch16_224",
     "deit_small_patch16_224",
@@ -53,13 +55,27 @@ REGISTERED_BASES = (
 )
 
 
+def _dal_kind(dal: str | None) -> str | None:
+    """None for no DAL regressor (``None`` or ``"none"``, since timm's ``create_model`` drops keywords whose value
+    is None), else a checked :class:`mjp_fast.DALRegressor` kind."""
+    if dal is None or (isinstance(dal, str) and dal.lower() == "none"):
+        return None
+    if dal not in DAL_KINDS:
+        raise ValueError(f"dal must be None, 'none' or one of {', '.join(DAL_KINDS)}, got {dal!r}")
+    return dal
+
+
+@register_notrace_module  # timm's FX tracer (create_feature_extractor) keeps it as one call
 class MJPState(nn.Module):
     """What MJP adds to a model: the sampler, ``unk_embed`` (ViTs), the DAL regressor, the last jigsaw.
+
+    Calling it applies MJP in training mode (see :meth:`forward`); the models call it once per forward, so a
+    ``torch.fx`` graph of an MJP model holds MJP as a single ``call_module`` node, whatever the tracer.
 
     Args:
         grid_size: the patch grid of the model's input size.
         dim: the token width D, or None for the pixel-space variant (no position embeddings to replace).
-        dal: None or a :class:`mjp_fast.DALRegressor` kind.
+        dal: None (or ``"none"``) or a :class:`mjp_fast.DALRegressor` kind.
         patch_size: the jigsaw's patch size in pixels.
         The rest: as :class:`mjp_fast.JigsawSampler`.
     """
@@ -81,8 +97,7 @@ class MJPState(nn.Module):
         dal_normalize: bool = False,
     ) -> None:
         super().__init__()
-        if dal is not None and dal not in DAL_KINDS:
-            raise ValueError(f"dal must be None or one of {', '.join(DAL_KINDS)}, got {dal!r}")
+        dal = _dal_kind(dal)
         if dal is not None and dim is None:
             raise ValueError("dal needs a model with absolute position embeddings; pass dal=None for this model")
         self.sampler = JigsawSampler(
@@ -97,6 +112,61 @@ class MJPState(nn.Module):
             self.unk_embed = None
         self.dal_regressor = DALRegressor(dim, dal) if dal is not None else None
         self.last_jigsaw: Jigsaw | None = None
+
+    def forward(
+        self, x: torch.Tensor, patch_pos: torch.Tensor | None = None, grid: tuple[int, int] | None = None
+    ) -> torch.Tensor:
+        """MJP on one batch, when the sampler is active (training, or inside ``mjp_eval``); else the plain input.
+
+        Args:
+            x: with ``patch_pos``, the patch tokens ``[B, N, D]`` of a ViT (``N = grid[0] * grid[1]``); without,
+                the images ``[B, C, H, W]`` of a pixel-space model (H and W multiples of ``patch_size``).
+            patch_pos: the patch positions' embeddings ``[1, N, D]`` (no prefix tokens), or None.
+            grid: the patch grid of ``x`` (default: the sampler's).
+
+        Returns:
+            ViT: the jigsawed tokens plus their position term ``[B, N, D]`` (``x + patch_pos`` when inactive).
+            Pixel-space: the jigsawed images ``[B, C, H, W]`` (``x`` itself when inactive).
+        """
+        if isinstance(x, torch.fx.Proxy):
+            # Symbolic tracing (torch.fx): the sampler's Python cannot run on proxies, so this call becomes one node
+            # that runs the module itself when the graph runs, as a leaf module would.
+            tracer = x.tracer
+            return tracer.create_proxy("call_module", tracer.path_of_module(self), (x, patch_pos, grid), {})
+        sampler = self.sampler
+        self.last_jigsaw = None
+        if patch_pos is None:
+            return self._jigsaw_images(x)
+        if not sampler.active:
+            return x + patch_pos
+        jigsaw = sampler(x.shape[0], x.device, grid)
+        self.last_jigsaw = jigsaw
+        if jigsaw is None:
+            return x + patch_pos
+        # P(XW) = (PX)W: moving the embedded tokens is moving the patches. One autograd node for the move and the
+        # position term (the sampler's jigsaws need no validation).
+        return mjp_pos_embed(x, patch_pos, self.unk_embed, jigsaw, backend=sampler.backend, validate=False)
+
+    def _jigsaw_images(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.sampler.active:
+            return x
+        if not isinstance(x, torch.Tensor) or x.dim() != 4:
+            raise ValueError(f"x: a pixel-space MJP model takes images [B, C, H, W], got {_describe(x)}")
+        patch = self.patch_size
+        if x.shape[-2] % patch or x.shape[-1] % patch:
+            raise ValueError(
+                f"images: height {x.shape[-2]} and width {x.shape[-1]} must be multiples of the jigsaw patch "
+                f"size {patch}"
+            )
+        jigsaw = self.sampler(x.shape[0], x.device, (x.shape[-2] // patch, x.shape[-1] // patch))
+        self.last_jigsaw = jigsaw
+        return x if jigsaw is None else jigsaw_images(x, jigsaw, patch, validate=False)
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {list(value.shape)}"
+    return type(value).__name__
 
 
 class _MJPMixin:
@@ -145,24 +215,15 @@ class MJPVisionTransformer(_MJPMixin, VisionTransformer):
             )
             x = x.reshape(batch, rows * cols, dim)
         else:
-            batch, _, dim = x.shape
             grid = tuple(self.patch_embed.grid_size)
             pos_embed = self.pos_embed
-        jigsaw = state.sampler(batch, x.device, grid)
-        state.last_jigsaw = jigsaw
         prefix_positions = 0 if self.no_embed_class else self.num_prefix_tokens
-        patch_pos = pos_embed[:, prefix_positions:]
-        if jigsaw is not None:
-            # P(XW) = (PX)W: moving the embedded tokens is moving the patches. One autograd node for the move and
-            # the position term (the sampler's jigsaws need no validation).
-            x = mjp_pos_embed(x, patch_pos, state.unk_embed, jigsaw, backend=state.sampler.backend, validate=False)
-        else:
-            x = x + patch_pos
+        x = state(x, pos_embed[:, prefix_positions:], grid)
         prefix = []
         if self.cls_token is not None:
-            prefix.append(self.cls_token.expand(batch, -1, -1))
+            prefix.append(self.cls_token.expand(x.shape[0], -1, -1))
         if self.reg_token is not None:
-            prefix.append(self.reg_token.expand(batch, -1, -1))
+            prefix.append(self.reg_token.expand(x.shape[0], -1, -1))
         if prefix:
             prefix_tokens = torch.cat(prefix, dim=1)
             if prefix_positions:
@@ -191,54 +252,73 @@ class _MJPPixelMixin(_MJPMixin):
     """Pixel-space MJP for models without absolute position embeddings: the input is jigsawed in training."""
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        state = self.mjp
-        state.last_jigsaw = None
-        if state.sampler.active and isinstance(x, torch.Tensor) and x.dim() == 4:
-            patch = state.patch_size
-            if x.shape[-2] % patch or x.shape[-1] % patch:
-                raise ValueError(
-                    f"images: height {x.shape[-2]} and width {x.shape[-1]} must be multiples of the jigsaw patch "
-                    f"size {patch}"
-                )
-            jigsaw = state.sampler(x.shape[0], x.device, (x.shape[-2] // patch, x.shape[-1] // patch))
-            state.last_jigsaw = jigsaw
-            if jigsaw is not None:
-                x = jigsaw_images(x, jigsaw, patch, validate=False)
-        return super().forward(x, *args, **kwargs)
+        return super().forward(self.mjp(x), *args, **kwargs)
 
     def mjp_aux_loss(self) -> torch.Tensor:
         reference = next(self.parameters())
         return reference.new_zeros((), dtype=torch.float32)
 
 
-class MJPResNet(_MJPPixelMixin, ResNet):
+class _MJPPixelModelMixin(_MJPPixelMixin):
+    """Pixel-space MJP for a timm model: ``forward_intermediates`` (what timm's ``FeatureGetterNet`` calls) jigsaws
+    its input too. Neither entry calls the other in timm's models, so an input is jigsawed once."""
+
+    def forward_intermediates(self, x: torch.Tensor, *args, **kwargs):
+        return super().forward_intermediates(self.mjp(x), *args, **kwargs)
+
+
+class MJPResNet(_MJPPixelModelMixin, ResNet):
     """A timm ``ResNet`` trained on jigsawed inputs (pixel-space MJP)."""
 
 
-class MJPSwinTransformer(_MJPPixelMixin, SwinTransformer):
+class MJPSwinTransformer(_MJPPixelModelMixin, SwinTransformer):
     """A timm ``SwinTransformer`` trained on jigsawed inputs (pixel-space MJP)."""
 
 
-class MJPConvNeXt(_MJPPixelMixin, ConvNeXt):
+class MJPConvNeXt(_MJPPixelModelMixin, ConvNeXt):
     """A timm ``ConvNeXt`` trained on jigsawed inputs (pixel-space MJP)."""
 
 
-class MJPPixelVisionTransformer(_MJPPixelMixin, VisionTransformer):
+class MJPPixelVisionTransformer(_MJPPixelModelMixin, VisionTransformer):
     """A timm ``VisionTransformer`` without absolute position embeddings, trained on jigsawed inputs."""
 
 
-# timm class -> its MJP class, for the pixel-space variant
+class _MJPFeatureGetterMixin(_MJPMixin):
+    """timm's ``FeatureGetterNet`` (``features_only=True`` for ViTs) around an MJP model: the wrapped model's
+    ``forward_intermediates`` applies MJP, and MJP's methods and state are the wrapped model's."""
+
+    @property
+    def mjp(self) -> MJPState:
+        return self.model.mjp
+
+    def mjp_aux_loss(self) -> torch.Tensor:
+        return self.model.mjp_aux_loss()
+
+
+class _MJPFeatureModulesMixin(_MJPMixin):
+    """timm's ``FeatureListNet``/``FeatureDictNet`` (``features_only=True`` for CNNs and Swin). They are module
+    dicts that run their entries in order, not the model's ``forward``: :func:`convert` puts ``mjp`` first, so
+    the input is jigsawed (pixel-space MJP) before the first layer."""
+
+    def mjp_aux_loss(self) -> torch.Tensor:
+        reference = next(self.parameters())
+        return reference.new_zeros((), dtype=torch.float32)
+
+
+# timm class -> its MJP class, for the pixel-space variant and the feature wrappers
 _PIXEL_CLASSES = {
     ResNet: MJPResNet,
     SwinTransformer: MJPSwinTransformer,
     ConvNeXt: MJPConvNeXt,
     VisionTransformer: MJPPixelVisionTransformer,
 }
+_WRAPPER_MIXINS = {FeatureGetterNet: _MJPFeatureGetterMixin, FeatureDictNet: _MJPFeatureModulesMixin}
 _SUBCLASSES: dict[tuple[type, type], type] = {}
 
 
-def _mjp_class(model_class: type, timm_class: type, mjp_class: type) -> type:
-    """The MJP class of ``model_class``: ``mjp_class`` for timm's own class, a generated one for a subclass."""
+def _mjp_class(model_class: type, timm_class: type | None, mjp_class: type) -> type:
+    """The MJP class of ``model_class``: ``mjp_class`` for timm's own class, else a generated subclass of both
+    (timm subclasses, and the feature wrappers, whose ``mjp_class`` is a mixin: ``timm_class`` None)."""
     if model_class is timm_class:
         return mjp_class
     key = (model_class, mjp_class)
@@ -252,6 +332,10 @@ def _grid(model: nn.Module, patch_size: int) -> tuple[int, int]:
     if img_size is not None:
         return img_size[-2] // patch_size, img_size[-1] // patch_size
     return 224 // patch_size, 224 // patch_size
+
+
+def _first(value: int | tuple[int, ...] | list[int]) -> int:
+    return value[0] if isinstance(value, (tuple, list)) else value
 
 
 def convert(
@@ -272,9 +356,12 @@ def convert(
 
     Args:
         model: a timm ``VisionTransformer`` (any size; class token or not; register tokens; ``no_embed_class``),
-            or a timm ``ResNet``, ``SwinTransformer`` or ``ConvNeXt`` (pixel-space jigsaw only).
+            or a timm ``ResNet``, ``SwinTransformer`` or ``ConvNeXt`` (pixel-space jigsaw only), or timm's
+            ``features_only`` wrapper of one of them (``FeatureGetterNet``: the wrapped model is converted;
+            ``FeatureListNet``/``FeatureDictNet``: their input is jigsawed).
         ratio, prob, seed, min_block, min_aspect, shared, backend: as :class:`mjp_fast.JigsawSampler`.
-        dal: the DAL regressor's kind (``"nonlinear"``, ``"linear"``, ``"pca"``) or None. Only for ViTs.
+        dal: the DAL regressor's kind (``"nonlinear"``, ``"linear"``, ``"pca"``), or None or ``"none"`` (timm's
+            ``create_model`` drops None-valued keywords, so ``mjp_dal="none"`` is how to say it there). ViTs only.
         patch_size: the jigsaw's patch size for pixel-space models (default: the model's patch embedding's, else
             16); ViTs use their own.
         dal_normalize: regress coordinates scaled to [0, 1] instead of raw integers.
@@ -290,50 +377,37 @@ def convert(
         raise TypeError(f"model must be a timm model (nn.Module), got {type(model).__name__}")
     if isinstance(model, _MJPMixin):
         raise ValueError(f"model is already an MJP model ({type(model).__name__})")
-    reference = next(model.parameters(), None)
+    dal = _dal_kind(dal)
+    sampler_settings = dict(
+        ratio=ratio, prob=prob, seed=seed, min_block=min_block, min_aspect=min_aspect, shared=shared, backend=backend
+    )
+    wrapper_class = next((base for base in _WRAPPER_MIXINS if isinstance(model, base)), None)
+    if wrapper_class is FeatureGetterNet:
+        convert(model.model, dal=dal, patch_size=patch_size, dal_normalize=dal_normalize, **sampler_settings)
+        model.__class__ = _mjp_class(type(model), None, _WRAPPER_MIXINS[wrapper_class])
+        return model
     if isinstance(model, VisionTransformer) and model.pos_embed is not None:
-        patch = model.patch_embed.patch_size
-        patch = patch[0] if isinstance(patch, (tuple, list)) else patch
-        state = MJPState(
-            tuple(model.patch_embed.grid_size),
-            model.embed_dim,
-            ratio=ratio,
-            prob=prob,
-            seed=seed,
-            dal=dal,
-            patch_size=patch,
-            min_block=min_block,
-            min_aspect=min_aspect,
-            shared=shared,
-            backend=backend,
-            dal_normalize=dal_normalize,
-        )
+        grid, dim = tuple(model.patch_embed.grid_size), model.embed_dim
+        patch_size = _first(model.patch_embed.patch_size)
         new_class = _mjp_class(type(model), VisionTransformer, MJPVisionTransformer)
     else:
-        timm_class = next((base for base in _PIXEL_CLASSES if isinstance(model, base)), None)
-        if timm_class is None:
-            supported = ", ".join(base.__name__ for base in _PIXEL_CLASSES)
-            raise TypeError(f"model: convert() supports timm {supported}; got {type(model).__name__}")
+        if wrapper_class is not None:
+            mjp_class, timm_class = _WRAPPER_MIXINS[wrapper_class], None
+        else:
+            timm_class = next((base for base in _PIXEL_CLASSES if isinstance(model, base)), None)
+            if timm_class is None:
+                supported = ", ".join(base.__name__ for base in (*_PIXEL_CLASSES, *_WRAPPER_MIXINS))
+                raise TypeError(f"model: convert() supports timm {supported}; got {type(model).__name__}")
+            mjp_class = _PIXEL_CLASSES[timm_class]
         if dal is not None:
             raise ValueError(f"dal={dal!r} needs absolute position embeddings, which {type(model).__name__} lacks")
         if patch_size is None:
             embed = getattr(model, "patch_embed", None)
-            patch = getattr(embed, "patch_size", 16) if embed is not None else 16
-            patch_size = patch[0] if isinstance(patch, (tuple, list)) else patch
-        state = MJPState(
-            _grid(model, patch_size),
-            None,
-            ratio=ratio,
-            prob=prob,
-            seed=seed,
-            dal=None,
-            patch_size=patch_size,
-            min_block=min_block,
-            min_aspect=min_aspect,
-            shared=shared,
-            backend=backend,
-        )
-        new_class = _mjp_class(type(model), timm_class, _PIXEL_CLASSES[timm_class])
+            patch_size = _first(getattr(embed, "patch_size", 16) if embed is not None else 16)
+        grid, dim = _grid(model, patch_size), None
+        new_class = _mjp_class(type(model), timm_class, mjp_class)
+    state = MJPState(grid, dim, dal=dal, patch_size=patch_size, dal_normalize=dal_normalize, **sampler_settings)
+    reference = next(model.parameters(), None)
     if reference is not None:
         state.to(device=reference.device)
         if state.unk_embed is not None:
@@ -341,32 +415,61 @@ def convert(
     state.train(model.training)
     model.__class__ = new_class
     model.mjp = state
+    if wrapper_class is not None:  # the wrapper runs its entries in order: the jigsaw goes first
+        model._modules = dict(mjp=model._modules.pop("mjp"), **model._modules)
     return model
 
 
+def _has_position_embeddings(model: nn.Module) -> bool:
+    """Whether ``model`` (or the model in timm's ``FeatureGetterNet``) is a ViT with absolute position embeddings."""
+    inner = model.model if isinstance(model, FeatureGetterNet) else model
+    return isinstance(inner, VisionTransformer) and inner.pos_embed is not None
+
+
 def _make_entrypoint(base: str):
+    name = f"mjp_{base}"
+
     def entrypoint(
         pretrained: bool = False,
         mjp_ratio: float = 0.1,
         mjp_prob: float = 0.5,
-        mjp_dal: str | None = "nonlinear",
+        mjp_dal: str | None = None,
         mjp_seed: int = 0,
         **kwargs,
     ) -> nn.Module:
+        # The base's own entry point builds the model (and, with features_only, timm's feature wrapper around it)
+        # and loads the pretrained weights named by pretrained_cfg/pretrained_cfg_overlay: this name shares the
+        # base's pretrained configs. Then MJP's own parameters are added, freshly initialized.
         model = timm.create_model(base, pretrained=pretrained, **kwargs)
-        return convert(model, ratio=mjp_ratio, prob=mjp_prob, dal=mjp_dal, seed=mjp_seed)
+        if mjp_dal is None:  # not given (timm drops None-valued keywords, so "none" is how to turn DAL off)
+            mjp_dal = "nonlinear" if _has_position_embeddings(model) else "none"
+        model = convert(model, ratio=mjp_ratio, prob=mjp_prob, dal=mjp_dal, seed=mjp_seed)
+        config = getattr(model, "pretrained_cfg", None)
+        if isinstance(config, dict):
+            # Name the architecture that was built, as timm does for its own models.
+            model.pretrained_cfg = model.default_cfg = {**config, "architecture": name}
+        return model
 
-    entrypoint.__name__ = entrypoint.__qualname__ = f"mjp_{base}"
+    entrypoint.__name__ = entrypoint.__qualname__ = name
     entrypoint.__module__ = __name__
-    entrypoint.__doc__ = f"timm's {base} with MJP position embeddings (see mjp_fast.timm.convert)."
+    entrypoint.__doc__ = (
+        f"timm's {base} with MJP (see mjp_fast.timm.convert). mjp_dal: 'nonlinear', 'linear', 'pca' or 'none'; "
+        "by default the paper's nonlinear DAL where the model has absolute position embeddings, else none."
+    )
     return entrypoint
+
+
+# What timm's register_model reads to list mjp_<base> with the base's pretrained tags (timm.list_pretrained).
+default_cfgs: dict[str, DefaultCfg] = {}
 
 
 def register(base: str) -> str:
     """Registers ``mjp_<base>`` with timm for any timm model ``base``; returns that name.
 
     ``timm.create_model("mjp_<base>", mjp_ratio=..., mjp_prob=..., mjp_dal=..., mjp_seed=..., **timm_kwargs)``
-    then builds ``base`` (``pretrained`` and the other keywords go to timm) and converts it with :func:`convert`.
+    then builds ``base`` (``pretrained``, ``pretrained_cfg_overlay``, ``features_only`` and the other keywords go
+    to timm) and converts it with :func:`convert`. ``mjp_<base>`` carries the base's pretrained configs (its tags
+    in ``timm.list_pretrained``), so ``pretrained=True`` loads the base's weights; MJP's own parameters start fresh.
     Registering a name twice is a no-op.
 
     Raises:
@@ -379,6 +482,10 @@ def register(base: str) -> str:
         return name
     if not timm.is_model(base):
         raise ValueError(f"base must be a timm model name, got {base!r} (timm.list_models() lists them)")
+    base_cfgs = get_arch_pretrained_cfgs(base)  # "base.tag" -> PretrainedCfg, the default tag first
+    if base_cfgs:
+        tags = [key.partition(".")[2] for key in base_cfgs]
+        default_cfgs[name] = DefaultCfg(tags=deque(tags), cfgs=dict(zip(tags, base_cfgs.values())))
     entrypoint = _make_entrypoint(base)
     globals()[entrypoint.__name__] = register_model(entrypoint)
     return name

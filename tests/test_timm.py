@@ -149,8 +149,14 @@ def test_pixel_space_jigsaw_on_resnet():
 def test_every_registered_name_creates_offline(name):
     assert os.environ.get("HF_HUB_OFFLINE") == "1"
     model = timm.create_model(
-        f"mjp_{name}", pretrained=False, mjp_ratio=0.2, mjp_prob=1.0, mjp_dal="linear", num_classes=3,
-        img_size=64, drop_path_rate=0.1,
+        f"mjp_{name}",
+        pretrained=False,
+        mjp_ratio=0.2,
+        mjp_prob=1.0,
+        mjp_dal="linear",
+        num_classes=3,
+        img_size=64,
+        drop_path_rate=0.1,
     )
     assert isinstance(model, mjp_timm.MJPVisionTransformer)
     assert model.mjp.sampler.ratio == 0.2 and model.num_classes == 3
@@ -218,3 +224,153 @@ def test_bad_conversions_are_named(target, kwargs, error, words):
         target = mjp_timm.convert(tiny_vit())
     with pytest.raises(error, match=words):
         mjp_timm.convert(target, **kwargs)
+
+
+# --- timm conventions: features_only, forward_intermediates, FX, pretrained configs, mjp_dal="none" -------------
+
+TINY_DEIT = dict(img_size=32, patch_size=8, embed_dim=32, depth=3, num_heads=2)
+
+
+def _mjp_and_plain(name="deit_tiny_patch16_224", **kwargs):
+    """An MJP model and the plain timm model with the same weights (the MJP model's extra ones aside)."""
+    torch.manual_seed(0)
+    mjp = timm.create_model(f"mjp_{name}", **kwargs)
+    plain = timm.create_model(name, **kwargs)
+    missing, unexpected = plain.load_state_dict(mjp.state_dict(), strict=False)
+    assert not missing and all(key.startswith("mjp.") or ".mjp." in key for key in unexpected)
+    return mjp, plain
+
+
+def test_features_only_behaves_like_the_base_model():
+    images = torch.randn(2, 3, 32, 32)
+    mjp, plain = _mjp_and_plain(features_only=True, out_indices=(1, 2), **TINY_DEIT)
+    assert type(mjp).__name__ == "MJPFeatureGetterNet" and isinstance(mjp, type(plain))
+    assert mjp.feature_info.channels() == plain.feature_info.channels()
+    mjp.eval(), plain.eval()
+    for ours, theirs in zip(mjp(images), plain(images), strict=True):
+        assert torch.equal(ours, theirs)
+    mjp.train()
+    mjp.mjp.sampler.prob = 1.0
+    mjp(images)
+    assert mjp.mjp.last_jigsaw is not None and bool(mjp.mjp.last_jigsaw.mask.any())
+    assert mjp.mjp_aux_loss().requires_grad  # the wrapped model's DAL loss
+    with mjp.mjp_eval(ratio=0.5, seed=3):
+        assert not mjp.training and not mjp.model.training
+        shuffled = mjp(images)
+    assert mjp.training and not torch.equal(shuffled[0], plain(images)[0])
+
+
+def test_forward_intermediates_behaves_like_the_base_model():
+    images = torch.randn(2, 3, 32, 32)
+    mjp, plain = _mjp_and_plain(**TINY_DEIT)
+    mjp.eval(), plain.eval()
+    final, intermediates = mjp.forward_intermediates(images, indices=2)
+    expected_final, expected_intermediates = plain.forward_intermediates(images, indices=2)
+    assert torch.equal(final, expected_final)
+    assert all(torch.equal(a, b) for a, b in zip(intermediates, expected_intermediates, strict=True))
+    mjp.train()
+    mjp.mjp.sampler.prob = 1.0
+    mjp.forward_intermediates(images, indices=1, intermediates_only=True)
+    assert mjp.mjp.last_jigsaw is not None
+
+
+def test_features_only_of_a_pixel_space_model():
+    images = torch.randn(2, 3, 64, 64)
+    mjp_timm.register("resnet18")
+    mjp, plain = _mjp_and_plain("resnet18", features_only=True, out_indices=(2, 3), num_classes=0)
+    assert list(mjp._modules)[0] == "mjp"  # the jigsaw runs before the first layer
+    mjp.eval(), plain.eval()
+    for ours, theirs in zip(mjp(images), plain(images), strict=True):
+        assert torch.equal(ours, theirs)
+    mjp.train(), plain.train()
+    mjp.mjp.sampler.prob = 1.0
+    mjp(images)
+    jigsaw = mjp.mjp.last_jigsaw
+    assert jigsaw is not None and jigsaw.mask.shape == (2, 16)  # 64 px / patch 16 = a 4x4 grid
+    assert float(mjp.mjp_aux_loss()) == 0.0
+
+
+@pytest.mark.parametrize("mode", ["eval", "train"])
+def test_fx_feature_extraction_in_eval_and_train_mode(mode):
+    from timm.models import create_feature_extractor, get_graph_node_names
+
+    images = torch.randn(2, 3, 32, 32)
+    model = timm.create_model("mjp_deit_tiny_patch16_224", mjp_prob=1.0, **TINY_DEIT)
+    getattr(model, mode)()
+    train_nodes, eval_nodes = get_graph_node_names(model)
+    assert ("mjp" in train_nodes) and ("mjp" not in eval_nodes)  # MJP is one node, present in training only
+    extractor = create_feature_extractor(model, return_nodes={"blocks.1": "mid", "norm": "out"})
+    counter = model.mjp.sampler.sample_counter.clone()
+    features = extractor(images)
+    model.mjp.sampler.sample_counter.copy_(counter)  # the same jigsaws again, now from the model itself
+    seen = []
+    hook = model.blocks[1].register_forward_hook(lambda module, inputs, output: seen.append(output))
+    expected = model(images)
+    hook.remove()
+    assert features["out"].shape == (2, 17, 32)
+    assert torch.allclose(features["mid"], seen[0], atol=1e-6)
+    assert torch.allclose(model.forward_head(features["out"]), expected, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["eval", "train"])
+def test_torch_fx_symbolic_trace_in_eval_and_train_mode(mode):
+    images = torch.randn(2, 3, 32, 32)
+    model = timm.create_model("mjp_deit_tiny_patch16_224", mjp_prob=1.0, **TINY_DEIT)
+    getattr(model, mode)()
+    graph = torch.fx.symbolic_trace(model)
+    assert any(node.op == "call_module" and node.target == "mjp" for node in graph.graph.nodes) == (mode == "train")
+    counter = model.mjp.sampler.sample_counter.clone()
+    traced = graph(images)
+    jigsaw = model.mjp.last_jigsaw
+    model.mjp.sampler.sample_counter.copy_(counter)
+    assert torch.allclose(traced, model(images), atol=1e-6)
+    if mode == "train":
+        assert jigsaw is not None and torch.equal(jigsaw.perm, model.mjp.last_jigsaw.perm)
+        assert int(model.mjp.sampler.sample_counter) == int(counter) + 2
+
+
+def test_mjp_dal_none_through_create_model():
+    model = timm.create_model("mjp_deit_tiny_patch16_224", mjp_dal="none", **TINY_DEIT)
+    assert model.mjp.dal_regressor is None
+    assert not any("dal_regressor" in key for key in model.state_dict())
+    assert float(model.mjp_aux_loss()) == 0.0
+    default = timm.create_model("mjp_deit_tiny_patch16_224", **TINY_DEIT)
+    assert default.mjp.dal_regressor is not None  # the paper's nonlinear DAL
+    assert (
+        timm.create_model("mjp_deit_tiny_patch16_224", mjp_dal="linear", **TINY_DEIT).mjp.dal_regressor.kind == "linear"
+    )
+    with pytest.raises(ValueError, match="dal must be"):
+        timm.create_model("mjp_deit_tiny_patch16_224", mjp_dal="quadratic", **TINY_DEIT)
+
+
+def test_registered_names_look_like_timm_models():
+    assert set(timm.list_models("mjp_*")) >= {f"mjp_{base}" for base in mjp_timm.REGISTERED_BASES}
+    pretrained = timm.list_pretrained("mjp_deit_small_patch16_224.*")
+    assert pretrained == [f"mjp_{name}" for name in timm.list_pretrained("deit_small_patch16_224.*")]
+    model = timm.create_model("mjp_deit_tiny_patch16_224", **TINY_DEIT)
+    base_cfg = timm.create_model("deit_tiny_patch16_224", **TINY_DEIT).pretrained_cfg
+    assert model.default_cfg is model.pretrained_cfg
+    assert model.pretrained_cfg["architecture"] == "mjp_deit_tiny_patch16_224"
+    assert {k: v for k, v in model.pretrained_cfg.items() if k != "architecture"} == {
+        k: v for k, v in base_cfg.items() if k != "architecture"
+    }
+    assert timm.is_model_pretrained("mjp_deit_tiny_patch16_224")
+
+
+@pytest.mark.parametrize("name", ["mjp_deit_tiny_patch16_224", "mjp_deit_tiny_patch16_224.fb_in1k"])
+def test_pretrained_loads_the_base_weights_offline(tmp_path, name):
+    torch.manual_seed(1)
+    path = tmp_path / "deit_tiny.pth"
+    torch.save(timm.create_model("deit_tiny_patch16_224").state_dict(), path)
+    overlay = dict(file=str(path))
+    base = timm.create_model("deit_tiny_patch16_224", pretrained=True, pretrained_cfg_overlay=overlay, num_classes=10)
+    model = timm.create_model(name, pretrained=True, pretrained_cfg_overlay=overlay, num_classes=10)
+    state, base_state = model.state_dict(), base.state_dict()
+    for key, value in base_state.items():
+        if not key.startswith("head."):  # a new head for 10 classes, as timm gives the base model
+            assert torch.equal(state[key], value), key
+    assert state["head.weight"].shape == (10, 192)
+    assert {key for key in state if key not in base_state} == {key for key in state if key.startswith("mjp.")}
+    assert "mjp.unk_embed" in state
+    fresh = timm.create_model(name, num_classes=10)  # not pretrained: other weights
+    assert not torch.equal(fresh.state_dict()["pos_embed"], base_state["pos_embed"])

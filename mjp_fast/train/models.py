@@ -55,7 +55,7 @@ def model_spec(config: TrainConfig, num_classes: int, *, mjp: bool | None = None
     kwargs.update(
         mjp_ratio=config.mjp_ratio,
         mjp_prob=config.mjp_prob,
-        mjp_dal=None if config.mjp_dal == "none" else config.mjp_dal,
+        mjp_dal=config.mjp_dal,  # "none" too: timm drops None-valued keywords
         mjp_seed=config.seed if config.mjp_seed is None else config.mjp_seed,
     )
     return MJP_PREFIX + base, kwargs
@@ -64,6 +64,9 @@ def model_spec(config: TrainConfig, num_classes: int, *, mjp: bool | None = None
 def create_model(model_name: str, model_kwargs: dict[str, Any]) -> nn.Module:
     """``timm.create_model(model_name, pretrained=False, **model_kwargs)``, with readable errors."""
     ensure_registered(model_name)
+    if "mjp_dal" in model_kwargs and model_kwargs["mjp_dal"] is None:
+        # Checkpoints of mjp_fast 0.1.0 wrote None for no DAL, which timm's create_model would drop.
+        model_kwargs = {**model_kwargs, "mjp_dal": "none"}
     try:
         return timm.create_model(model_name, pretrained=False, **model_kwargs)
     except (TypeError, ValueError, AssertionError, RuntimeError) as error:
