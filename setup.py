@@ -148,6 +148,8 @@ setup(
     "patch embedding",
     python_requires=">=3.10",
     packages=find_packages(include=["mjp_fast", "mjp_fast.*"]),
+    # The bundled recipes (`mjp train --config deit_s`) are read from inside the installed package.
+    package_data={"mjp_fast": ["configs/*.yaml"]},
     install_requires=[
         "torch>=2.4",
         "timm>=1.0",

@@ -4,7 +4,16 @@ from mjp_fast.train import load_config, train
 result = train(load_config("digits", ["epochs=5", "compare=false"]))
 """
 
-from mjp_fast.train.config import PRESETS, ConfigError, TrainConfig, load_config
+from mjp_fast.train.config import PRESETS, ConfigError, TrainConfig, bundled_configs, load_config
 from mjp_fast.train.loop import RunResult, TrainingDiverged, train
 
-__all__ = ["PRESETS", "ConfigError", "RunResult", "TrainConfig", "TrainingDiverged", "load_config", "train"]
+__all__ = [
+    "PRESETS",
+    "ConfigError",
+    "RunResult",
+    "TrainConfig",
+    "TrainingDiverged",
+    "bundled_configs",
+    "load_config",
+    "train",
+]

@@ -1,9 +1,13 @@
-"""The training configuration: one dataclass, YAML files, ``key=value`` overrides, and the built-in presets.
+"""The training configuration: one dataclass, YAML files, ``key=value`` overrides, the built-in presets, and the
+recipe files bundled in ``mjp_fast/configs``.
 
 Every knob of ``mjp train`` is a field of :class:`TrainConfig`. Its defaults are the DeiT recipe of the paper's
-supplementary (Table 1) with MJP's settings; the ``digits`` preset is the embedded default that needs no data.
+supplementary (Table 1) with MJP's settings; the ``digits`` preset is the embedded default that needs no data; the
+bundled configs (``deit_s``, ``deit_ti``, ``vit_s``, ``cifar10``: :func:`bundled_configs`) spell out the paper's
+recipes with their sources.
 
     config = load_config("my.yaml", overrides=["epochs=30", "mjp_ratio=0.2"])
+    config = load_config("deit_s", data="/data/imagenet")
 
 Values are type-checked against the field's annotation; a wrong key or value raises :class:`ConfigError` whose
 message names the key, what was expected and what was given.
@@ -448,19 +452,56 @@ def build_config(values: Mapping[str, Any], base: TrainConfig | None = None) -> 
     return config.replace(**checked).validate()
 
 
+# The paper's recipes as YAML files inside the package (setup.py's package_data carries them into wheels), so that
+# `--config deit_s` works from any folder, without a checkout.
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+CONFIG_SUFFIX = ".yaml"
+
+
+def bundled_configs() -> dict[str, Path]:
+    """The recipe files shipped with mjp_fast: name (the file name without ``.yaml``, e.g. ``deit_s``) -> path,
+    sorted by name. ``load_config(name)`` and ``mjp train --config name`` accept these names."""
+    if not CONFIG_DIR.is_dir():
+        return {}
+    return {path.stem: path for path in sorted(CONFIG_DIR.glob(f"*{CONFIG_SUFFIX}")) if path.is_file()}
+
+
+def config_source_values(source: str | Path) -> dict[str, Any]:
+    """The key values that a config source sets, looked up in this order: an existing file at ``source``; a preset
+    name (``digits``); a bundled config name, with or without ``.yaml`` (``deit_s``, ``deit_s.yaml``).
+
+    A file in the working folder thus wins over a bundled config of the same name. Raises ConfigError, listing the
+    bundled configs and presets, when ``source`` is none of these.
+    """
+    text = str(source)
+    if Path(source).exists():
+        return read_config_file(source)
+    if text in PRESETS:
+        return dict(PRESETS[text])
+    bundled = bundled_configs()
+    # Only a bare file name can be a bundled name: `configs/deit_s.yaml` names a path that is missing, not a recipe.
+    name = text[: -len(CONFIG_SUFFIX)] if text.endswith(CONFIG_SUFFIX) else text
+    if Path(text).name == text and name in bundled:
+        return read_config_file(bundled[name])
+    close = difflib.get_close_matches(name, [*bundled, *PRESETS], n=2)
+    hint = f"; did you mean {' or '.join(close)}?" if close else ""
+    raise ConfigError(
+        f"config file {text!r} does not exist, and it is not a bundled config "
+        f"({', '.join(bundled) or 'none installed'}) or a preset ({', '.join(PRESETS)}){hint}"
+    )
+
+
 def load_config(
     source: str | Path | None = None,
     overrides: Iterable[str] = (),
     **values: Any,
 ) -> TrainConfig:
-    """The config of a run: ``source`` (a YAML file or a preset name, default the dataclass defaults), then the
-    ``key=value`` ``overrides``, then ``values``. Raises ConfigError."""
+    """The config of a run: ``source`` (default: the dataclass defaults), then the ``key=value`` ``overrides``, then
+    ``values``. ``source`` is a YAML file, a preset name (``digits``) or a bundled config name (``deit_s``, see
+    :func:`bundled_configs`); an existing file wins over a name. Raises ConfigError."""
     merged: dict[str, Any] = {}
     if source is not None:
-        if str(source) in PRESETS and not Path(source).exists():
-            merged.update(PRESETS[str(source)])
-        else:
-            merged.update(read_config_file(source))
+        merged.update(config_source_values(source))
     merged.update(parse_overrides(overrides))
     merged.update(values)
     return build_config(merged)
