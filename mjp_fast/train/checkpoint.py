@@ -15,20 +15,20 @@ A checkpoint is a dict (``torch.save``) with:
 - ``mjp_fast_version``.
 
 Writing goes to a temporary file in the same folder, is flushed to disk (fsync), then renamed over the target
-(``os.replace``, atomic on POSIX): a run killed while saving leaves the previous checkpoint intact.
+(``os.replace``, atomic on POSIX): a run killed while saving leaves the previous checkpoint intact. The file gets
+the permissions a plain ``open(path, "w")`` would give it.
 """
 
 from __future__ import annotations
 
-import os
 import random
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from mjp_fast._atomic import write_atomically
 from mjp_fast.train.config import ConfigError
 
 REQUIRED_KEYS = ("model_name", "model_kwargs", "state_dict")
@@ -54,61 +54,105 @@ def restore_rng_states(states: dict[str, Any]) -> None:
 
 
 def save_atomically(payload: Any, path: str | Path) -> Path:
-    """``torch.save(payload)`` to ``path`` through a temporary file in the same folder, fsync and rename."""
+    """``torch.save(payload)`` to ``path`` through a temporary file in the same folder, fsync and rename.
+
+    The file gets the permissions of a plain write (0o666 less the umask; an existing file keeps its own): see
+    :func:`mjp_fast._atomic.write_atomically`.
+    """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(handle, "wb") as file:
-            torch.save(payload, file)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
-    try:  # make the rename itself durable
-        directory = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(directory)
-        finally:
-            os.close(directory)
-    except OSError:
-        pass
+    with write_atomically(path) as file:
+        torch.save(payload, file)
     return path
 
 
-def load_checkpoint(path: str | Path) -> dict[str, Any]:
+# Where `mjp train` puts its checkpoints in its output folder: a run's, then a compare run's two models.
+CHECKPOINT_NAMES = ("last.pt", "best.pt", "mjp/last.pt", "baseline/last.pt")
+_TORCH_FILE_STARTS = (b"PK\x03\x04", b"\x80")  # torch.save's zip archive; the legacy format's pickle
+
+
+def _first_sentence(message: str) -> str:
+    """The first sentence of an error message: torch's zip errors go on to a paragraph of advice."""
+    line = (message.strip().splitlines() or [""])[0]
+    return line.split(". ", 1)[0].rstrip(".") or "no message"
+
+
+def _check_checkpoint_file(path: Path, what: str) -> None:
+    """Raises ConfigError, in the user's terms, when ``path`` is not a file that ``torch.load`` could read."""
+    if path.is_dir():
+        found = [f"{str(path / name)!r}" for name in CHECKPOINT_NAMES if (path / name).is_file()]
+        if found:
+            choices = found[0] if len(found) == 1 else f"{', '.join(found[:-1])} or {found[-1]}"
+            hint = f"did you mean {choices}?"
+        else:
+            hint = "mjp train writes last.pt and best.pt into its output folder, and this one holds neither"
+        raise ConfigError(f"{what} {str(path)!r} is a directory, not a checkpoint file; {hint}")
+    if not path.exists():
+        raise ConfigError(f"{what} {str(path)!r} does not exist")
+    if not path.is_file():
+        raise ConfigError(f"{what} {str(path)!r} is not a regular file")
+
+
+def load_checkpoint(path: str | Path, *, what: str = "checkpoint") -> dict[str, Any]:
     """Reads a checkpoint on the CPU. Raises ConfigError when the file is missing or is not an mjp checkpoint.
 
     Checkpoints hold Python objects (generator states, the config), so they are unpickled in full: load only
     checkpoints you trust, as with any ``torch.load(weights_only=False)``.
+
+    Args:
+        path: the checkpoint file (``last.pt`` or ``best.pt`` of ``mjp train``).
+        what: how the error messages name the file, e.g. ``"baseline checkpoint"``.
+
+    Raises:
+        ConfigError: one line for the user: ``path`` is missing, a directory (naming the checkpoints in it),
+            unreadable, not a torch file, truncated or damaged, or a torch file without the keys of a checkpoint.
     """
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"checkpoint {str(path)!r} does not exist")
+    _check_checkpoint_file(path, what)
+    try:
+        with path.open("rb") as file:
+            start = file.read(4)
+    except OSError as error:
+        raise ConfigError(f"{what} {str(path)!r} cannot be read: {error.strerror or error}") from None
+    if not start:
+        raise ConfigError(f"{what} {str(path)!r} is an empty file, not a checkpoint written by mjp train")
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as error:  # noqa: BLE001 - torch.load raises many kinds for a damaged file
-        raise ConfigError(f"cannot read checkpoint {str(path)!r}: {str(error).splitlines()[0]}") from None
-    if not isinstance(checkpoint, dict) or any(key not in checkpoint for key in REQUIRED_KEYS):
+        reason = f"torch.load failed: {_first_sentence(str(error)) if str(error) else type(error).__name__}"
+        if not start.startswith(_TORCH_FILE_STARTS):
+            raise ConfigError(f"{what} {str(path)!r} is not a file written by mjp train ({reason})") from None
         raise ConfigError(
-            f"{str(path)!r} is not an mjp checkpoint (expected a dict with {', '.join(REQUIRED_KEYS)}); "
-            "checkpoints come from `mjp train`"
+            f"{what} {str(path)!r} is truncated or damaged, or not a checkpoint written by mjp train ({reason})"
+        ) from None
+    if not isinstance(checkpoint, dict):
+        raise ConfigError(
+            f"{what} {str(path)!r} holds a torch-saved {type(checkpoint).__name__}, not a checkpoint written by "
+            f"mjp train (a dict with the keys {', '.join(REQUIRED_KEYS)})"
+        )
+    missing = [key for key in REQUIRED_KEYS if key not in checkpoint]
+    if missing:
+        present = [str(key) for key in checkpoint][:8]
+        has = ", ".join(present) + (", ..." if len(checkpoint) > len(present) else "") if present else "none"
+        raise ConfigError(
+            f"{what} {str(path)!r} is a torch file but not a checkpoint written by mjp train: it lacks the "
+            f"key{'s' if len(missing) > 1 else ''} {', '.join(missing)} (its keys: {has})"
         )
     return checkpoint
 
 
-def load_model(path: str | Path, device: torch.device | str = "cpu") -> tuple[torch.nn.Module, dict[str, Any]]:
-    """Rebuilds the model of a checkpoint with its weights, in eval mode; returns (model, checkpoint)."""
+def load_model(
+    path: str | Path, device: torch.device | str = "cpu", *, what: str = "checkpoint"
+) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """Rebuilds the model of a checkpoint with its weights, in eval mode; returns (model, checkpoint).
+
+    ``what`` names the file in error messages (see :func:`load_checkpoint`).
+    """
     from mjp_fast.train.models import create_model
 
-    checkpoint = load_checkpoint(path)
+    checkpoint = load_checkpoint(path, what=what)
     model = create_model(checkpoint["model_name"], dict(checkpoint["model_kwargs"]))
     try:
         model.load_state_dict(checkpoint["state_dict"])
     except RuntimeError as error:
-        raise ConfigError(
-            f"checkpoint {str(path)!r} does not fit its own model: {str(error).splitlines()[0]}"
-        ) from None
+        raise ConfigError(f"{what} {str(path)!r} does not fit its own model: {str(error).splitlines()[0]}") from None
     return model.to(device).eval(), checkpoint
