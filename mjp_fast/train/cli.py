@@ -19,6 +19,7 @@ from mjp_fast.train.config import (
     ConfigError,
     TrainConfig,
     build_config,
+    bundled_configs,
     help_table,
     load_config,
     parse_overrides,
@@ -41,10 +42,11 @@ With no arguments at all it runs the embedded default (the 'digits' preset): sci
 small ViT, a baseline and an MJP model trained one after the other, and their top-1, consistency and position
 regression printed side by side (about two minutes on 2 CPU cores).
 
-Configuration: the defaults below, then --config (a YAML file of key: value, or a preset name: digits), then
---data/--output, then KEY=VALUE overrides. Without --config and --data, the digits preset is the base. Every run
-writes config.yaml (the resolved config), metrics.jsonl (one record per epoch), last.pt (the latest checkpoint,
-written atomically) and best.pt to its output folder.
+Configuration: the defaults below, then --config (a YAML file of key: value; a bundled recipe by name: deit_s,
+deit_ti, vit_s for ImageNet-1K as in the paper, cifar10 for 32-pixel CIFAR-10; or the preset digits; an existing
+file wins over a name), then --data/--output, then KEY=VALUE overrides. Without --config and --data, the digits
+preset is the base. Every run writes config.yaml (the resolved config), metrics.jsonl (one record per epoch),
+last.pt (the latest checkpoint, written atomically) and best.pt to its output folder.
 
 Scale: run it under torchrun, one process per GPU (DDP; bf16 autocast on GPUs by default); batch_size is per process.
 """
@@ -67,8 +69,9 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--config",
-        metavar="FILE|PRESET",
-        help=f"YAML config file, or a preset ({', '.join(PRESETS)}); its keys override the defaults",
+        metavar="FILE|NAME",
+        help=f"YAML config file, a bundled recipe ({', '.join(bundled_configs())}; NAME or NAME.yaml) or a preset "
+        f"({', '.join(PRESETS)}); its keys override the defaults. An existing file wins over a name",
     )
     parser.add_argument("--data", metavar="DIR", help="dataset root: <DIR>/train/<class>/*, <DIR>/val/<class>/*")
     parser.add_argument("--output", metavar="DIR", help="output folder (default: runs/<dataset>-<date>-<time>)")
@@ -124,10 +127,14 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 def run(args: argparse.Namespace) -> int:
     """Runs ``mjp train``; returns the exit code."""
     from mjp_fast.train.loop import TrainingDiverged
+    from mjp_fast.train.models import base_name, ensure_registered
 
     resume = args.resume_from if args.resume_from else bool(args.resume)
     try:
         config = config_from_args(args)
+        # A wrong model name would otherwise surface only when the model is built: after the output folder, its
+        # config.yaml and the comparison's first header exist.
+        ensure_registered(base_name(config.model))
         if args.print_config:
             import tempfile
 

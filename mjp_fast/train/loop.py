@@ -24,7 +24,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,7 +52,7 @@ from mjp_fast.train.data import (
     train_loader,
     train_transform,
 )
-from mjp_fast.train.models import create_model, input_size, is_mjp_model, model_spec
+from mjp_fast.train.models import create_model, input_size, is_mjp_model, model_spec, patch_size_of
 
 LAST_CHECKPOINT = "last.pt"
 BEST_CHECKPOINT = "best.pt"
@@ -125,7 +125,25 @@ def setup_distributed(config: TrainConfig) -> Distributed:
     return Distributed(dist.get_rank(), dist.get_world_size(), local_rank, device, owns)
 
 
-def _broadcast(value: Any, context: Distributed) -> Any:
+@contextlib.contextmanager
+def distributed_session(config: TrainConfig) -> Iterator[Distributed]:
+    """The process group of a whole command: joined on entry, destroyed on exit only if this call created it.
+
+    Everything that trains more than one model in one ``torchrun`` job (``compare=true``) must run inside one
+    session: a default group destroyed and created again gets the same name, hence the same keys in torchrun's
+    store, and the new group's gloo/NCCL handshake reads the old group's stale addresses (connection refused or
+    reset, or a hang). Nested sessions, and a caller's own group, are reused and left alone.
+    """
+    context = setup_distributed(config)
+    try:
+        yield context
+    finally:
+        if context.owns_group:
+            dist.destroy_process_group()
+
+
+def broadcast_from_main(value: Any, context: Distributed) -> Any:
+    """Rank 0's ``value`` on every rank (a picklable object): decisions that every rank must make alike."""
     if context.world_size == 1:
         return value
     holder = [value]
@@ -203,6 +221,33 @@ def _say(context: Distributed, message: str) -> None:
         print(message, flush=True)
 
 
+def plural(count: int, noun: str) -> str:
+    """``1 epoch``, ``30 epochs``: a count with its noun, singular for one."""
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
+def count_parameters(count: int) -> str:
+    """``22.05 M parameters``; below a million in thousands, where ``0.00 M`` would say nothing."""
+    return f"{count / 1e6:.2f} M parameters" if count >= 1e6 else f"{count / 1e3:.1f} k parameters"
+
+
+def describe_model(model_name: str, model_kwargs: dict[str, Any], model: nn.Module) -> str:
+    """What trains, in words: the timm name, the architecture keys the config overrides, and the patch geometry.
+
+    ``deit_tiny_patch16_224 with embed_dim=64, depth=2, num_heads=4, patch 4 (4x4 grid), 16 px``: the timm name
+    alone would promise the base model's width, depth and patch, which a preset (``digits``) replaces.
+    """
+    overridden = [f"{key}={model_kwargs[key]}" for key in ("embed_dim", "depth", "num_heads") if key in model_kwargs]
+    geometry = []
+    patch = patch_size_of(model)
+    if patch is not None:
+        grid = getattr(getattr(model, "patch_embed", None), "grid_size", None)
+        geometry.append(f"patch {patch}" + (f" ({grid[0]}x{grid[1]} grid)" if grid is not None else ""))
+    geometry.append(f"{input_size(model)} px")
+    details = ", ".join(overridden + geometry)
+    return f"{model_name} with {details}" if overridden else f"{model_name}, {details}"
+
+
 def _format_record(record: dict[str, Any], epochs: int) -> str:
     parts = [f"epoch {record['epoch']:>3}/{epochs}", f"loss {record['train_loss']:.4f}"]
     if record.get("dal_loss") is not None:
@@ -261,6 +306,9 @@ def _resolve_config(
 def train(config: TrainConfig, *, resume: bool | str | Path = False) -> RunResult:
     """Trains one model as ``config`` says; returns its result. See the module docstring.
 
+    Under ``torchrun`` it joins the process group already set up (by the caller, or by a comparison around it) and
+    leaves it alive; only a group it created itself is destroyed when it returns (see :func:`distributed_session`).
+
     Args:
         resume: False (a new run: its output folder must not hold a run already), True (continue from
             ``<output>/last.pt``) or a checkpoint path.
@@ -269,31 +317,31 @@ def train(config: TrainConfig, *, resume: bool | str | Path = False) -> RunResul
         ConfigError: a bad config value or path. TrainingDiverged: a NaN or infinite loss.
     """
     config.validate()
-    context = setup_distributed(config)
-    try:
+    with distributed_session(config) as context:
         return _train(config, context, resume)
-    finally:
-        if context.owns_group:
-            dist.destroy_process_group()
 
 
 def _train(config: TrainConfig, context: Distributed, resume: bool | str | Path) -> RunResult:
-    output = Path(_broadcast(config.output or default_output(config), context))
+    # Rank 0 decides where the run goes and whether that folder holds a run: the default folder is named by the
+    # clock, and a rank that raised alone would leave the others waiting in a collective.
+    chosen = config.output or default_output(config)
+    output_name, holds_run = broadcast_from_main((chosen, (Path(chosen) / LAST_CHECKPOINT).exists()), context)
+    output = Path(output_name)
     config = config.replace(output=str(output))
     last_path = output / LAST_CHECKPOINT
     state = None
     if resume:
         resume_path = last_path if resume is True else Path(resume)
-        if resume is True and not resume_path.exists():
+        if resume is True and not holds_run:
             raise ConfigError(f"nothing to resume: {str(resume_path)!r} does not exist")
         state = checkpoint_io.load_checkpoint(resume_path)
-    elif last_path.exists():
+    elif holds_run:
         raise ConfigError(
             f"output folder {str(output)!r} already holds a run ({LAST_CHECKPOINT}); pass --resume to continue it "
             "or choose another --output"
         )
     if state is not None and state.get("finished") and state.get("epoch", 0) >= config.epochs + config.cooldown_epochs:
-        _say(context, f"{output}: this run finished already ({config.epochs} epochs); nothing to do")
+        _say(context, f"{output}: this run finished already ({plural(config.epochs, 'epoch')}); nothing to do")
         history = list(state.get("metrics", []))
         return RunResult(output, last_path, config, history, state.get("final", {}))
 
@@ -431,10 +479,10 @@ def _train(config: TrainConfig, context: Distributed, resume: bool | str | Path)
         params = sum(parameter.numel() for parameter in bare.parameters())
         _say(
             context,
-            f"mjp train: {model_name} ({params / 1e6:.2f} M parameters, {img_size}px, {num_classes} classes) on "
-            f"{len(train_set)} training / {len(val_set)} validation images; {total_epochs} epochs x "
-            f"{updates_per_epoch} steps, global batch {global_batch}, lr {lr:.2e}, {device}"
-            f"{f' x {context.world_size}' if ddp else ''}; output {output}",
+            f"mjp train: {describe_model(model_name, model_kwargs, bare)} ({count_parameters(params)}, "
+            f"{num_classes} classes) on {len(train_set)} training / {len(val_set)} validation images; "
+            f"{plural(total_epochs, 'epoch')} x {plural(updates_per_epoch, 'step')}, global batch {global_batch}, "
+            f"lr {lr:.2e}, {device}{f' x {context.world_size}' if ddp else ''}; output {output}",
         )
 
     def save(

@@ -27,7 +27,11 @@ def test_compare_on_digits_prints_both_runs_side_by_side(tmp_path, capsys):
     overrides += ["max_train_samples=256", "max_val_samples=64"]
     assert main(["train", "--output", str(tmp_path / "demo"), *overrides]) == 0
     out = capsys.readouterr().out
-    assert "| | baseline | mjp |" in out and "| consistency (%) |" in out and "| position MAE 1D |" in out
+    assert "| | baseline | mjp |" in out and "| consistency (%, higher is better) |" in out
+    assert "| diff-norm (lower is better) |" in out and "| position MAE 1D (cells, lower: more position kept) |" in out
+    # the header names what trains: the preset's width, depth and patch, not only the timm name
+    assert "deit_tiny_patch16_224 with embed_dim=16, depth=1, num_heads=4, patch 4 (4x4 grid), 16 px" in out
+    assert "2 epochs x 8 steps" in out and "2 epochs each" in out
     assert (tmp_path / "demo" / "summary.json").is_file()
     assert (tmp_path / "demo" / "baseline" / "last.pt").is_file() and (tmp_path / "demo" / "mjp" / "last.pt").is_file()
     # resuming a finished comparison does no training and prints the table again
@@ -76,6 +80,28 @@ def test_errors_are_one_line_with_exit_code_2(tmp_path, capsys, arguments, messa
     assert len(lines) == 1 and lines[0].startswith("mjp train: error: "), captured.err
     assert message in lines[0]
     assert "Traceback" not in captured.err + captured.out
+
+
+@pytest.mark.parametrize("model", ["nosuchmodel", "mjp_deit_tiny_patch16"])
+def test_an_unknown_model_fails_before_anything_is_written(tmp_path, capsys, monkeypatch, model):
+    monkeypatch.chdir(tmp_path)  # the default output folder, runs/..., would land here
+    assert main(["train", f"model={model}"]) == 2
+    assert main(["train", "--output", "run", f"model={model}", "compare=false"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and list(tmp_path.iterdir()) == []
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 2 and lines[0] == lines[1] and lines[0].startswith("mjp train: error: model ")
+    if model.startswith("mjp_"):  # an MJP name is checked by its timm base
+        assert "did you mean deit_tiny_patch16_224" in lines[0]
+
+
+def test_one_epoch_is_one_epoch(tmp_path, capsys):
+    arguments = ["train", "--output", str(tmp_path / "run"), "compare=false", "epochs=1", "warmup_epochs=0"]
+    arguments += ["embed_dim=16", "depth=1", "max_train_samples=32", "max_val_samples=16", "progress=off"]
+    assert main(arguments) == 0
+    assert "; 1 epoch x 1 step, " in capsys.readouterr().out
+    assert main(["train", "--output", str(tmp_path / "run"), "--resume"]) == 0
+    assert "finished already (1 epoch)" in capsys.readouterr().out
 
 
 def test_a_folder_with_a_run_is_not_overwritten(cifar_tree, tmp_path, capsys):

@@ -9,7 +9,7 @@ import torch
 from mjp_fast.train import loop
 from mjp_fast.train.checkpoint import load_checkpoint, load_model
 from mjp_fast.train.config import load_config
-from mjp_fast.train.loop import TrainingDiverged, dal_weight_at, train
+from mjp_fast.train.loop import TrainingDiverged, count_parameters, dal_weight_at, describe_model, plural, train
 from tests.train.helpers import tiny_overrides
 
 
@@ -138,3 +138,38 @@ def test_gradient_accumulation_and_sgd(cifar_tree, tmp_path):
     result = train(_config(cifar_tree, tmp_path / "accum", accum_steps=3, opt="sgd", epochs=1, warmup_epochs=0))
     # 48 images, batch 8: 6 micro-batches, 2 optimizer steps
     assert result.history[0]["step"] == 2
+
+
+def test_header_words_name_what_trains():
+    import timm
+
+    plain = timm.create_model("deit_tiny_patch16_224", pretrained=False)
+    assert describe_model("deit_tiny_patch16_224", {"num_classes": 1000}, plain) == (
+        "deit_tiny_patch16_224, patch 16 (14x14 grid), 224 px"
+    )
+    kwargs = {"img_size": 16, "patch_size": 4, "embed_dim": 64, "depth": 2, "num_heads": 4}
+    small = timm.create_model("deit_tiny_patch16_224", pretrained=False, num_classes=10, **kwargs)
+    assert describe_model("deit_tiny_patch16_224", kwargs, small) == (
+        "deit_tiny_patch16_224 with embed_dim=64, depth=2, num_heads=4, patch 4 (4x4 grid), 16 px"
+    )
+    assert (plural(1, "epoch"), plural(0, "epoch"), plural(30, "epoch")) == ("1 epoch", "0 epochs", "30 epochs")
+    assert count_parameters(5_717_416) == "5.72 M parameters" and count_parameters(3_914) == "3.9 k parameters"
+
+
+def test_a_callers_process_group_outlives_train_and_compare(cifar_tree, tmp_path, monkeypatch):
+    """``train`` joins a group that its caller set up and leaves it alone: only the group's creator destroys it."""
+    import torch.distributed as dist
+
+    from mjp_fast.train.compare import train_compare
+
+    # WORLD_SIZE > 1 sends train() to the process group; the caller's group has one rank, so nothing waits.
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        train(_config(cifar_tree, tmp_path / "run", epochs=1, warmup_epochs=0, max_train_samples=16))
+        assert dist.is_initialized()
+        train_compare(_config(cifar_tree, tmp_path / "compare", epochs=1, warmup_epochs=0, max_train_samples=16))
+        assert dist.is_initialized()
+        assert (tmp_path / "compare" / "summary.json").is_file()
+    finally:
+        dist.destroy_process_group()
