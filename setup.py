@@ -152,14 +152,17 @@ setup(
     package_data={"mjp_fast": ["configs/*.yaml"]},
     install_requires=[
         "torch>=2.4",
-        "timm>=1.0",
+        # timm 1.0.17 is the first with timm.layers.register_notrace_module; tested up to 1.0.31 (timm 2 may
+        # change the model internals that mjp_fast.timm subclasses).
+        "timm>=1.0.17,<2",
         "numpy",
         "scikit-image",
         "scikit-learn",
         "matplotlib",
         "pyyaml",
         "tqdm",
-        "pillow",
+        # Tested with Pillow 11.3, 12.2 and 13.0 (which refuses RandAugment's 0-bit posterize: see train/augment.py).
+        "pillow>=11",
     ],
     extras_require={
         "test": ["pytest", "pytest-timeout", "pytest-xdist"],

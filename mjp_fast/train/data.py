@@ -237,7 +237,16 @@ def train_loader(
 ) -> tuple[DataLoader, SeededEpochSampler]:
     """The training loader (drop_last, so every step has the same batch) and its sampler."""
     if config.repeated_aug:
-        inner = RepeatAugSampler(dataset, num_replicas=world_size, rank=rank, num_repeats=config.aug_repeats)
+        # timm rounds an epoch down to a multiple of 256 images (the original RASampler); before timm 1.0.31 that
+        # left a set of fewer than 256 images with no batch at all, so smaller sets are not rounded (as 1.0.31).
+        selected_round = 256 if len(dataset) >= 256 else 0
+        inner = RepeatAugSampler(
+            dataset,
+            num_replicas=world_size,
+            rank=rank,
+            num_repeats=config.aug_repeats,
+            selected_round=selected_round,
+        )
     else:
         inner = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=config.seed)
     if len(inner) < config.batch_size:
