@@ -9,11 +9,11 @@ same jigsaws (see :mod:`mjp_fast.evaluate.metrics`).
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
 
+from mjp_fast._atomic import write_atomically
 from mjp_fast.train.config import TrainConfig, save_config
 from mjp_fast.train.loop import (
     FINAL_KEYS,
@@ -91,9 +91,8 @@ def train_compare(config: TrainConfig, *, resume: bool = False) -> dict[str, dic
                 f"\n{comparison_table(results)}\n\n{_footnote(config, output, time.perf_counter() - started)}",
                 flush=True,
             )
-            temporary = output / ".summary.json.tmp"
-            temporary.write_text(json.dumps(results, indent=2) + "\n")
-            os.replace(temporary, output / "summary.json")
+            with write_atomically(output / "summary.json", text=True) as file:
+                file.write(json.dumps(results, indent=2) + "\n")
     return results
 
 

@@ -38,6 +38,7 @@ from timm.scheduler import create_scheduler_v2
 from timm.utils import dispatch_clip_grad
 from torch import nn
 
+from mjp_fast._atomic import write_atomically
 from mjp_fast.evaluate.metrics import evaluate_model
 from mjp_fast.evaluate.position import model_position_regression
 from mjp_fast.train import checkpoint as checkpoint_io
@@ -190,9 +191,8 @@ class _Writers:
             return
         # Rewrite the records the checkpoint knows: a run killed after logging an epoch but before checkpointing
         # it must not keep the orphan record.
-        temporary = self.path.with_suffix(".jsonl.tmp")
-        temporary.write_text("".join(json.dumps(record) + "\n" for record in history))
-        os.replace(temporary, self.path)
+        with write_atomically(self.path, text=True) as file:
+            file.write("".join(json.dumps(record) + "\n" for record in history))
         if config.tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
