@@ -153,3 +153,22 @@ def test_readme_eval_line_on_a_comparison_run(tmp_path):
     measured = json.loads((tmp_path / "mjp.json").read_text())
     assert {"top1", "consistency", "diff_norm", "pos_mae_1d", "corruptions", "mce"} <= set(measured)
     assert len(measured["corruptions"]["error"]) == 9 and measured["mce"] > 0  # nine corruptions, five severities
+
+
+def test_readme_attack_line_and_its_quoted_numbers(tmp_path):
+    """``mjp attack --ratio 0.5 --json privacy.json`` as written, and the figures the README quotes from it."""
+    (line,) = command_lines("mjp attack")
+    arguments = _replace_option(line, "--json", str(tmp_path / "privacy.json"))
+    result = subprocess.run(
+        [sys.executable, "-m", "mjp_fast.cli", *arguments[1:]],
+        cwd=tmp_path,  # the grid PNG goes to the working folder
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    measured = json.loads((tmp_path / "privacy.json").read_text())
+    assert "(a) PSNR 140 dB" in README and "(b) 7.0 dB, LPIPS 0.57" in README and "(b) 140 dB again" in README
+    assert round(measured["a"]["psnr"]) == 140 and round(measured["no_unk_b"]["psnr"]) == 140
+    assert round(measured["b"]["psnr"], 1) == 7.0 and round(measured["b"]["lpips"], 2) == 0.57

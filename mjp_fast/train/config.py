@@ -243,7 +243,7 @@ class TrainConfig:
 FIELDS = {field.name: field for field in dataclasses.fields(TrainConfig)}
 
 # The embedded default: scikit-learn's digits (they ship inside scikit-learn: no download), upsampled from 8x8 to
-# 16x16, a 2-block ViT with 4x4 patches (a 4x4 grid), a baseline and an MJP model side by side, about two minutes
+# 16x16, a 2-block ViT with 4x4 patches (a 4x4 grid), a baseline and an MJP model side by side, about 45 s
 # on 2 CPU cores (one torch thread: faster than two for so small a model, and steadier on a shared machine).
 # Changed from the recipe, as config values: RandAugment, mixup, cutmix, random erasing, flips and repeated
 # augmentation are off (on 8x8 glyphs they cost accuracy in so short a run: a flipped 2 is not a 2); the learning

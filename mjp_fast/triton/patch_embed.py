@@ -99,7 +99,6 @@ def _gemm_configs() -> list[triton.Config]:
     ]
 
 
-
 @triton.autotune(configs=_gemm_configs(), key=["total_tokens", "D", "K"])
 @triton.jit
 def _forward_kernel(
