@@ -15,6 +15,10 @@ In eval mode the model is the plain timm model, unless inside ``model.mjp_eval(.
 Models without absolute position embeddings (timm ResNet, Swin, ConvNeXt) get the pixel-space jigsaw of their
 input only, as the paper's ResNet-50 + MJP and Swin-T + MJP rows.
 
+timm's conventions carry over: ``features_only=True`` (timm's feature wrappers around the MJP model),
+``forward_intermediates``, FX tracing in eval and training mode (MJP is one ``call_module`` node of the graph),
+and ``mjp_<base>`` shares its base's pretrained configs, so ``pretrained=True`` loads the base's weights.
+
 All MJP state lives in ``model.mjp`` (``unk_embed``, the DAL regressor, the sampler and its counter), so a plain
 timm state dict loads with ``strict=False`` (only ``mjp.*`` keys missing), and an MJP state dict loads back into
 the plain model the same way (only ``mjp.*`` keys unexpected).
@@ -248,15 +252,19 @@ class MJPVisionTransformer(_MJPMixin, VisionTransformer):
         return set(super().no_weight_decay()) | {"mjp.unk_embed"}
 
 
-class _MJPPixelMixin(_MJPMixin):
-    """Pixel-space MJP for models without absolute position embeddings: the input is jigsawed in training."""
-
-    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        return super().forward(self.mjp(x), *args, **kwargs)
+class _MJPNoDALMixin(_MJPMixin):
+    """MJP without position embeddings to regress: the DAL loss is always zero."""
 
     def mjp_aux_loss(self) -> torch.Tensor:
         reference = next(self.parameters())
         return reference.new_zeros((), dtype=torch.float32)
+
+
+class _MJPPixelMixin(_MJPNoDALMixin):
+    """Pixel-space MJP for models without absolute position embeddings: the input is jigsawed in training."""
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        return super().forward(self.mjp(x), *args, **kwargs)
 
 
 class _MJPPixelModelMixin(_MJPPixelMixin):
@@ -295,14 +303,10 @@ class _MJPFeatureGetterMixin(_MJPMixin):
         return self.model.mjp_aux_loss()
 
 
-class _MJPFeatureModulesMixin(_MJPMixin):
+class _MJPFeatureModulesMixin(_MJPNoDALMixin):
     """timm's ``FeatureListNet``/``FeatureDictNet`` (``features_only=True`` for CNNs and Swin). They are module
     dicts that run their entries in order, not the model's ``forward``: :func:`convert` puts ``mjp`` first, so
     the input is jigsawed (pixel-space MJP) before the first layer."""
-
-    def mjp_aux_loss(self) -> torch.Tensor:
-        reference = next(self.parameters())
-        return reference.new_zeros((), dtype=torch.float32)
 
 
 # timm class -> its MJP class, for the pixel-space variant and the feature wrappers

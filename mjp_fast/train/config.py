@@ -380,6 +380,8 @@ def coerce(name: str, value: Any, *, from_text: bool = False) -> Any:
     kind, optional = _field_type(field)
     if from_text and isinstance(value, str) and value.strip().lower() in ("none", "null", "~", ""):
         value = None
+    if value is None and "none" in (field.metadata.get("choices") or ()):
+        value = "none"  # a key whose choices name "none" (mjp_dal): none and null mean that choice
     if value is None:
         if optional:
             return None

@@ -1,0 +1,43 @@
+"""How ``mjp train`` names and builds its models."""
+
+import torch
+
+from mjp_fast.train.config import load_config
+from mjp_fast.train.models import create_model, model_spec
+from tests.train.helpers import tiny_overrides
+
+
+def _build(*overrides: str):
+    config = load_config(overrides=[*tiny_overrides(), *overrides])
+    name, kwargs = model_spec(config, num_classes=3, mjp=True)
+    return create_model(name, kwargs), kwargs
+
+
+def test_mjp_dal_none_trains_no_regressor():
+    model, kwargs = _build("mjp_dal=none")
+    assert kwargs["mjp_dal"] == "none"  # a string: timm's create_model would drop None and build the default DAL
+    assert model.mjp.dal_regressor is None
+    assert not any("dal_regressor" in name for name, _ in model.named_parameters())
+    assert float(model.mjp_aux_loss()) == 0.0
+
+
+def test_mjp_dal_kinds_reach_the_model():
+    for kind in ("nonlinear", "linear"):
+        model, _ = _build(f"mjp_dal={kind}")
+        assert model.mjp.dal_regressor.kind == kind
+
+
+def test_checkpoints_that_wrote_none_for_no_dal_still_load():
+    model, kwargs = _build("mjp_dal=none")
+    rebuilt = create_model("mjp_vit_tiny_patch16_224", {**kwargs, "mjp_dal": None})
+    assert rebuilt.mjp.dal_regressor is None
+    rebuilt.load_state_dict(model.state_dict())  # strict: the same keys
+    assert torch.equal(rebuilt.pos_embed, model.pos_embed)
+
+
+def test_mjp_dal_none_on_the_command_line_and_in_yaml(tmp_path):
+    assert load_config(overrides=["mjp_dal=none"]).mjp_dal == "none"
+    assert load_config(overrides=["mjp_dal=null"]).mjp_dal == "none"
+    path = tmp_path / "recipe.yaml"
+    path.write_text("mjp:\n  mjp_dal: null\n")
+    assert load_config(path).mjp_dal == "none"
