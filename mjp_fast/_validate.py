@@ -81,12 +81,21 @@ def check_same_device(**tensors: torch.Tensor | None) -> torch.device:
     return next(iter(devices))
 
 
+def with_index(device: torch.device) -> torch.device:
+    """``device`` with its index: an index-less ``cuda`` is the current CUDA device, where torch puts tensors made
+    on ``"cuda"``. Tensors report indexed devices, and ``torch.device("cuda") != torch.device("cuda:0")``."""
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def to_device(device: torch.device | str | None) -> torch.device:
+    """The device a ``device=`` argument names (None: the CPU), with its index (see :func:`with_index`)."""
     if device is None:
         return torch.device("cpu")
     if isinstance(device, (str, torch.device)):
         try:
-            return torch.device(device)
+            return with_index(torch.device(device))
         except RuntimeError as error:
             raise ValueError(f"device: not a valid torch device: {device!r} ({error})") from None
     raise TypeError(f"device must be a str, torch.device or None, got {type(device).__name__}")

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mjp_fast._validate import check_fraction, check_grid_size, check_int, check_positive_float
+from mjp_fast._validate import check_fraction, check_grid_size, check_int, check_positive_float, with_index
 from mjp_fast.backend import resolve_backend
 from mjp_fast.ops.sample_jigsaw import Jigsaw, sample_jigsaw, sample_jigsaw_prepared, sampler_tables
 
@@ -88,6 +88,7 @@ class JigsawSampler(nn.Module):
         """The next ``batch`` jigsaws for ``grid_size`` (default the module's), or None when inactive."""
         if not self.active:
             return None
+        device = with_index(torch.device(device))  # "cuda" and "cuda:0" must compare equal below
         if self.training:
             ratio, prob, seed, counter = self.ratio, self.prob, self.seed, self.sample_counter
         else:

@@ -61,3 +61,27 @@ def test_counter_is_checkpointed():
 def test_bad_settings(kwargs, error):
     with pytest.raises(error):
         mjp_fast.JigsawSampler(4, **kwargs)
+
+
+def test_an_index_less_cuda_device_means_the_current_one(monkeypatch):
+    from mjp_fast._validate import to_device, with_index
+
+    assert with_index(torch.device("cpu")) == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert with_index(torch.device("cuda")) == torch.device("cuda:1")
+    assert with_index(torch.device("cuda:0")) == torch.device("cuda:0")
+    assert to_device("cuda") == torch.device("cuda:1") and to_device(None) == torch.device("cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("name", ["cuda", "cuda:0"])
+def test_cuda_offset_and_sampler_with_and_without_an_index(name):
+    with torch.cuda.device(0):
+        offset = torch.tensor(7, device="cuda:0")
+        jigsaw = mjp_fast.sample_jigsaw(4, 14, 0.3, seed=2, offset=offset, device=name)
+        expected = mjp_fast.sample_jigsaw(4, 14, 0.3, seed=2, offset=7)
+        assert torch.equal(jigsaw.perm.cpu(), expected.perm) and torch.equal(jigsaw.mask.cpu(), expected.mask)
+        sampler = mjp_fast.JigsawSampler(14, 0.3, prob=1.0, seed=2).to("cuda:0")
+        drawn = sampler(4, torch.device(name))
+        assert drawn.perm.device == torch.device("cuda:0")
