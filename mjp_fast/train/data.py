@@ -152,7 +152,8 @@ def build_datasets(config: TrainConfig, *, need_train: bool = True) -> tuple[Dat
     return train, val, classes
 
 
-def _set_transform(dataset: Dataset, transform: Any) -> None:
+def set_transform(dataset: Dataset, transform: Any) -> None:
+    """Gives ``dataset`` (or the dataset under a ``Subset``) the transform its samples go through."""
     base = dataset.dataset if isinstance(dataset, Subset) else dataset
     base.transform = transform
 
@@ -304,6 +305,7 @@ __all__ = [
     "normalize_batch",
     "resolve_split",
     "seed_everything",
+    "set_transform",
     "train_loader",
     "train_transform",
 ]

@@ -50,6 +50,7 @@ from mjp_fast.train.data import (
     eval_loader,
     eval_transform,
     seed_everything,
+    set_transform,
     train_loader,
     train_transform,
 )
@@ -370,8 +371,8 @@ def _train(config: TrainConfig, context: Distributed, resume: bool | str | Path)
     lr = config.lr if config.lr is not None else config.lr_base * global_batch / 512
     config = _resolve_config(config, model, data_config, num_classes, lr)
 
-    _set_transform(train_set, train_transform(config, img_size, tuple(config.mean), tuple(config.std)))
-    _set_transform(val_set, eval_transform(img_size, config.interpolation, config.crop_pct))
+    set_transform(train_set, train_transform(config, img_size, tuple(config.mean), tuple(config.std)))
+    set_transform(val_set, eval_transform(img_size, config.interpolation, config.crop_pct))
     pin = device.type == "cuda"
     loader, sampler = train_loader(config, train_set, rank=context.rank, world_size=context.world_size, pin_memory=pin)
     workers = config.workers if config.workers is not None else default_workers(context.world_size)
@@ -662,13 +663,6 @@ def _train(config: TrainConfig, context: Distributed, resume: bool | str | Path)
     if context.is_main:
         print(f"\n{summary_table(history)}\n\ncheckpoint: {last_path}", flush=True)
     return RunResult(output, last_path, config, history, final)
-
-
-def _set_transform(dataset: Any, transform: Any) -> None:
-    from torch.utils.data import Subset
-
-    base = dataset.dataset if isinstance(dataset, Subset) else dataset
-    base.transform = transform
 
 
 def _version() -> str:
