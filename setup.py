@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import glob
 import os
+import runpy
 import sys
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from setuptools import find_packages, setup
 
 ROOT = Path(__file__).resolve().parent
 CSRC = "csrc"
-CPU_SOURCES = ["bindings.cpp", "sampler_cpu.cpp", "patch_embed_cpu.cpp"]
+CPU_SOURCES = ["bindings.cpp", "sampler_cpu.cpp", "patch_embed_cpu.cpp", "pos_embed_cpu.cpp", "dal_loss.cpp"]
 CUDA_SOURCES = ["cuda_ops.cpp", "sampler_cuda.cu", "patch_embed_cuda.cu"]
 HEADERS = ["ops.h", "sampler.h", "cuda_kernels.h"]
 
@@ -140,6 +141,8 @@ def _extension_build() -> tuple[list, dict]:
 
 
 ext_modules, cmdclass = _extension_build()
+# Read from the file itself: importing the package would import torch, which the metadata must not need.
+TORCH_REQUIREMENT = runpy.run_path(str(ROOT / "mjp_fast" / "_versions.py"))["TORCH_REQUIREMENT"]
 
 setup(
     name="mjp_fast",
@@ -151,7 +154,8 @@ setup(
     # The bundled recipes (`mjp train --config deit_s`) are read from inside the installed package.
     package_data={"mjp_fast": ["configs/*.yaml"]},
     install_requires=[
-        "torch>=2.4",
+        # The tested torch range, from mjp_fast/_versions.py (which also refuses an older torch at import).
+        TORCH_REQUIREMENT,
         # timm 1.0.17 is the first with timm.layers.register_notrace_module; tested up to 1.0.31 (timm 2 may
         # change the model internals that mjp_fast.timm subclasses).
         "timm>=1.0.17,<2",

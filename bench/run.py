@@ -5,6 +5,8 @@ Cases (each measures its baselines in the same run, interleaved):
 - ``sampler``: per-sample jigsaw sampling against the Python loop of BEiT and the paper's code.
 - ``patch_embed``: timm's ``PatchEmbed`` + position add against ``mjp_patch_embed`` on every backend.
 - ``jigsaw_apply``: the paper code's pixel pipeline against ``jigsaw_images`` and the fused embedding.
+- ``host_cost``: dispatched operations and host time of MJP's part of a step at tiny sizes, against timm's plain
+  position add.
 - ``train_step``: whole DeiT-Tiny / DeiT-Small training steps, plain against MJP: the overhead in percent.
 
 The file is ``<out>/<device>-<YYYY-MM-DD>.json`` (``-smoke`` for a smoke run, ``-suite-<cases>`` for a subset of
@@ -13,7 +15,7 @@ smoke runs, which go to a folder in the system's temporary directory unless ``--
 mean nothing, and the checkout keeps only recorded results. ``python bench/render.py`` turns the recorded files
 into ``docs/benchmarks.md``.
 
-    python -m bench.run [--smoke] [--cases sampler,patch_embed,jigsaw_apply,train_step] [--out DIR]
+    python -m bench.run [--smoke] [--cases sampler,patch_embed,jigsaw_apply,host_cost,train_step] [--out DIR]
         [--device cpu|cuda] [--threads N] [--repeats N] [--compile]
 
 ``mjp bench`` runs the same from a checkout of the repository.
@@ -56,6 +58,7 @@ CASES = {
     "sampler": "bench.bench_sampler",
     "patch_embed": "bench.bench_patch_embed",
     "jigsaw_apply": "bench.bench_jigsaw_apply",
+    "host_cost": "bench.bench_host_cost",
     "train_step": "bench.bench_train_step",
 }
 

@@ -61,6 +61,16 @@ std::vector<std::optional<at::Tensor>> patch_embed_backward_cpu(
     const std::optional<at::Tensor>& perm, const std::optional<at::Tensor>& mask, bool need_images,
     bool need_weight, bool need_bias, bool need_pos, bool need_unk);
 
+// ---- Dispatcher operators (pos_embed_cpu.cpp, dal_loss.cpp): torch.ops.mjp_fast.pos_embed_extension[_backward]
+// (CPU and Meta kernels) and torch.ops.mjp_fast.dal_loss_extension[_backward] (CompositeExplicitAutograd and Meta).
+// They register themselves with the dispatcher from static initialisers and are called through it, never by name.
+// A linker drops the object file of a static library (CMake's mjp_kernels) that nothing references, and its
+// registrations with it: every translation unit that includes this header references one symbol of each file, so
+// the operators come with any of the kernels.
+extern const int kPosEmbedOperators;
+extern const int kDalLossOperators;
+[[maybe_unused, gnu::used]] static const int* const kOperatorAnchors[] = {&kPosEmbedOperators, &kDalLossOperators};
+
 #ifdef MJP_WITH_CUDA
 // ---- CUDA (cuda_ops.cpp over the kernels of sampler_cuda.cu and patch_embed_cuda.cu): same contracts, all
 // tensors on one CUDA device, work queued on its current stream.

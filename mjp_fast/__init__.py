@@ -1,9 +1,13 @@
 """mjp_fast: fast, exact Masked Jigsaw Puzzle position embeddings for Vision Transformers (CVPR 2023)."""
 
-from mjp_fast.backend import available_backends
-from mjp_fast.nn import DALRegressor, MJPPatchEmbed
-from mjp_fast.ops import Jigsaw, dal_loss, jigsaw_images, mjp_patch_embed, mjp_pos_embed, sample_jigsaw
-from mjp_fast.sampler import JigsawSampler
+from mjp_fast._versions import check_torch
+
+check_torch()  # before any module below touches torch's newer APIs: an older torch gets one clear ImportError
+
+from mjp_fast.backend import available_backends  # noqa: E402
+from mjp_fast.nn import DALRegressor, MJPPatchEmbed  # noqa: E402
+from mjp_fast.ops import Jigsaw, dal_loss, jigsaw_images, mjp_patch_embed, mjp_pos_embed, sample_jigsaw  # noqa: E402
+from mjp_fast.sampler import JigsawSampler  # noqa: E402
 
 __version__ = "0.1.0"
 

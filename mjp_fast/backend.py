@@ -109,7 +109,8 @@ def _detect_backends() -> tuple[str, ...]:
     return tuple(names)
 
 
-def _device_fits(backend: str, device: torch.device) -> bool:
+def runs_on(backend: str, device: torch.device) -> bool:
+    """Whether ``backend`` can run on tensors on ``device`` (``triton`` on CPU tensors only in the interpreter)."""
     if backend == "cpu":
         return device.type == "cpu"
     if backend == "cuda":
@@ -151,7 +152,7 @@ def resolve_backend(backend: str | None, device: torch.device) -> str:
         else:
             reason = extension_error() or "the extension was built without CUDA or no GPU is visible"
         raise ValueError(f"{source}={backend!r} is not available on this machine: {reason}")
-    if not _device_fits(backend, device):
+    if not runs_on(backend, device):
         hint = (
             " (set TRITON_INTERPRET=1 before importing mjp_fast to run Triton on the CPU)"
             if backend == "triton"

@@ -49,6 +49,19 @@ class DALRegressor(nn.Module):
         else:
             self.net = nn.Linear(2, 2)
 
+    def fused_layers(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor | None] | None:
+        """``(w1 [H, D], b1 [H], w2 [2, H], b2 [2])`` of the nonlinear regressor, ``(None, None, w2 [2, D], b2 [2])``
+        of the linear one: what the fused DAL kernels compute (:func:`mjp_fast.dal_loss`). None for ``pca``, and for a
+        subclass with its own ``forward``: those run as modules."""
+        if type(self).forward is not DALRegressor.forward:
+            return None
+        if self.kind == "nonlinear":
+            first, last = self.net[0], self.net[2]
+            return first.weight, first.bias, last.weight, last.bias
+        if self.kind == "linear":
+            return None, None, self.net.weight, self.net.bias
+        return None
+
     def forward(self, pos_embed: torch.Tensor) -> torch.Tensor:
         """``[N, D]`` -> ``[N, 2]``."""
         if pos_embed.shape[-1] != self.dim:

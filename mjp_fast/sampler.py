@@ -17,7 +17,15 @@ from torch import nn
 
 from mjp_fast._validate import check_fraction, check_grid_size, check_int, check_positive_float, with_index
 from mjp_fast.backend import resolve_backend
-from mjp_fast.ops.sample_jigsaw import Jigsaw, sample_jigsaw, sample_jigsaw_prepared, sampler_tables
+from mjp_fast.ops.sample_jigsaw import (
+    Jigsaw,
+    SamplerPlan,
+    _prob_threshold,
+    _target_count,
+    sample_jigsaw,
+    sampler_params,
+    sampler_tables,
+)
 
 
 class JigsawSampler(nn.Module):
@@ -62,6 +70,10 @@ class JigsawSampler(nn.Module):
         h_thresholds, w_thresholds = sampler_tables(*self.grid_size, self.min_aspect)
         self.register_buffer("h_thresholds", h_thresholds.clone(), persistent=False)
         self.register_buffer("w_thresholds", w_thresholds.clone(), persistent=False)
+        # The Triton sampler reads the seed and the prob threshold from memory (see triton/sampler.py); refreshed in
+        # place when seed or prob change (the training loop sets prob per epoch), not rebuilt per call.
+        self.register_buffer("params", sampler_params(self.seed, self.prob, "cpu").clone(), persistent=False)
+        self._params_key = (self.seed, self.prob)
         self._eval_settings: dict[str, Any] | None = None
         self._eval_counter: torch.Tensor | None = None
 
@@ -85,27 +97,36 @@ class JigsawSampler(nn.Module):
         return settings is not None and settings["ratio"] > 0.0 and settings["prob"] > 0.0
 
     def forward(self, batch: int, device: torch.device, grid_size: tuple[int, int] | None = None) -> Jigsaw | None:
-        """The next ``batch`` jigsaws for ``grid_size`` (default the module's), or None when inactive."""
+        """The next ``batch`` jigsaws for ``grid_size`` (default the module's), or None when inactive.
+
+        The per-step path of the modules: it checks and builds nothing on the host. The sampler reads the stream
+        position from ``sample_counter`` on the device, then the counter advances on the device: two dispatched
+        operations in all, no host sync on the Triton backend.
+        """
         if not self.active:
             return None
         device = with_index(torch.device(device))  # "cuda" and "cuda:0" must compare equal below
         if self.training:
             ratio, prob, seed, counter = self.ratio, self.prob, self.seed, self.sample_counter
+            if (seed, prob) != self._params_key:
+                self.params.copy_(sampler_params(seed, prob, "cpu"))
+                self._params_key = (seed, prob)
+            params = self.params
         else:
             settings = self._eval_settings
             ratio, prob, seed = settings["ratio"], settings["prob"], settings["seed"]
             if self._eval_counter is None or self._eval_counter.device != device:
                 self._eval_counter = torch.full((), settings["start"], dtype=torch.int64, device=device)
             counter = self._eval_counter
+            params = None
         grid = self.grid_size if grid_size is None else tuple(grid_size)
         rank, world = self._rank_and_world()
-        # With a constant per-rank batch, this is the global index of the batch's first sample.
-        offset = (counter * world + rank * batch).reshape(1).to(device)
-        with torch.no_grad():
-            counter.add_(batch)
+        # Sample i of this call has the global stream index counter * world + rank * batch + i: with a constant
+        # per-rank batch, distinct on every rank and the same after a resume.
         backend = resolve_backend(self.backend, device)
         if backend == "torch" or grid != self.grid_size or self.h_thresholds.device != device:
-            return sample_jigsaw(
+            offset = (counter * world + rank * batch).reshape(1).to(device)
+            jigsaw = sample_jigsaw(
                 batch,
                 grid,
                 ratio,
@@ -118,18 +139,17 @@ class JigsawSampler(nn.Module):
                 device=device,
                 backend=backend,
             )
-        return sample_jigsaw_prepared(
-            batch,
-            grid,
-            ratio,
-            seed=seed,
-            offset=offset,
-            shared=self.shared,
-            prob=prob,
-            min_block=self.min_block,
-            tables=(self.h_thresholds, self.w_thresholds),
-            backend=backend,
-        )
+        else:
+            if params is None or params.device != device:
+                params = sampler_params(seed, prob, device)
+            plan = SamplerPlan(
+                backend, *grid, _target_count(ratio, grid[0] * grid[1]), self.min_block, self.shared, seed,
+                _prob_threshold(prob), self.h_thresholds, self.w_thresholds, params,
+            )  # fmt: skip
+            jigsaw = plan.sample(batch, counter, world, rank * batch)
+        with torch.no_grad():
+            counter.add_(batch)
+        return jigsaw
 
     @contextlib.contextmanager
     def jigsaw_eval(

@@ -12,6 +12,16 @@ linear map, and its optional norm one per-token function, applied to each patch 
 works: class token or not, register tokens, ``no_embed_class``, ``dynamic_img_size``, ``set_input_size``.
 In eval mode the model is the plain timm model, unless inside ``model.mjp_eval(...)``.
 
+Where the patch embedding is timm's standard one (a ``PatchEmbed`` whose ``proj`` is a Conv2d with stride equal
+to its square kernel, no norm, flattened output, a fixed image size), the embedding, the jigsaw and the position
+term run as one :func:`mjp_fast.mjp_patch_embed` call (``convert(..., fused_patch_embed=None)``, automatic): the
+``patch_embed`` module then passes the images through and the model's ``_pos_embed`` embeds them, reading the
+same ``patch_embed.proj`` weights. Outputs equal timm's Conv2d path within float tolerance (the GEMM sums in
+another order), in training and in eval mode; under autocast the op runs in the autocast dtype, as timm's Conv2d
+would, and returns the dtype of timm's sum. Under FX the fused call is one node: ``mjp`` when it jigsaws, else a
+``_fused_patch_embed`` call (there is no ``patch_embed.proj`` node). :func:`fast_patch_embed` does the same for a
+plain timm ViT.
+
 Models without absolute position embeddings (timm ResNet, Swin, ConvNeXt) get the pixel-space jigsaw of their
 input only, as the paper's ResNet-50 + MJP and Swin-T + MJP rows.
 
@@ -33,7 +43,7 @@ from collections.abc import Iterator
 import timm
 import torch
 import torch.fx
-from timm.layers import register_notrace_module, resample_abs_pos_embed
+from timm.layers import PatchEmbed, register_notrace_module, resample_abs_pos_embed
 from timm.models import DefaultCfg, get_arch_pretrained_cfgs, register_model
 from timm.models._features import FeatureDictNet, FeatureGetterNet
 from timm.models.convnext import ConvNeXt
@@ -43,10 +53,12 @@ from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
 from mjp_fast._validate import check_int
+from mjp_fast.backend import KNOWN_BACKENDS, resolve_backend
 from mjp_fast.nn import DAL_KINDS, DALRegressor
-from mjp_fast.ops.dal_loss import dal_loss
+from mjp_fast.ops.dal_loss import dal_loss_unchecked
 from mjp_fast.ops.jigsaw_images import jigsaw_images
-from mjp_fast.ops.pos_embed import mjp_pos_embed
+from mjp_fast.ops.patch_embed import mjp_patch_embed
+from mjp_fast.ops.pos_embed import mjp_pos_embed_unchecked
 from mjp_fast.ops.sample_jigsaw import Jigsaw
 from mjp_fast.sampler import JigsawSampler
 
@@ -67,6 +79,50 @@ def _dal_kind(dal: str | None) -> str | None:
     if dal not in DAL_KINDS:
         raise ValueError(f"dal must be None, 'none' or one of {', '.join(DAL_KINDS)}, got {dal!r}")
     return dal
+
+
+def _autocast_like_conv(tensor: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    # Autocast casts the floating inputs of a convolution to its dtype, float64 aside.
+    if tensor is None or not tensor.is_floating_point() or tensor.dtype == torch.float64:
+        return tensor
+    return tensor.to(dtype)
+
+
+@torch.fx.wrap  # one call_function node under FX tracing (torch.fx and timm's create_feature_extractor)
+def _fused_patch_embed(
+    images: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    patch_pos: torch.Tensor,
+    unk_embed: torch.Tensor | None,
+    jigsaw: Jigsaw | None,
+    backend: str | None,
+) -> torch.Tensor:
+    """:func:`mjp_patch_embed` in the dtypes timm's ``PatchEmbed`` plus the position add would compute in.
+
+    Args:
+        images: ``[B, C, H, W]``; weight ``[D, C, P, P]`` and bias ``[D]`` (or None): ``patch_embed.proj``'s.
+        patch_pos: ``[1, N, D]``, the patch positions' embeddings (no prefix tokens).
+        unk_embed: ``[D]``, or None without a jigsaw. jigsaw: ``Jigsaw(mask [B, N], perm [B, N])`` or None.
+        backend: as :func:`mjp_patch_embed`.
+
+    Returns:
+        tokens ``[B, N, D]``, in the dtype of timm's ``proj(images) + patch_pos``.
+    """
+    device_type = images.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return mjp_patch_embed(images, weight, bias, patch_pos, unk_embed, jigsaw, backend=backend, validate=False)
+    # Under autocast timm's Conv2d runs in the autocast dtype and the add of the float32 table promotes its output.
+    # The fused op takes one dtype, so it gets what autocast gives the convolution, the position terms rounded to
+    # it (the epilogue adds them in float32), and its output is cast to the dtype of timm's sum.
+    dtype = torch.get_autocast_dtype(device_type)
+    images, weight, bias = (_autocast_like_conv(tensor, dtype) for tensor in (images, weight, bias))
+    out_dtype = torch.promote_types(images.dtype, patch_pos.dtype)
+    patch_pos = patch_pos.to(images.dtype)
+    unk_embed = unk_embed.to(images.dtype) if unk_embed is not None else None
+    with torch.autocast(device_type, enabled=False):  # the torch backend's conv: already in the right dtype
+        tokens = mjp_patch_embed(images, weight, bias, patch_pos, unk_embed, jigsaw, backend=backend, validate=False)
+    return tokens.to(out_dtype)
 
 
 @register_notrace_module  # timm's FX tracer (create_feature_extractor) keeps it as one call
@@ -116,31 +172,52 @@ class MJPState(nn.Module):
             self.unk_embed = None
         self.dal_regressor = DALRegressor(dim, dal) if dal is not None else None
         self.last_jigsaw: Jigsaw | None = None
+        # The patch positions' slice of the model's pos_embed that the last forward used: the DAL loss reuses it,
+        # so a step slices the table once (one slice backward, not two and an add).
+        self.last_patch_pos: torch.Tensor | None = None
 
     def forward(
-        self, x: torch.Tensor, patch_pos: torch.Tensor | None = None, grid: tuple[int, int] | None = None
+        self,
+        x: torch.Tensor,
+        patch_pos: torch.Tensor | None = None,
+        grid: tuple[int, int] | None = None,
+        weight: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
+        backend: str | None = None,
     ) -> torch.Tensor:
         """MJP on one batch, when the sampler is active (training, or inside ``mjp_eval``); else the plain input.
 
         Args:
-            x: with ``patch_pos``, the patch tokens ``[B, N, D]`` of a ViT (``N = grid[0] * grid[1]``); without,
-                the images ``[B, C, H, W]`` of a pixel-space model (H and W multiples of ``patch_size``).
+            x: with ``patch_pos``, the patch tokens ``[B, N, D]`` of a ViT (``N = grid[0] * grid[1]``), or its
+                images ``[B, C, H, W]`` when ``weight`` is given; without ``patch_pos``, the images
+                ``[B, C, H, W]`` of a pixel-space model (H and W multiples of ``patch_size``).
             patch_pos: the patch positions' embeddings ``[1, N, D]`` (no prefix tokens), or None.
             grid: the patch grid of ``x`` (default: the sampler's).
+            weight, bias: the patch projection (timm's ``patch_embed.proj``: Conv2d weight ``[D, C, P, P]``, bias
+                ``[D]`` or None) when ``x`` is images to embed, jigsaw and position in one fused op.
+            backend: the fused op's backend (as :func:`mjp_fast.mjp_patch_embed`).
 
         Returns:
-            ViT: the jigsawed tokens plus their position term ``[B, N, D]`` (``x + patch_pos`` when inactive).
+            ViT: the jigsawed tokens plus their position term ``[B, N, D]`` (``x + patch_pos`` when inactive; with
+            ``weight``, the embedded images plus ``patch_pos``).
             Pixel-space: the jigsawed images ``[B, C, H, W]`` (``x`` itself when inactive).
         """
         if isinstance(x, torch.fx.Proxy):
             # Symbolic tracing (torch.fx): the sampler's Python cannot run on proxies, so this call becomes one node
             # that runs the module itself when the graph runs, as a leaf module would.
             tracer = x.tracer
-            return tracer.create_proxy("call_module", tracer.path_of_module(self), (x, patch_pos, grid), {})
+            args = (x, patch_pos, grid) if weight is None else (x, patch_pos, grid, weight, bias, backend)
+            return tracer.create_proxy("call_module", tracer.path_of_module(self), args, {})
         sampler = self.sampler
         self.last_jigsaw = None
         if patch_pos is None:
             return self._jigsaw_images(x)
+        if weight is not None:
+            jigsaw = sampler(x.shape[0], x.device, grid) if sampler.active else None
+            self.last_jigsaw = jigsaw
+            # The jigsaw is applied where the patches are cut, the position term in the GEMM's epilogue.
+            unk_embed = self.unk_embed if jigsaw is not None else None
+            return _fused_patch_embed(x, weight, bias, patch_pos, unk_embed, jigsaw, backend)
         if not sampler.active:
             return x + patch_pos
         jigsaw = sampler(x.shape[0], x.device, grid)
@@ -148,8 +225,9 @@ class MJPState(nn.Module):
         if jigsaw is None:
             return x + patch_pos
         # P(XW) = (PX)W: moving the embedded tokens is moving the patches. One autograd node for the move and the
-        # position term (the sampler's jigsaws need no validation).
-        return mjp_pos_embed(x, patch_pos, self.unk_embed, jigsaw, backend=sampler.backend, validate=False)
+        # position term; the arguments are the model's own and the sampler's jigsaws need no validation.
+        backend = resolve_backend(sampler.backend, x.device)
+        return mjp_pos_embed_unchecked(x, patch_pos, self.unk_embed, jigsaw, backend)
 
     def _jigsaw_images(self, x: torch.Tensor) -> torch.Tensor:
         if not self.sampler.active:
@@ -171,6 +249,178 @@ def _describe(value: object) -> str:
     if isinstance(value, torch.Tensor):
         return f"a tensor of shape {list(value.shape)}"
     return type(value).__name__
+
+
+# --- The fused patch embedding: timm's PatchEmbed + position add as one mjp_patch_embed call ----------------------
+
+
+class _ImagesThroughPatchEmbed:
+    """Mixed into a timm ``PatchEmbed`` (class swap) whose embedding the model's ``_pos_embed`` runs fused with
+    the position term: ``forward`` checks the image size as timm's does and returns the images ``[B, C, H, W]``.
+
+    timm's ``forward_features`` and ``forward_intermediates`` call ``_pos_embed`` right after ``patch_embed``, so
+    they run unchanged. ``proj`` (and every parameter and state dict key) stays where it was.
+    """
+
+    fused_backend: str | None = None  # the backend of the fused op; None: automatic
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _, _, height, width = x.shape
+        torch._assert(height == self.img_size[0], f"Input height ({height}) doesn't match model ({self.img_size[0]}).")
+        torch._assert(width == self.img_size[1], f"Input width ({width}) doesn't match model ({self.img_size[1]}).")
+        return x
+
+
+class FusedPatchEmbed(_ImagesThroughPatchEmbed, PatchEmbed):
+    """timm's ``PatchEmbed`` whose embedding runs in the model's ``_pos_embed``, fused with the position add."""
+
+
+_FUSED_EMBED_CLASSES: dict[type, type] = {PatchEmbed: FusedPatchEmbed}
+
+
+def _is_fused(patch_embed: nn.Module) -> bool:
+    return isinstance(patch_embed, _ImagesThroughPatchEmbed)
+
+
+def _original_class(cls: type) -> type:
+    """The class before this module's class swaps (MJP, fused): the first of ``cls``'s MRO not defined here."""
+    return next(base for base in cls.__mro__ if base.__module__ != __name__)
+
+
+def _unfusable_reason(model: nn.Module) -> str | None:
+    """None when the model's patch embedding plus position add can run as one fused op, else why not.
+
+    The fused op computes a square, non-overlapping Conv2d patch embedding of a fixed image size, flattened to
+    ``[B, N, D]``, plus ``pos_embed``: timm's standard ``PatchEmbed`` of a ``VisionTransformer``.
+    """
+    if not isinstance(model, VisionTransformer):
+        return f"the model is a {type(model).__name__}, not a timm VisionTransformer"
+    if model.pos_embed is None:
+        return "the model has no absolute position embeddings (pos_embed is None)"
+    timm_class = _original_class(type(model))
+    for name in ("_pos_embed", "forward_features", "forward_intermediates"):
+        if getattr(timm_class, name) is not getattr(VisionTransformer, name):
+            return f"{timm_class.__name__} overrides VisionTransformer.{name}, which the fused path relies on"
+    if model.dynamic_img_size:
+        return "the model has dynamic_img_size=True (the fused op needs a fixed image size)"
+    embed = model.patch_embed
+    embed_class = _original_class(type(embed))
+    if not issubclass(embed_class, PatchEmbed):
+        return f"patch_embed is a {embed_class.__name__}, not timm's PatchEmbed"
+    if embed_class.forward is not PatchEmbed.forward:
+        return f"patch_embed is a {embed_class.__name__}, which overrides PatchEmbed.forward"
+    proj = embed.proj
+    if not isinstance(proj, nn.Conv2d) or type(proj).forward is not nn.Conv2d.forward:
+        return f"patch_embed.proj is a {type(proj).__name__}, not an nn.Conv2d"
+    if proj.kernel_size[0] != proj.kernel_size[1]:
+        return f"patch_embed.proj has a non-square kernel {tuple(proj.kernel_size)}"
+    if tuple(proj.stride) != tuple(proj.kernel_size):
+        return f"patch_embed.proj has stride {tuple(proj.stride)} != kernel size {tuple(proj.kernel_size)}"
+    if proj.padding not in ("valid", (0, 0)) or tuple(proj.dilation) != (1, 1) or proj.groups != 1:
+        return (
+            f"patch_embed.proj has padding {proj.padding}, dilation {tuple(proj.dilation)}, groups {proj.groups} "
+            "(the fused op needs 0, 1 and 1)"
+        )
+    if not isinstance(embed.norm, nn.Identity):
+        return f"patch_embed has a norm layer ({type(embed.norm).__name__}) after its projection"
+    if not embed.flatten:
+        return f"patch_embed outputs {embed.output_fmt.value} feature maps, not flattened [B, N, D] tokens"
+    if embed.img_size is None:
+        return "patch_embed has no fixed img_size"
+    if embed.dynamic_img_pad:
+        return "patch_embed has dynamic_img_pad=True (the fused op needs a fixed image size)"
+    if not embed.strict_img_size:
+        return "patch_embed has strict_img_size=False (the fused op needs a fixed image size)"
+    prefix_positions = 0 if model.no_embed_class else model.num_prefix_tokens
+    if model.pos_embed.shape[1] - prefix_positions != embed.num_patches:
+        return f"pos_embed has {model.pos_embed.shape[1]} positions, not {prefix_positions} + {embed.num_patches}"
+    return None
+
+
+def _check_backend(backend: str | None) -> str | None:
+    if backend is not None and backend not in KNOWN_BACKENDS:
+        raise ValueError(f"backend must be None or one of {', '.join(KNOWN_BACKENDS)}, got {backend!r}")
+    return backend
+
+
+def _fuse_patch_embed(patch_embed: nn.Module, backend: str | None) -> None:
+    """Switches a standard ``PatchEmbed`` (checked by the caller) to pass the images through."""
+    embed_class = _original_class(type(patch_embed))
+    if embed_class not in _FUSED_EMBED_CLASSES:
+        _FUSED_EMBED_CLASSES[embed_class] = type(
+            f"Fused{embed_class.__name__}", (_ImagesThroughPatchEmbed, embed_class), {"__module__": __name__}
+        )
+    patch_embed.__class__ = _FUSED_EMBED_CLASSES[embed_class]
+    patch_embed.fused_backend = backend
+
+
+def _unfuse_patch_embed(patch_embed: nn.Module) -> None:
+    if _is_fused(patch_embed):
+        patch_embed.__class__ = _original_class(type(patch_embed))
+        del patch_embed.fused_backend
+
+
+def _with_prefix_tokens(model: VisionTransformer, x: torch.Tensor, prefix_pos: torch.Tensor | None) -> torch.Tensor:
+    """The class and register tokens (plus ``prefix_pos`` ``[1, prefix, D]``, if any) before the patch tokens
+    ``x`` ``[B, N, D]``; then timm's ``pos_drop``."""
+    prefix = []
+    if model.cls_token is not None:
+        prefix.append(model.cls_token.expand(x.shape[0], -1, -1))
+    if model.reg_token is not None:
+        prefix.append(model.reg_token.expand(x.shape[0], -1, -1))
+    if prefix:
+        prefix_tokens = torch.cat(prefix, dim=1)
+        if prefix_pos is not None:
+            prefix_tokens = prefix_tokens + prefix_pos
+        x = torch.cat((prefix_tokens, x), dim=1)
+    return model.pos_drop(x)
+
+
+def _fused_pos_embed(model: VisionTransformer, images: torch.Tensor, state: MJPState | None) -> torch.Tensor:
+    """timm's ``patch_embed`` + ``_pos_embed`` of a fused model, from the images ``[B, C, H, W]``.
+
+    With MJP (``state``) active, ``state`` embeds and jigsaws the images (one FX node); otherwise the plain
+    embedding plus the position add, still one fused op. Returns ``[B, prefix + N, D]``.
+    """
+    embed = model.patch_embed
+    proj = embed.proj
+    prefix_positions = 0 if model.no_embed_class else model.num_prefix_tokens
+    patch_pos = model.pos_embed[:, prefix_positions:]
+    if state is not None:
+        state.last_patch_pos = patch_pos
+    if state is not None and state.sampler.active:
+        grid = tuple(embed.grid_size)
+        x = state(images, patch_pos, grid, proj.weight, proj.bias, embed.fused_backend)
+    else:
+        if state is not None:
+            state.last_jigsaw = None
+        x = _fused_patch_embed(images, proj.weight, proj.bias, patch_pos, None, None, embed.fused_backend)
+    return _with_prefix_tokens(model, x, model.pos_embed[:, :prefix_positions] if prefix_positions else None)
+
+
+class _FusedViTMixin:
+    """A plain timm ``VisionTransformer`` whose patch embedding and position add run as one fused op (made by
+    :func:`fast_patch_embed`); ``_pos_embed`` receives the images from the pass-through ``patch_embed``."""
+
+    def _pos_embed(self, x: torch.Tensor) -> torch.Tensor:
+        if not _is_fused(self.patch_embed):
+            return super()._pos_embed(x)
+        return _fused_pos_embed(self, x, None)
+
+
+class FusedVisionTransformer(_FusedViTMixin, VisionTransformer):
+    """A timm ``VisionTransformer`` with its patch embedding and position add fused (see :func:`fast_patch_embed`)."""
+
+
+_FUSED_MODEL_CLASSES: dict[type, type] = {VisionTransformer: FusedVisionTransformer}
+
+
+def _fused_model_class(model_class: type) -> type:
+    if model_class not in _FUSED_MODEL_CLASSES:
+        _FUSED_MODEL_CLASSES[model_class] = type(
+            f"Fused{model_class.__name__}", (_FusedViTMixin, model_class), {"__module__": __name__}
+        )
+    return _FUSED_MODEL_CLASSES[model_class]
 
 
 class _MJPMixin:
@@ -205,6 +455,8 @@ class MJPVisionTransformer(_MJPMixin, VisionTransformer):
 
     def _pos_embed(self, x: torch.Tensor) -> torch.Tensor:
         state = self.mjp
+        if _is_fused(self.patch_embed):  # x: the images, passed through by patch_embed
+            return _fused_pos_embed(self, x, state)
         if self.pos_embed is None or not state.sampler.active:
             state.last_jigsaw = None
             return super()._pos_embed(x)
@@ -222,18 +474,10 @@ class MJPVisionTransformer(_MJPMixin, VisionTransformer):
             grid = tuple(self.patch_embed.grid_size)
             pos_embed = self.pos_embed
         prefix_positions = 0 if self.no_embed_class else self.num_prefix_tokens
-        x = state(x, pos_embed[:, prefix_positions:], grid)
-        prefix = []
-        if self.cls_token is not None:
-            prefix.append(self.cls_token.expand(x.shape[0], -1, -1))
-        if self.reg_token is not None:
-            prefix.append(self.reg_token.expand(x.shape[0], -1, -1))
-        if prefix:
-            prefix_tokens = torch.cat(prefix, dim=1)
-            if prefix_positions:
-                prefix_tokens = prefix_tokens + pos_embed[:, :prefix_positions]
-            x = torch.cat((prefix_tokens, x), dim=1)
-        return self.pos_drop(x)
+        patch_pos = pos_embed[:, prefix_positions:]
+        state.last_patch_pos = None if self.dynamic_img_size else patch_pos
+        x = state(x, patch_pos, grid)
+        return _with_prefix_tokens(self, x, pos_embed[:, :prefix_positions] if prefix_positions else None)
 
     def mjp_aux_loss(self) -> torch.Tensor:
         state = self.mjp
@@ -241,12 +485,16 @@ class MJPVisionTransformer(_MJPMixin, VisionTransformer):
             anchor = self.pos_embed if self.pos_embed is not None else state.unk_embed
             return anchor.new_zeros((), dtype=torch.float32)
         prefix_positions = 0 if self.no_embed_class else self.num_prefix_tokens
-        patch_pos = self.pos_embed[:, prefix_positions:]
         grid = tuple(self.patch_embed.grid_size)
+        patch_pos = state.last_patch_pos
+        if patch_pos is None or patch_pos.requires_grad != self.pos_embed.requires_grad:
+            patch_pos = self.pos_embed[:, prefix_positions:]  # no forward since, or one without autograd
         mask = state.last_jigsaw.mask if state.last_jigsaw is not None else None
         if mask is not None and mask.shape[1] != patch_pos.shape[1]:
             mask = None  # the last input had another grid (dynamic size): regress every stored position
-        return dal_loss(patch_pos, state.dal_regressor, grid, mask, normalize=state.dal_normalize)
+        backend = resolve_backend(state.sampler.backend, patch_pos.device)
+        pos = patch_pos.reshape(grid[0] * grid[1], patch_pos.shape[-1])
+        return dal_loss_unchecked(pos, state.dal_regressor, grid, mask, state.dal_normalize, backend)
 
     def no_weight_decay(self) -> set[str]:
         return set(super().no_weight_decay()) | {"mjp.unk_embed"}
@@ -355,6 +603,7 @@ def convert(
     backend: str | None = None,
     patch_size: int | None = None,
     dal_normalize: bool = False,
+    fused_patch_embed: bool | None = None,
 ) -> nn.Module:
     """Turns a timm model into its MJP version in place, keeping its weights; returns it.
 
@@ -369,31 +618,54 @@ def convert(
         patch_size: the jigsaw's patch size for pixel-space models (default: the model's patch embedding's, else
             16); ViTs use their own.
         dal_normalize: regress coordinates scaled to [0, 1] instead of raw integers.
+        fused_patch_embed: run the ViT's patch embedding, jigsaw and position term as one
+            :func:`mjp_fast.mjp_patch_embed` call (``backend`` chooses its backend). None: wherever the patch
+            embedding is timm's standard one (``PatchEmbed``, a Conv2d with stride equal to its square kernel, no
+            norm, flattened output, a fixed image size); True: that, or a ValueError saying why not; False: timm's
+            own embedding, then the tokens are moved.
 
     Returns:
         The same model object, now an MJP model: ``mjp_aux_loss()``, ``mjp_eval(...)`` and ``model.mjp``.
-        With MJP off (eval mode) its outputs are those of the original model.
+        With MJP off (eval mode) its outputs are those of the original model (within float tolerance where the
+        patch embedding is fused: the GEMM sums in another order).
 
     Raises:
-        TypeError: not a supported model. ValueError: bad settings, or a model converted already.
+        TypeError: not a supported model. ValueError: bad settings, a model converted already, or
+        ``fused_patch_embed=True`` for a patch embedding the fused op cannot compute.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a timm model (nn.Module), got {type(model).__name__}")
     if isinstance(model, _MJPMixin):
         raise ValueError(f"model is already an MJP model ({type(model).__name__})")
+    if fused_patch_embed is not None and not isinstance(fused_patch_embed, bool):
+        raise TypeError(f"fused_patch_embed must be a bool or None, got {type(fused_patch_embed).__name__}")
+    _check_backend(backend)
     dal = _dal_kind(dal)
     sampler_settings = dict(
         ratio=ratio, prob=prob, seed=seed, min_block=min_block, min_aspect=min_aspect, shared=shared, backend=backend
     )
     wrapper_class = next((base for base in _WRAPPER_MIXINS if isinstance(model, base)), None)
     if wrapper_class is FeatureGetterNet:
-        convert(model.model, dal=dal, patch_size=patch_size, dal_normalize=dal_normalize, **sampler_settings)
+        convert(
+            model.model,
+            dal=dal,
+            patch_size=patch_size,
+            dal_normalize=dal_normalize,
+            fused_patch_embed=fused_patch_embed,
+            **sampler_settings,
+        )
         model.__class__ = _mjp_class(type(model), None, _WRAPPER_MIXINS[wrapper_class])
         return model
+    fuse = False
     if isinstance(model, VisionTransformer) and model.pos_embed is not None:
         grid, dim = tuple(model.patch_embed.grid_size), model.embed_dim
         patch_size = _first(model.patch_embed.patch_size)
-        new_class = _mjp_class(type(model), VisionTransformer, MJPVisionTransformer)
+        # A plain model fused by fast_patch_embed becomes the MJP version of its timm class.
+        new_class = _mjp_class(_original_class(type(model)), VisionTransformer, MJPVisionTransformer)
+        reason = _unfusable_reason(model) if fused_patch_embed is not False else None
+        if fused_patch_embed and reason is not None:
+            raise ValueError(f"fused_patch_embed=True: {reason}")
+        fuse = fused_patch_embed is not False and reason is None
     else:
         if wrapper_class is not None:
             mjp_class, timm_class = _WRAPPER_MIXINS[wrapper_class], None
@@ -403,6 +675,8 @@ def convert(
                 supported = ", ".join(base.__name__ for base in (*_PIXEL_CLASSES, *_WRAPPER_MIXINS))
                 raise TypeError(f"model: convert() supports timm {supported}; got {type(model).__name__}")
             mjp_class = _PIXEL_CLASSES[timm_class]
+        if fused_patch_embed:
+            raise ValueError(f"fused_patch_embed=True: {_unfusable_reason(model)}")
         if dal is not None:
             raise ValueError(f"dal={dal!r} needs absolute position embeddings, which {type(model).__name__} lacks")
         if patch_size is None:
@@ -419,8 +693,49 @@ def convert(
     state.train(model.training)
     model.__class__ = new_class
     model.mjp = state
+    if fuse:
+        _fuse_patch_embed(model.patch_embed, backend)
+    elif isinstance(model, VisionTransformer):
+        _unfuse_patch_embed(model.patch_embed)
     if wrapper_class is not None:  # the wrapper runs its entries in order: the jigsaw goes first
         model._modules = dict(mjp=model._modules.pop("mjp"), **model._modules)
+    return model
+
+
+def fast_patch_embed(model: nn.Module, *, backend: str | None = None) -> nn.Module:
+    """Runs a timm ViT's patch embedding and position add as one fused :func:`mjp_fast.mjp_patch_embed` call, in
+    place; returns the model.
+
+    Outputs equal timm's Conv2d path within float tolerance (the GEMM sums in another order; under autocast the
+    op runs in the autocast dtype, as timm's Conv2d does, and returns the dtype of timm's sum). Parameters, state
+    dict keys and checkpoints stay as they are: the op reads ``patch_embed.proj``'s weight and bias. On an MJP
+    model (:func:`convert`) it turns the fused path on, jigsaw included. Calling it again changes nothing (but
+    the backend).
+
+    Args:
+        model: a timm ``VisionTransformer`` with absolute position embeddings and timm's standard patch
+            embedding (``PatchEmbed``; a Conv2d with stride equal to its square kernel; no norm; flattened output;
+            a fixed image size: no ``dynamic_img_size``, ``dynamic_img_pad`` or ``strict_img_size=False``), an MJP
+            version of one, or timm's ``features_only`` wrapper (``FeatureGetterNet``) of one.
+        backend: the fused op's backend (as :func:`mjp_fast.mjp_patch_embed`); default automatic, or an MJP
+            model's own (``convert``'s ``backend``).
+
+    Raises:
+        TypeError: not a timm VisionTransformer. ValueError: a patch embedding the fused op cannot compute (the
+        message says why), or an unknown backend.
+    """
+    target = model.model if isinstance(model, FeatureGetterNet) else model
+    if not isinstance(target, VisionTransformer):
+        raise TypeError(f"model must be a timm VisionTransformer (or its FeatureGetterNet), got {type(model).__name__}")
+    reason = _unfusable_reason(target)
+    if reason is not None:
+        raise ValueError(f"model: its patch embedding cannot be fused: {reason}")
+    _check_backend(backend)
+    if isinstance(target, _MJPMixin):
+        backend = backend if backend is not None else target.mjp.sampler.backend
+    elif not isinstance(target, _FusedViTMixin):
+        target.__class__ = _fused_model_class(type(target))
+    _fuse_patch_embed(target.patch_embed, backend)
     return model
 
 
@@ -439,6 +754,7 @@ def _make_entrypoint(base: str):
         mjp_prob: float = 0.5,
         mjp_dal: str | None = None,
         mjp_seed: int = 0,
+        mjp_fused_patch_embed: bool | None = None,
         **kwargs,
     ) -> nn.Module:
         # The base's own entry point builds the model (and, with features_only, timm's feature wrapper around it)
@@ -447,7 +763,14 @@ def _make_entrypoint(base: str):
         model = timm.create_model(base, pretrained=pretrained, **kwargs)
         if mjp_dal is None:  # not given (timm drops None-valued keywords, so "none" is how to turn DAL off)
             mjp_dal = "nonlinear" if _has_position_embeddings(model) else "none"
-        model = convert(model, ratio=mjp_ratio, prob=mjp_prob, dal=mjp_dal, seed=mjp_seed)
+        model = convert(
+            model,
+            ratio=mjp_ratio,
+            prob=mjp_prob,
+            dal=mjp_dal,
+            seed=mjp_seed,
+            fused_patch_embed=mjp_fused_patch_embed,
+        )
         config = getattr(model, "pretrained_cfg", None)
         if isinstance(config, dict):
             # Name the architecture that was built, as timm does for its own models.
@@ -458,7 +781,8 @@ def _make_entrypoint(base: str):
     entrypoint.__module__ = __name__
     entrypoint.__doc__ = (
         f"timm's {base} with MJP (see mjp_fast.timm.convert). mjp_dal: 'nonlinear', 'linear', 'pca' or 'none'; "
-        "by default the paper's nonlinear DAL where the model has absolute position embeddings, else none."
+        "by default the paper's nonlinear DAL where the model has absolute position embeddings, else none. "
+        "mjp_fused_patch_embed: as convert's fused_patch_embed (default: fused where the patch embedding is standard)."
     )
     return entrypoint
 

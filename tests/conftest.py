@@ -2,27 +2,35 @@
 
 import os
 
+import torch
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-# Triton kernels must see this before they are defined, so the interpreter runs them on the CPU.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+# Where no GPU is visible, the Triton kernels run in the interpreter on CPU tensors; it must be set before they are
+# defined (before mjp_fast is imported). Where a GPU is visible the real kernels run on CUDA tensors, unless the
+# caller set TRITON_INTERPRET itself.
+GPU = torch.cuda.is_available()
+if not GPU:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.pop("MJP_FAST_BACKEND", None)  # tests choose backends explicitly
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
 import mjp_fast  # noqa: E402
+from mjp_fast import backend as backend_module  # noqa: E402
 
 
 def backends_for(device: str) -> list[str]:
-    """The available backends that run on ``device``."""
-    names = mjp_fast.available_backends()
-    if device == "cpu":
-        # triton on CPU tensors: the real kernels in the interpreter (TRITON_INTERPRET=1 above)
-        return [name for name in names if name in ("torch", "cpu", "triton")]
-    return [name for name in names if name in ("torch", "cuda", "triton")]
+    """The available backends that can run on tensors on ``device``, as the package itself decides it: ``triton``
+    on CPU tensors only in the interpreter, on CUDA tensors only with the real kernels."""
+    return [
+        name
+        for name in mjp_fast.available_backends()
+        if backend_module.runs_on(name, torch.device(device))
+        and not (name == "triton" and device == "cuda" and backend_module.triton_interpreting())
+    ]
 
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+DEVICES = ["cpu"] + (["cuda"] if GPU else [])
 BACKEND_DEVICE_PAIRS = [(backend, device) for device in DEVICES for backend in backends_for(device)]
 
 

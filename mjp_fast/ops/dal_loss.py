@@ -7,6 +7,8 @@ integer coordinates; ``normalize=True`` scales them to [0, 1] instead.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -46,6 +48,101 @@ def dal_loss_ref(
     return total / max(count, 1)
 
 
+@functools.lru_cache(maxsize=64)
+def _coordinates(rows: int, cols: int, normalize: bool, device: str) -> torch.Tensor:
+    """:func:`grid_coordinates` made once per grid and device (the per-step path builds nothing)."""
+    return grid_coordinates((rows, cols), normalize=normalize, device=torch.device(device))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Fused kernels: the compiled extension (cpu, cuda) and Triton, one autograd node
+# ----------------------------------------------------------------------------------------------------------------
+
+if backend_module.triton_importable():
+    from mjp_fast.triton import dal_loss as _triton_kernels
+
+
+class _FusedDAL(torch.autograd.Function):
+    """The regressor and the weighted L1 in one operation forward and one backward.
+
+    pos ``[N, D]``; the regressor's layers ``w1 [H, D]``, ``b1 [H]`` (None for the linear regressor), ``w2 [2, H]``
+    (``[2, D]``), ``b2 [2]`` or None; coords float32 ``[N, 2]``; mask bool ``[B, N]`` or None. Computes in float32.
+    Eager Triton calls launch the kernels directly; under torch.compile they go through their operators.
+    """
+
+    @staticmethod
+    def forward(ctx, pos, w1, b1, w2, b2, coords, mask, scale, backend):  # type: ignore[override]
+        arguments = (pos, w1, b1, w2, b2, coords, mask, scale)
+        if backend != "triton":
+            outputs = torch.ops.mjp_fast.dal_loss_extension(*arguments)
+        elif torch.compiler.is_compiling():
+            outputs = torch.ops.mjp_fast.dal_loss_triton(*arguments)
+        else:
+            outputs = _triton_kernels.dal_forward_launch(*arguments)
+        loss, pred, hidden, weights = outputs
+        ctx.save_for_backward(pos, w1, w2, coords, pred, hidden, weights)
+        ctx.scale, ctx.backend, ctx.has_bias = scale, backend, (b1 is not None, b2 is not None)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        pos, w1, w2, coords, pred, hidden, weights = ctx.saved_tensors
+        arguments = (grad.float(), pos, w1, w2, coords, pred, hidden, weights, ctx.scale, *ctx.has_bias)
+        if ctx.backend != "triton":
+            grads = torch.ops.mjp_fast.dal_loss_extension_backward(*arguments)
+        elif torch.compiler.is_compiling():
+            grads = torch.ops.mjp_fast.dal_loss_triton_backward(*arguments)
+        else:
+            grads = _triton_kernels.dal_backward_launch(*arguments)
+        grad_pos, grad_w1, grad_b1, grad_w2, grad_b2 = grads
+        has_b1, has_b2 = ctx.has_bias
+        return (
+            grad_pos,
+            grad_w1 if w1 is not None else None,
+            grad_b1 if has_b1 else None,
+            grad_w2,
+            grad_b2 if has_b2 else None,
+            None,
+            None,
+            None,
+            None,
+        )
+
+
+def _fused_layers(regressor: object) -> tuple[torch.Tensor | None, ...] | None:
+    """``(w1, b1, w2, b2)`` of a regressor the fused kernels compute, or None (any other module: torch runs it)."""
+    layers = getattr(regressor, "fused_layers", None)
+    return layers() if callable(layers) else None
+
+
+def dal_loss_unchecked(
+    pos: torch.Tensor,
+    regressor: nn.Module,
+    grid_size: tuple[int, int],
+    mask: torch.Tensor | None,
+    normalize: bool,
+    backend: str,
+) -> torch.Tensor:
+    """:func:`dal_loss` for callers that checked the arguments and resolved the backend (the models' per-step
+    path): ``pos`` ``[N, D]`` (a view is fine), ``mask`` bool ``[B, N]`` on its device or None."""
+    rows, cols = grid_size
+    layers = _fused_layers(regressor) if backend != "torch" else None
+    if layers is not None and not (backend == "triton" and pos.dtype == torch.float64):
+        coords = _coordinates(rows, cols, normalize, str(pos.device))
+        return _FusedDAL.apply(pos, *layers, coords, mask, 1.0, backend)
+    prediction = regressor(pos)
+    if not isinstance(prediction, torch.Tensor) or tuple(prediction.shape) != (rows * cols, 2):
+        shape = list(prediction.shape) if isinstance(prediction, torch.Tensor) else type(prediction).__name__
+        raise ValueError(f"regressor must map [N, D] to [N, 2] = [{rows * cols}, 2], got {shape}")
+    target = _coordinates(rows, cols, normalize, str(pos.device))
+    per_position = (prediction.float() - target).abs().sum(-1)
+    if mask is None:
+        return per_position.mean()
+    # Weight of a position: how many samples keep it unmasked. Stays on the device: no host sync.
+    weights = (~mask).sum(0, dtype=torch.float32)
+    return (per_position * weights).sum() / weights.sum().clamp_min(1.0)
+
+
 def dal_loss(
     pos_embed: torch.Tensor,
     regressor: nn.Module,
@@ -55,16 +152,19 @@ def dal_loss(
     *,
     backend: str | None = None,
 ) -> torch.Tensor:
-    """The DAL loss of DESIGN.md section 4, without a host sync.
+    """The paper's DAL loss, without a host sync.
 
     Args:
         pos_embed: ``[N, D]`` or ``[1, N, D]``, the patch positions' embeddings (no class token).
-        regressor: maps ``[N, D]`` to ``[N, 2]`` (a :class:`mjp_fast.DALRegressor`).
+        regressor: maps ``[N, D]`` to ``[N, 2]``. A :class:`mjp_fast.DALRegressor` of kind ``nonlinear`` or
+            ``linear`` runs fused (the regressor and the loss in one kernel forward and one backward, in float32);
+            any other module runs as itself.
         grid_size: an int or ``(rows, cols)`` with ``rows * cols == N``.
         mask: bool ``[B, N]`` from the batch's jigsaw (True = shuffled, excluded), or None to use every position.
         normalize: regress coordinates scaled to [0, 1] instead of raw integers.
-        backend: checked as for every operation; the loss is a few thousand flops, so every backend computes it
-            with the same torch operations.
+        backend: ``triton`` (its fused kernels), ``cpu`` or ``cuda`` (the compiled extension's fused operator),
+            or ``torch`` (the regressor and torch operations); default ``MJP_FAST_BACKEND``, else the fastest for
+            the device.
 
     Returns:
         A float32 scalar: the L1 error ``|d_row| + |d_col|`` averaged over the batch's unmasked tokens (zero
@@ -80,21 +180,12 @@ def dal_loss(
         )
     if not isinstance(regressor, nn.Module) and not callable(regressor):
         raise TypeError(f"regressor must be an nn.Module mapping [N, D] to [N, 2], got {type(regressor).__name__}")
-    backend_module.resolve_backend(backend, pos_embed.device)
+    chosen = backend_module.resolve_backend(backend, pos_embed.device)
+    if mask is not None:
+        mask = check_tensor("mask", mask, ndims=(2,))
+        if mask.dtype != torch.bool or mask.shape[1] != num_positions:
+            raise ValueError(f"mask must be bool [B, {num_positions}], got {mask.dtype} {list(mask.shape)}")
+        if mask.device != pos_embed.device:
+            raise ValueError(f"mixed devices: pos_embed on {pos_embed.device}, mask on {mask.device}")
     pos = pos_embed.reshape(num_positions, pos_embed.shape[-1])
-    prediction = regressor(pos)
-    if not isinstance(prediction, torch.Tensor) or tuple(prediction.shape) != (num_positions, 2):
-        shape = list(prediction.shape) if isinstance(prediction, torch.Tensor) else type(prediction).__name__
-        raise ValueError(f"regressor must map [N, D] to [N, 2] = [{num_positions}, 2], got {shape}")
-    target = grid_coordinates((rows, cols), normalize=normalize, device=pos.device)
-    per_position = (prediction.float() - target).abs().sum(-1)
-    if mask is None:
-        return per_position.mean()
-    mask = check_tensor("mask", mask, ndims=(2,))
-    if mask.dtype != torch.bool or mask.shape[1] != num_positions:
-        raise ValueError(f"mask must be bool [B, {num_positions}], got {mask.dtype} {list(mask.shape)}")
-    if mask.device != pos.device:
-        raise ValueError(f"mixed devices: pos_embed on {pos.device}, mask on {mask.device}")
-    # Weight of a position: how many samples keep it unmasked. Stays on the device: no host sync.
-    weights = (~mask).sum(0, dtype=torch.float32)
-    return (per_position * weights).sum() / weights.sum().clamp_min(1.0)
+    return dal_loss_unchecked(pos, regressor, (rows, cols), mask, bool(normalize), chosen)

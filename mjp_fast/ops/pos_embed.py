@@ -142,7 +142,7 @@ class _MJPPosEmbed(torch.autograd.Function):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# triton backend: torch.library operators with registered autograd
+# Kernels: the compiled extension (cpu) and Triton, one autograd node for both
 # ----------------------------------------------------------------------------------------------------------------
 
 
@@ -150,39 +150,97 @@ def _triton_forward_fake(tokens, perm, mask, pos_embed, unk_embed):
     return tokens.new_empty(tokens.shape, dtype=pos_embed.dtype)
 
 
-def _triton_backward_fake(grad_out, perm, mask, tokens_dtype):
+def _triton_backward_fake(grad_out, perm, mask, tokens_dtype, pos_dtype, unk_dtype):
     batch, num_positions, dim = grad_out.shape
     return [
         grad_out.new_empty((batch, num_positions, dim), dtype=tokens_dtype),
-        grad_out.new_empty((num_positions, dim)),
-        grad_out.new_empty((dim,)),
+        grad_out.new_empty((num_positions, dim), dtype=pos_dtype),
+        grad_out.new_empty((dim,), dtype=unk_dtype),
     ]
 
 
 if backend_module.triton_importable():
-    from mjp_fast.triton.pos_embed import pos_embed_backward_triton, pos_embed_forward_triton
-
-    def _triton_setup_context(ctx, inputs, output):
-        tokens, perm, mask, _, _ = inputs
-        ctx.save_for_backward(perm, mask)
-        ctx.tokens_dtype = tokens.dtype
-
-    def _triton_backward(ctx, grad):
-        perm, mask = ctx.saved_tensors
-        grad_tokens, grad_pos, grad_unk = pos_embed_backward_triton(grad.contiguous(), perm, mask, ctx.tokens_dtype)
-        needs = ctx.needs_input_grad
-        return (
-            grad_tokens if needs[0] else None,
-            None,
-            None,
-            grad_pos if needs[3] else None,
-            grad_unk if needs[4] else None,
-        )
+    from mjp_fast.triton import pos_embed as _triton_kernels
 
     # Explicit shapes: triton_op traces kernel launches by itself on a GPU, not under the CPU interpreter.
-    pos_embed_forward_triton.register_fake(_triton_forward_fake)
-    pos_embed_backward_triton.register_fake(_triton_backward_fake)
-    pos_embed_forward_triton.register_autograd(_triton_backward, setup_context=_triton_setup_context)
+    _triton_kernels.pos_embed_forward_triton.register_fake(_triton_forward_fake)
+    _triton_kernels.pos_embed_backward_triton.register_fake(_triton_backward_fake)
+
+
+class _PosEmbedKernels(torch.autograd.Function):
+    """The ``cpu`` and ``triton`` kernels as one autograd node: one pass forward, one pass backward.
+
+    Eager Triton calls launch the kernels directly (the operator wrapper costs host time that a training step feels
+    on a GPU); under torch.compile the same kernels are called through their operators, which Inductor sees. The
+    extension's operators are registered with the dispatcher in C++, cheap to call in both modes.
+
+    tokens ``[B, N, D]``, perm int64 and mask bool ``[B, N]`` (contiguous), pos_embed ``[N, D]`` and unk_embed
+    ``[D]`` already in the output dtype.
+    """
+
+    @staticmethod
+    def forward(ctx, tokens, perm, mask, pos_embed, unk_embed, backend):  # type: ignore[override]
+        ctx.save_for_backward(perm, mask)
+        ctx.dtypes = (tokens.dtype, pos_embed.dtype, unk_embed.dtype)
+        ctx.backend = backend
+        if backend == "cpu":
+            return torch.ops.mjp_fast.pos_embed_extension(tokens, perm, mask, pos_embed, unk_embed)
+        if torch.compiler.is_compiling():
+            return torch.ops.mjp_fast.pos_embed_triton(tokens, perm, mask, pos_embed, unk_embed)
+        return _triton_kernels.pos_embed_forward_launch(tokens, perm, mask, pos_embed, unk_embed)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        perm, mask = ctx.saved_tensors
+        grad = grad.contiguous()
+        if ctx.backend == "cpu":
+            grads = torch.ops.mjp_fast.pos_embed_extension_backward(grad, perm, mask, *ctx.dtypes)
+        elif torch.compiler.is_compiling():
+            grads = torch.ops.mjp_fast.pos_embed_triton_backward(grad, perm, mask, *ctx.dtypes)
+        else:
+            grads = _triton_kernels.pos_embed_backward_launch(grad, perm, mask, *ctx.dtypes)
+        grad_tokens, grad_pos, grad_unk = grads
+        return grad_tokens, None, None, grad_pos, grad_unk, None
+
+
+def _has_kernels(backend: str, dtype: torch.dtype) -> bool:
+    """Whether ``backend`` has kernels of its own for this operation in ``dtype`` (else the torch node runs)."""
+    if backend == "triton":
+        return dtype != torch.float64
+    return backend == "cpu"
+
+
+_PROMOTED: dict[tuple[torch.dtype, torch.dtype], torch.dtype] = {}
+
+
+def _promoted(first: torch.dtype, second: torch.dtype) -> torch.dtype:
+    """``torch.promote_types``, remembered: the function is a dispatched operator, and this runs every step."""
+    key = (first, second)
+    if key not in _PROMOTED:
+        _PROMOTED[key] = torch.promote_types(first, second)
+    return _PROMOTED[key]
+
+
+def mjp_pos_embed_unchecked(
+    tokens: torch.Tensor, pos_embed: torch.Tensor, unk_embed: torch.Tensor, jigsaw: Jigsaw, backend: str
+) -> torch.Tensor:
+    """:func:`mjp_pos_embed` with a jigsaw, for callers that checked the arguments and resolved the backend once
+    (the timm models' per-step path): ``pos_embed`` ``[N, D]`` or ``[1, N, D]``, ``unk_embed`` ``[D]``."""
+    num_positions, dim = tokens.shape[1], tokens.shape[2]
+    dtype = _promoted(tokens.dtype, pos_embed.dtype)  # as timm's own add (autocast: bfloat16 + float32 table)
+    if not _has_kernels(backend, dtype):
+        return _MJPPosEmbed.apply(tokens, jigsaw.perm, jigsaw.mask, pos_embed.reshape(num_positions, dim), unk_embed)
+    # The table and unk_embed rounded to the output dtype here, as the oracle rounds them (autograd casts their
+    # gradients back); no copy at all in the usual case (float32 table and unk_embed).
+    unk_embed = unk_embed.to(pos_embed.dtype).to(dtype)
+    return _PosEmbedKernels.apply(
+        tokens.contiguous(),
+        jigsaw.perm,
+        jigsaw.mask,
+        pos_embed.reshape(num_positions, dim).to(dtype).contiguous(),
+        unk_embed.contiguous(),
+        backend,
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -212,9 +270,10 @@ def mjp_pos_embed(
             pos_embed`` would.
         unk_embed: ``[D]``, the unknown position embedding (may be None without a jigsaw).
         jigsaw: from :func:`sample_jigsaw`, or None.
-        backend: ``triton`` runs the Triton kernels (one pass forward, one backward); ``torch`` the autograd node
-            of torch operations above. ``cpu`` and ``cuda`` have no kernels of their own for this operation and
-            run that node too. Default ``MJP_FAST_BACKEND``, else the fastest for the device (``triton`` on a GPU).
+        backend: ``triton`` runs the Triton kernels and ``cpu`` the compiled extension's (one pass forward, one
+            backward, each); ``torch`` the autograd node of torch operations above. ``cuda`` has no kernels of its
+            own for this operation and runs that node. Default ``MJP_FAST_BACKEND``, else the fastest for the
+            device (``triton`` on a GPU, ``cpu`` on the CPU).
         validate: check that ``jigsaw.perm`` permutes exactly the masked positions (a host sync on a GPU; the
             timm models skip it for the jigsaws they sample themselves).
 
@@ -222,19 +281,11 @@ def mjp_pos_embed(
         ``[B, N, D]``.
     """
     tokens, pos_embed, unk_embed, jigsaw = check_pos_embed_args(tokens, pos_embed, unk_embed, jigsaw, validate=validate)
+    chosen = backend_module.resolve_backend(backend, tokens.device)
     if jigsaw is None:
         return tokens + pos_embed
-    if backend_module.resolve_backend(backend, tokens.device) == "triton":
-        dtype = torch.promote_types(tokens.dtype, pos_embed.dtype)
-        if dtype == torch.float64:
-            raise TypeError("tokens: the triton backend supports float32, float16 and bfloat16, got float64")
-        # The table and unk_embed rounded to the output dtype here, as the oracle rounds them (autograd casts
-        # their gradients back).
-        return pos_embed_forward_triton(
-            tokens.contiguous(),
-            jigsaw.perm.contiguous(),
-            jigsaw.mask.contiguous(),
-            pos_embed.to(dtype).contiguous(),
-            unk_embed.to(pos_embed.dtype).to(dtype).contiguous(),
-        )
-    return _MJPPosEmbed.apply(tokens, jigsaw.perm, jigsaw.mask, pos_embed, unk_embed)
+    dtype = torch.promote_types(tokens.dtype, pos_embed.dtype)
+    if chosen == "triton" and dtype == torch.float64:
+        raise TypeError("tokens: the triton backend supports float32, float16 and bfloat16, got float64")
+    perm, mask = jigsaw.perm.contiguous(), jigsaw.mask.contiguous()
+    return mjp_pos_embed_unchecked(tokens, pos_embed, unk_embed, Jigsaw(mask, perm), chosen)

@@ -27,6 +27,7 @@ from mjp_fast._validate import (
     check_same_device,
     check_tensor,
     to_device,
+    with_index,
 )
 
 ASPECT_BINS = 1024
@@ -318,9 +319,14 @@ def _empty_jigsaw(batch_size: int, num_positions: int, device: torch.device) -> 
     )
 
 
+def _seed_bits(seed: int) -> int:
+    """The seed's 64 bits as a signed int64, as tensors and operator schemas hold them."""
+    return seed - 2**64 if seed >= 2**63 else seed
+
+
 @torch.library.custom_op("mjp_fast::sample_jigsaw_extension", mutates_args=())
 def _sample_jigsaw_extension(
-    offset: torch.Tensor,
+    counter: torch.Tensor,
     h_thresholds: torch.Tensor,
     w_thresholds: torch.Tensor,
     batch_size: int,
@@ -331,29 +337,132 @@ def _sample_jigsaw_extension(
     seed_bits: int,
     shared: bool,
     prob_threshold: int,
+    counter_scale: int,
+    stream_shift: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The compiled sampler (``cpu`` or ``cuda`` backend) on the device of the tables."""
+    offset = int(counter.reshape(-1)[0]) * counter_scale + stream_shift  # a host read: free on a CPU, a sync on a GPU
     return backend_module.extension().sample_jigsaw(
-        batch_size,
-        rows,
-        cols,
-        target,
-        min_block,
-        seed_bits & 0xFFFFFFFFFFFFFFFF,
-        int(offset.reshape(-1)[0]),  # a host read: free for CPU tensors, one sync on a GPU
-        shared,
-        prob_threshold,
-        h_thresholds,
-        w_thresholds,
-    )
+        batch_size, rows, cols, target, min_block, seed_bits & 0xFFFFFFFFFFFFFFFF, offset, shared, prob_threshold,
+        h_thresholds, w_thresholds,
+    )  # fmt: skip
 
 
 @_sample_jigsaw_extension.register_fake
-def _(offset, h_thresholds, w_thresholds, batch_size, rows, cols, target, min_block, seed_bits, shared, prob_threshold):
+def _(counter, h_thresholds, w_thresholds, batch_size, rows, cols, target, min_block, seed_bits, shared, *_):
     return _empty_jigsaw(batch_size, rows * cols, h_thresholds.device)
 
 
-def _as_offset_tensor(offset: int | torch.Tensor, device: torch.device) -> torch.Tensor:
+def sampler_params(seed: int, prob: float, device: torch.device | str) -> torch.Tensor:
+    """int64 ``[2]`` on ``device``: the seed's 64 bits and the prob threshold, as the Triton sampler reads them.
+
+    Made once per (seed, prob, device) and shared: callers must not write to it.
+    """
+    return _sampler_params_on_device(_seed_bits(seed), _prob_threshold(prob), str(device))
+
+
+@functools.lru_cache(maxsize=256)
+def _sampler_params_on_device(seed_bits: int, prob_threshold: int, device: str) -> torch.Tensor:
+    return torch.tensor([seed_bits, prob_threshold], dtype=torch.int64, device=device)
+
+
+class SamplerPlan(NamedTuple):
+    """Everything a compiled or Triton sampler needs besides the batch size and the stream position, made once.
+
+    :class:`mjp_fast.JigsawSampler` keeps one per grid and device, so a training step only launches the sampler:
+    nothing is checked, resolved or built on the host per call. Make one with :func:`make_sampler_plan`.
+    """
+
+    backend: str  # "cpu", "cuda" or "triton"
+    rows: int
+    cols: int
+    target: int
+    min_block: int
+    shared: bool
+    seed: int
+    prob_threshold: int
+    h_thresholds: torch.Tensor  # int64 [1024, rows] on the device
+    w_thresholds: torch.Tensor  # int64 [1024, cols] on the device
+    params: torch.Tensor | None  # int64 [2] on the device (sampler_params), for the Triton sampler
+
+    def sample(
+        self, batch_size: int, counter: torch.Tensor | int, counter_scale: int = 1, stream_shift: int = 0
+    ) -> Jigsaw:
+        """``batch_size`` jigsaws; sample ``i`` uses stream ``counter * counter_scale + stream_shift + i``.
+
+        ``counter``: an int, or an int64 one-element tensor on the plan's device (what the modules pass: the
+        Triton sampler reads it on the device, so no host sync, and a CUDA graph replays the right stream).
+        """
+        if self.backend == "triton":
+            if not isinstance(counter, torch.Tensor):
+                counter, counter_scale, stream_shift = (
+                    _as_offset_tensor(counter * counter_scale + stream_shift, self.h_thresholds.device),
+                    1,
+                    0,
+                )
+            arguments = (
+                counter, self.params, self.h_thresholds, self.w_thresholds, batch_size, self.rows, self.cols,
+                self.target, self.min_block, counter_scale, stream_shift, self.shared,
+            )  # fmt: skip
+            if torch.compiler.is_compiling():
+                return Jigsaw(*torch.ops.mjp_fast.sample_jigsaw_triton(*arguments))
+            return Jigsaw(*_triton_sampler.sample_jigsaw_launch(*arguments))
+        if torch.compiler.is_compiling():
+            if not isinstance(counter, torch.Tensor):
+                counter, counter_scale, stream_shift = (
+                    _as_offset_tensor(counter * counter_scale + stream_shift, self.h_thresholds.device),
+                    1,
+                    0,
+                )
+            return Jigsaw(
+                *_sample_jigsaw_extension(
+                    counter, self.h_thresholds, self.w_thresholds, batch_size, self.rows, self.cols, self.target,
+                    self.min_block, _seed_bits(self.seed), self.shared, self.prob_threshold, counter_scale,
+                    stream_shift,
+                )
+            )  # fmt: skip
+        # Eager: the extension directly. The operator wrapper (needed only so torch.compile can trace through) costs
+        # tens of microseconds a call, more than sampling a batch of 64.
+        start = int(counter) if isinstance(counter, torch.Tensor) else counter  # a sync on a GPU (cuda backend)
+        mask, perm = backend_module.extension().sample_jigsaw(
+            batch_size, self.rows, self.cols, self.target, self.min_block, self.seed,
+            start * counter_scale + stream_shift, self.shared, self.prob_threshold, self.h_thresholds,
+            self.w_thresholds,
+        )  # fmt: skip
+        return Jigsaw(mask, perm)
+
+
+def make_sampler_plan(
+    grid_size: tuple[int, int],
+    ratio: float,
+    *,
+    seed: int,
+    prob: float,
+    shared: bool,
+    min_block: int,
+    min_aspect: float,
+    device: torch.device,
+    backend: str,
+) -> SamplerPlan:
+    """A :class:`SamplerPlan` for checked settings on ``device`` and a resolved compiled or Triton ``backend``."""
+    rows, cols = grid_size
+    h_thresholds, w_thresholds = sampler_tables(rows, cols, min_aspect, device)
+    return SamplerPlan(
+        backend=backend,
+        rows=rows,
+        cols=cols,
+        target=_target_count(ratio, rows * cols),
+        min_block=min_block,
+        shared=shared,
+        seed=seed,
+        prob_threshold=_prob_threshold(prob),
+        h_thresholds=h_thresholds,
+        w_thresholds=w_thresholds,
+        params=sampler_params(seed, prob, device) if backend == "triton" else None,
+    )
+
+
+def _as_offset_tensor(offset: int | torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
     if isinstance(offset, torch.Tensor):
         return offset.reshape(1).to(device=device, dtype=torch.int64)
     return torch.tensor([offset], dtype=torch.int64, device=device)
@@ -365,7 +474,7 @@ def _check_offset(offset: object, batch_size: int, device: torch.device) -> int 
             raise TypeError(
                 f"offset must be an int or a one-element integer tensor, got {offset.dtype} {list(offset.shape)}"
             )
-        if offset.device != device:
+        if with_index(offset.device) != device:
             raise ValueError(f"offset is on {offset.device} but the jigsaw is made on {device}")
         return offset  # its value stays on the device: checking it would cost a host sync
     offset = check_int("offset", offset, minimum=0)
@@ -447,76 +556,20 @@ def sample_jigsaw(
             min_aspect=min_aspect,
             device=device,
         )
-    tables = sampler_tables(rows, cols, min_aspect, device)
-    return sample_jigsaw_prepared(
-        batch_size,
+    plan = make_sampler_plan(
         (rows, cols),
         ratio,
         seed=seed,
-        offset=offset if chosen != "triton" else _as_offset_tensor(offset, device),
-        shared=shared,
         prob=prob,
+        shared=shared,
         min_block=min_block,
-        tables=tables,
+        min_aspect=min_aspect,
+        device=device,
         backend=chosen,
     )
-
-
-def sample_jigsaw_prepared(
-    batch_size: int,
-    grid_size: tuple[int, int],
-    ratio: float,
-    *,
-    seed: int,
-    offset: int | torch.Tensor,
-    shared: bool,
-    prob: float,
-    min_block: int,
-    tables: tuple[torch.Tensor, torch.Tensor],
-    backend: str,
-) -> Jigsaw:
-    """:func:`sample_jigsaw` on a compiled or Triton backend, arguments already checked and tables made.
-
-    For callers that sample every step with fixed settings (:class:`mjp_fast.MJPPatchEmbed`): the tables live in
-    their buffers, so nothing is built on the host per step and torch.compile sees only tensors and constants.
-
-    Args:
-        offset: an int, or int64 ``[1]`` on the tables' device. tables: from :func:`sampler_tables`.
-        backend: ``cpu``, ``cuda`` or ``triton``.
-    """
-    rows, cols = grid_size
-    target, prob_threshold = _target_count(ratio, rows * cols), _prob_threshold(prob)
-    if backend != "triton" and not torch.compiler.is_compiling():
-        # Eager: call the extension directly. The operator wrapper (needed only so torch.compile can trace
-        # through) costs tens of microseconds a call, more than sampling a batch of 64.
-        if isinstance(offset, torch.Tensor):
-            offset = int(offset.reshape(-1)[0])
-        mask, perm = backend_module.extension().sample_jigsaw(
-            batch_size, rows, cols, target, min_block, seed, offset, shared, prob_threshold, *tables
-        )
-        return Jigsaw(mask, perm)
-    if not isinstance(offset, torch.Tensor):
-        offset = _as_offset_tensor(offset, tables[0].device)
-    arguments = (
-        offset,
-        tables[0],
-        tables[1],
-        batch_size,
-        rows,
-        cols,
-        target,
-        min_block,
-        seed - 2**64 if seed >= 2**63 else seed,  # the same 64 bits as a signed int64, as operators take them
-        shared,
-        prob_threshold,
-    )
-    if backend == "triton":
-        mask, perm = torch.ops.mjp_fast.sample_jigsaw_triton(*arguments)
-    else:
-        mask, perm = _sample_jigsaw_extension(*arguments)
-    return Jigsaw(mask, perm)
+    return plan.sample(batch_size, offset)
 
 
 if backend_module.triton_importable():
     # Defines the Triton sampler and registers its operator, torch.ops.mjp_fast.sample_jigsaw_triton.
-    import mjp_fast.triton.sampler  # noqa: E402, F401
+    import mjp_fast.triton.sampler as _triton_sampler  # noqa: E402

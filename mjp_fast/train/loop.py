@@ -181,6 +181,107 @@ def _progress_enabled(config: TrainConfig, context: Distributed) -> bool:
     return config.progress == "on" or sys.stderr.isatty()
 
 
+@dataclass
+class _TallyReading:
+    """One read back of a :class:`_StepTally`: plain Python numbers."""
+
+    sums: dict[str, float]  # this rank's running sums, in the checkpoint's ``running`` format
+    diverged: bool  # a total loss on this rank was NaN or infinite
+    first_bad: tuple[float, float, float, int, int]  # the first such batch: total, classification, DAL, batch, step
+    all_sums: dict[str, float] | None = None  # every rank's sums together (read with all_ranks=True)
+    diverged_anywhere: bool = False  # on any rank (read with all_ranks=True; else this rank)
+    last_loss: float | None = None
+
+
+class _StepTally:
+    """The epoch's running loss sums and the divergence watch, kept on the training device.
+
+    Reading a device tensor back (``float``, ``.item()``, ``bool``, ``.tolist()``) makes the host wait until the
+    GPU has run everything queued, which stalls the launch queue; so each step only adds to these tensors, and the
+    loop reads them back at log intervals, before a checkpoint and at the epoch's end (as timm's train script reads
+    its losses only at log intervals). A NaN or infinite total loss is recorded on the device with its batch and
+    step, and raised as :class:`TrainingDiverged` at the next read: the loop reads before every checkpoint, so no
+    checkpoint is written after the loss went bad.
+    """
+
+    # values: loss sum, DAL sum, samples (the sums weight each batch's mean by its size), then a flag set by the
+    # first non-finite total loss and that batch's total, classification and DAL losses, batch index and step.
+    _SIZE = 9
+
+    def __init__(self, device: torch.device, running: dict[str, float] | None = None) -> None:
+        # float64 keeps the sums what the Python floats they replace were; MPS has no float64
+        self.dtype = torch.float32 if device.type == "mps" else torch.float64
+        start = [running["loss"], running["dal"], running["samples"]] if running else [0.0, 0.0, 0.0]
+        self.values = torch.tensor(start + [0.0] * (self._SIZE - 3), dtype=self.dtype, device=device)
+        self.no_dal = torch.zeros((), dtype=self.dtype, device=device)
+
+    def add(
+        self, total: torch.Tensor, loss: torch.Tensor, dal: torch.Tensor | None, batch: int, batch_index: int, step: int
+    ) -> None:
+        """Adds one batch (``total``, ``loss``, ``dal``: 0-d means over ``batch`` samples): device ops only."""
+        values = self.values
+        losses = torch.stack(
+            [loss.detach().to(self.dtype), self.no_dal if dal is None else dal.detach().to(self.dtype)]
+        )
+        # multiply, then add: the same two roundings as the Python floats of before, so the records do not move
+        values[0:2].add_(losses * batch)
+        values[2].add_(batch)
+        total = total.detach().to(self.dtype)
+        first = torch.isfinite(total).logical_not_().logical_and_(values[3] == 0)
+        values[4:7].copy_(torch.where(first, torch.cat([total.reshape(1), losses]), values[4:7]))
+        values[7].masked_fill_(first, batch_index)
+        values[8].masked_fill_(first, step)
+        values[3].masked_fill_(first, 1.0)
+
+    def read(self, *, all_ranks: bool = False, last_loss: torch.Tensor | None = None) -> _TallyReading:
+        """Everything in one host read; ``all_ranks`` adds the sums and flag of every rank (a collective)."""
+        parts = [self.values]
+        if all_ranks:
+            reduced = self.values[:4].clone()
+            dist.all_reduce(reduced)
+            parts.append(reduced)
+        if last_loss is not None:
+            parts.append(last_loss.detach().to(self.dtype).reshape(1))
+        numbers = torch.cat(parts).tolist()  # the one host-device synchronization
+        reading = _TallyReading(
+            sums=_sums_dict(numbers[0:3]),
+            diverged=numbers[3] > 0,
+            first_bad=(numbers[4], numbers[5], numbers[6], int(numbers[7]), int(numbers[8])),
+            diverged_anywhere=numbers[3] > 0,
+        )
+        if all_ranks:
+            reading.all_sums = _sums_dict(numbers[self._SIZE : self._SIZE + 3])
+            reading.diverged_anywhere = numbers[self._SIZE + 3] > 0
+        if last_loss is not None:
+            reading.last_loss = numbers[-1]
+        return reading
+
+
+def _sums_dict(numbers: list[float]) -> dict[str, float]:
+    return dict(zip(("loss", "dal", "samples"), numbers, strict=True))
+
+
+def _check_divergence(
+    reading: _TallyReading, epoch: int, noticed: str, dal_on: bool, last_path: Path, lr: float
+) -> None:
+    """Raises :class:`TrainingDiverged` if ``reading`` saw a NaN or infinite total loss (``noticed``: where)."""
+    if not reading.diverged_anywhere:
+        return
+    advice = (
+        f"stopping. The last good checkpoint is {last_path if last_path.exists() else 'none yet'}; lower lr "
+        f"(now {lr:.2e}), set clip_grad, or check the data"
+    )
+    if not reading.diverged:
+        raise TrainingDiverged(f"the loss became NaN or infinite on another rank, noticed {noticed}; {advice}")
+    total, loss, dal, batch, step = reading.first_bad
+    dal_text = f", DAL {dal:.4g}" if dal_on else ""
+    # Losses are read back only at log intervals, checkpoints and epoch ends: the run may have gone on a few steps.
+    raise TrainingDiverged(
+        f"the loss became {total} at epoch {epoch + 1}, batch {batch}, step {step} (classification {loss:.4g}"
+        f"{dal_text}; the first non-finite loss, noticed {noticed}); {advice}"
+    )
+
+
 class _Writers:
     """Rank 0's outputs: metrics.jsonl and, optionally, TensorBoard."""
 
@@ -524,7 +625,8 @@ def _train(config: TrainConfig, context: Distributed, resume: bool | str | Path)
                 bare.mjp.sampler.prob = config.mjp_prob if epoch >= config.mjp_from_epoch else 0.0
             first_batch = start_batch if epoch == start_epoch else 0
             sampler.set_epoch(epoch, start=first_batch * config.batch_size)
-            sums = dict(running) if (running and epoch == start_epoch) else {"loss": 0.0, "dal": 0.0, "samples": 0.0}
+            # the running sums live on the device: reading them every step would sync the host with the GPU
+            tally = _StepTally(device, running if epoch == start_epoch else None)
             running = None
             forward_model.train()
             started = time.perf_counter()
@@ -561,15 +663,9 @@ def _train(config: TrainConfig, context: Distributed, resume: bool | str | Path)
                             total = total + weight * dal
                         if ddp and unk is not None:
                             total = total + 0.0 * unk.sum()  # keeps unk_embed in the graph while the jigsaw is off
-                    loss_value = float(total.detach())
-                    if not math.isfinite(loss_value):
-                        dal_text = f", DAL {float(dal.detach()):.4g}" if dal is not None else ""
-                        raise TrainingDiverged(
-                            f"the loss became {loss_value} at epoch {epoch + 1}, batch {batch_index}, step {step} "
-                            f"(classification {float(loss.detach()):.4g}{dal_text}); stopping. The last good "
-                            f"checkpoint is {last_path if last_path.exists() else 'none yet'}; lower lr "
-                            f"(now {lr:.2e}), set clip_grad, or check the data"
-                        )
+                    batch = images.shape[0]
+                    # a non-finite total is only recorded here; it is raised at the next read (see _StepTally)
+                    tally.add(total, loss, dal, batch, batch_index, step)
                     scaled = total / config.accum_steps
                     if scaler is not None:
                         scaler.scale(scaled).backward()
@@ -590,30 +686,32 @@ def _train(config: TrainConfig, context: Distributed, resume: bool | str | Path)
                     step += 1
                     if scheduler is not None:
                         scheduler.step_update(num_updates=step)
-                batch = images.shape[0]
-                sums["loss"] += float(loss.detach()) * batch
-                sums["dal"] += (float(dal.detach()) if dal is not None else 0.0) * batch
-                sums["samples"] += batch
                 epoch_images += batch * context.world_size
                 if bar is not None:
                     bar.update(batch * context.world_size)
-                    if batch_index % config.log_interval == 0:
-                        bar.set_postfix(loss=f"{float(loss.detach()):.3f}", lr=f"{optimizer.param_groups[0]['lr']:.2e}")
+                if batch_index % config.log_interval == 0:  # with or without a bar: a diverged run stops soon
+                    reading = tally.read(last_loss=loss)
+                    _check_divergence(reading, epoch, f"at batch {batch_index}", dal_on, last_path, lr)
+                    if bar is not None:
+                        bar.set_postfix(loss=f"{reading.last_loss:.3f}", lr=f"{optimizer.param_groups[0]['lr']:.2e}")
                 if boundary:
                     done = batch_index + 1
                     if config.checkpoint_steps and step % config.checkpoint_steps == 0 and done < batches_per_epoch:
-                        save(epoch, done, sums)
+                        # every rank reads (the flag goes round every rank): a checkpoint after a bad loss anywhere
+                        # would hold the weights that loss's gradients broke
+                        reading = tally.read(all_ranks=ddp)
+                        _check_divergence(reading, epoch, f"at batch {batch_index}", dal_on, last_path, lr)
+                        save(epoch, done, reading.sums)
                     for hook in AFTER_UPDATE_HOOKS:
                         hook(step, epoch, done)
             if bar is not None:
                 bar.close()
             seconds = time.perf_counter() - started
+            reading = tally.read(all_ranks=ddp)  # under DDP, the epoch's loss over every rank's samples
+            _check_divergence(reading, epoch, f"at the end of epoch {epoch + 1}", dal_on, last_path, lr)
+            sums = reading.all_sums if ddp else reading.sums
             if scheduler is not None:
                 scheduler.step(epoch + 1)
-            if ddp:  # the epoch's loss over every rank's samples
-                totals = torch.tensor([sums["loss"], sums["dal"], sums["samples"]], dtype=torch.float64, device=device)
-                dist.all_reduce(totals)
-                sums = dict(zip(("loss", "dal", "samples"), totals.tolist(), strict=True))
             samples = max(sums["samples"], 1.0)
             record: dict[str, Any] = {
                 "epoch": epoch + 1,

@@ -36,20 +36,26 @@ def _sample_jigsaw_kernel(
     perm_ptr,  # int64 [B, N], written
     h_thresholds_ptr,  # int64 [1024, rows]
     w_thresholds_ptr,  # int64 [1024, cols]
-    offset_ptr,  # int64 [1]: the stream index of sample 0 (a tensor, so no recompile and no host sync per step)
-    seed,  # uint64 as int64 bits
+    counter_ptr,  # int64, one element: with counter_scale and stream_shift, the stream index of sample 0
+    params_ptr,  # int64 [2]: the seed's 64 bits, then the prob threshold in [0, 2**32]
+    counter_scale,
+    stream_shift,
     rows,
     cols,
     target,
     min_block,
-    prob_threshold,  # int64 in [0, 2**32]
     SHARED: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_G: tl.constexpr,  # power of two >= max(rows, cols)
 ):
     sample = tl.program_id(0).to(tl.int64)
     num_positions = rows * cols
-    stream = tl.load(offset_ptr).to(tl.int64)
+    # Read on the device: no host sync, nothing recompiled per step, and a CUDA graph replays the right stream.
+    # The seed and the threshold come from memory too: as kernel arguments they may pass 2**31, and Inductor (torch
+    # 2.11) fails to compile a call of a user Triton kernel with such an int argument.
+    stream = tl.load(counter_ptr).to(tl.int64) * counter_scale + stream_shift
+    seed = tl.load(params_ptr)
+    prob_threshold = tl.load(params_ptr + 1)
     if not SHARED:
         stream = stream + sample
     counter_1 = stream & 0xFFFFFFFF
@@ -109,9 +115,9 @@ def _sample_jigsaw_kernel(
     tl.store(perm_ptr + row_offset + by_position, by_key & 0x7FFFFFFF, mask=slots < masked_count)
 
 
-@_operator("mjp_fast::sample_jigsaw_triton", mutates_args=())
-def sample_jigsaw_triton(
-    offset: torch.Tensor,
+def sample_jigsaw_launch(
+    counter: torch.Tensor,
+    params: torch.Tensor,
     h_thresholds: torch.Tensor,
     w_thresholds: torch.Tensor,
     batch_size: int,
@@ -119,40 +125,82 @@ def sample_jigsaw_triton(
     cols: int,
     target: int,
     min_block: int,
-    seed_bits: int,
+    counter_scale: int,
+    stream_shift: int,
     shared: bool,
-    prob_threshold: int,
+    *,
+    traced: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Samples on the device of the tables; ``offset`` is an int64 ``[1]`` tensor read by the kernel itself.
+    """Samples ``batch_size`` jigsaws on the device of the tables: one launch, one program per sample.
 
-    Returns mask bool ``[B, N]`` and perm int64 ``[B, N]``. ``seed_bits`` is the 64-bit seed as a signed int64.
+    Args:
+        counter: int64, one element, on the tables' device; sample ``i`` uses stream ``counter * counter_scale +
+            stream_shift + i`` (``+ i`` unless ``shared``).
+        params: int64 ``[2]``: the seed's 64 bits as a signed int64, and the prob threshold (see ``sampler_params``).
+        traced: launch through ``torch.library.wrap_triton`` (inside the operator, for torch.compile); eager calls
+            launch the kernel directly, which costs less host time.
+
+    Returns:
+        mask bool ``[B, N]`` and perm int64 ``[B, N]``.
     """
-    device = h_thresholds.device
-    num_positions = rows * cols
-    mask = torch.empty(batch_size, num_positions, dtype=torch.bool, device=device)
-    perm = torch.empty(batch_size, num_positions, dtype=torch.int64, device=device)
+    mask, perm = _empty_jigsaw(batch_size, rows * cols, h_thresholds.device)
     if batch_size == 0:
         return mask, perm
-    torch.library.wrap_triton(_sample_jigsaw_kernel)[(batch_size,)](
+    kernel = torch.library.wrap_triton(_sample_jigsaw_kernel) if traced else _sample_jigsaw_kernel
+    kernel[(batch_size,)](
         mask,
         perm,
         h_thresholds,
         w_thresholds,
-        offset,
-        seed_bits,
+        counter,
+        params,
+        counter_scale,
+        stream_shift,
         rows,
         cols,
         target,
         min_block,
-        prob_threshold,
         SHARED=shared,
-        BLOCK_N=triton.next_power_of_2(num_positions),
+        BLOCK_N=triton.next_power_of_2(rows * cols),
         BLOCK_G=triton.next_power_of_2(max(rows, cols)),
     )
     return mask, perm
 
 
+@_operator("mjp_fast::sample_jigsaw_triton", mutates_args=())
+def sample_jigsaw_triton(
+    counter: torch.Tensor,
+    params: torch.Tensor,
+    h_thresholds: torch.Tensor,
+    w_thresholds: torch.Tensor,
+    batch_size: int,
+    rows: int,
+    cols: int,
+    target: int,
+    min_block: int,
+    counter_scale: int,
+    stream_shift: int,
+    shared: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sample_jigsaw_launch` as an operator (what torch.compile traces). Every int argument fits in int32."""
+    return sample_jigsaw_launch(
+        counter,
+        params,
+        h_thresholds,
+        w_thresholds,
+        batch_size,
+        rows,
+        cols,
+        target,
+        min_block,
+        counter_scale,
+        stream_shift,
+        shared,
+        traced=True,
+    )
+
+
 @sample_jigsaw_triton.register_fake
-def _(offset, h_thresholds, w_thresholds, batch_size, rows, cols, target, min_block, seed_bits, shared, prob_threshold):
+def _(counter, params, h_thresholds, w_thresholds, batch_size, rows, cols, target, min_block, scale, shift, shared):
     # Shapes only. (triton_op can trace the kernel launch itself on a GPU; under the CPU interpreter it cannot.)
     return _empty_jigsaw(batch_size, rows * cols, h_thresholds.device)

@@ -3,6 +3,7 @@ import torch
 
 import mjp_fast
 from mjp_fast.ops.patch_embed import mjp_patch_embed_ref
+from tests.conftest import backends_for
 
 # (batch, channels, patch, rows, cols, dim): awkward on purpose
 SHAPES = [
@@ -212,3 +213,66 @@ def test_bad_arguments_are_named(overrides, error, words):
 def test_mixed_devices_are_refused():
     with pytest.raises(ValueError, match="mixed devices"):
         _call(pos_embed=torch.randn(15, 7, device="cuda"))
+
+
+# -- triton: the position gradients with the batch split into chunks ---------------------------------------------
+
+TRITON_ON_CPU = "triton" in backends_for("cpu")
+
+
+def _force_batch_chunks(monkeypatch, chunks=3):
+    """The triton backward plans with the GPU's tiles and ``chunks`` batch chunks (the interpreter's plan has one)."""
+    from mjp_fast.triton import patch_embed as kernels
+
+    def plan(grad, **flags):
+        batch, num_positions, dim = grad.shape
+        return kernels.position_gradient_plan(batch, num_positions, dim, grad.dtype, 132, False, chunks=chunks, **flags)
+
+    monkeypatch.setattr(kernels, "_position_plan", plan)
+
+
+def _with_masking(jigsaw, masked, seed):
+    """The jigsaw as sampled ("some"), none (None), or every position masked and permuted at random ("all")."""
+    if masked == "some":
+        return jigsaw
+    if masked == "no jigsaw":
+        return None
+    batch, num_positions = jigsaw.mask.shape
+    generator = torch.Generator().manual_seed(seed)
+    perm = torch.stack([torch.randperm(num_positions, generator=generator) for _ in range(batch)])
+    return mjp_fast.Jigsaw(torch.ones(batch, num_positions, dtype=torch.bool), perm)
+
+
+@pytest.mark.skipif(not TRITON_ON_CPU, reason="needs the triton backend (the interpreter here)")
+@pytest.mark.parametrize("masked", ["some", "all", "no jigsaw"])
+@pytest.mark.parametrize("shape", [SHAPES[1], SHAPES[2], (10, 2, 2, 3, 5, 24)])
+def test_triton_position_gradients_in_batch_chunks_match_the_oracle(shape, masked, monkeypatch):
+    _force_batch_chunks(monkeypatch)
+    *tensors, jigsaw = make_inputs(shape, requires_grad=True)
+    jigsaw = _with_masking(jigsaw, masked, seed=shape[0])
+    grad_out = torch.randn(shape[0], shape[3] * shape[4], shape[5], generator=torch.Generator().manual_seed(1))
+    # without a jigsaw the oracle does not use unk_embed: its gradient is zero
+    expected = torch.autograd.grad(mjp_patch_embed_ref(*tensors, jigsaw), tensors, grad_out, allow_unused=True)
+    expected = [torch.zeros_like(t) if e is None else e for e, t in zip(expected, tensors)]
+    got = torch.autograd.grad(mjp_fast.mjp_patch_embed(*tensors, jigsaw, backend="triton"), tensors, grad_out)
+    for name, g, e in zip(["images", "weight", "bias", "pos_embed", "unk_embed"], got, expected):
+        torch.testing.assert_close(g, e, atol=1e-4, rtol=1e-4, msg=lambda m, name=name: f"grad of {name}: {m}")
+
+
+@pytest.mark.skipif(not TRITON_ON_CPU, reason="needs the triton backend (the interpreter here)")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_triton_half_precision_position_gradients_in_batch_chunks(dtype, monkeypatch):
+    _force_batch_chunks(monkeypatch)
+    shape = (10, 3, 4, 3, 5, 32)
+    *tensors, jigsaw = make_inputs(shape, dtype=dtype, requires_grad=True)
+    grad_out = torch.randn(shape[0], 15, shape[5], generator=torch.Generator().manual_seed(2)).to(dtype)
+    reference = torch.autograd.grad(mjp_patch_embed_ref(*tensors, jigsaw, upcast=True), tensors, grad_out)
+    torch_grads = torch.autograd.grad(mjp_patch_embed_ref(*tensors, jigsaw), tensors, grad_out)
+    got = torch.autograd.grad(mjp_fast.mjp_patch_embed(*tensors, jigsaw, backend="triton"), tensors, grad_out)
+    floor = torch.finfo(dtype).eps
+    for g, t, r in list(zip(got, torch_grads, reference))[2:]:  # bias, pos_embed, unk_embed
+        assert g.dtype == dtype
+        assert relative_error(g, r) <= 2 * relative_error(t, r) + floor
+    first = torch.autograd.grad(mjp_fast.mjp_patch_embed(*tensors, jigsaw, backend="triton"), tensors, grad_out)
+    for g, again in zip(got, first):
+        assert torch.equal(g, again)  # deterministic

@@ -161,3 +161,54 @@ def test_bad_inputs_are_named(change, error, words):
     arguments = dict(tokens=tokens, pos=pos, unk=unk, jigsaw=jigsaw) | change
     with pytest.raises(error, match=words.replace("[", r"\[").replace("]", r"\]")):
         mjp_pos_embed(arguments["tokens"], arguments["pos"], arguments["unk"], arguments["jigsaw"])
+
+
+# -- triton: the backward with the batch split into chunks --------------------------------------------------------
+
+
+def _force_batch_chunks(monkeypatch, chunks=3):
+    """The triton backward plans with the GPU's tiles and ``chunks`` batch chunks (the interpreter's plan has one)."""
+    from mjp_fast.triton import patch_embed as kernels
+
+    def plan(grad, **flags):
+        batch, num_positions, dim = grad.shape
+        return kernels.position_gradient_plan(batch, num_positions, dim, grad.dtype, 132, False, chunks=chunks, **flags)
+
+    monkeypatch.setattr(kernels, "_position_plan", plan)
+
+
+def _jigsaw_masking(batch, rows, cols, masked, seed):
+    """No position masked, some (sample_jigsaw), or all of them (permuted at random)."""
+    if masked != "all":
+        return sample_jigsaw(batch, (rows, cols), 0.0 if masked == "none" else 0.5, seed=seed, min_block=1)
+    generator = torch.Generator().manual_seed(seed)
+    perm = torch.stack([torch.randperm(rows * cols, generator=generator) for _ in range(batch)])
+    return Jigsaw(torch.ones(batch, rows * cols, dtype=torch.bool), perm)
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="needs the triton backend (the interpreter here)")
+@pytest.mark.parametrize("masked", ["none", "some", "all"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", [(1, 1, 1, 1), (10, 3, 5, 24), (9, 2, 7, 33)], ids=lambda s: "x".join(map(str, s)))
+def test_triton_backward_in_batch_chunks_equals_oracle(shape, dtype, masked, monkeypatch):
+    _force_batch_chunks(monkeypatch)
+    tokens, pos, unk, _, grad = _inputs(*shape, dtype)
+    jigsaw = _jigsaw_masking(*shape[:3], masked, seed=shape[0])
+    function = functools.partial(mjp_pos_embed, backend="triton")
+    _, grads = _forward_backward(function, tokens, pos, unk, jigsaw, grad)
+    _, expected_grads = _forward_backward(mjp_pos_embed_ref, tokens, pos, unk, jigsaw, grad)
+    torch.testing.assert_close(grads[0], expected_grads[0], atol=0, rtol=0)  # the inverse move: exact
+    for name, got, want, leaf in zip(("pos_embed", "unk_embed"), grads[1:], expected_grads[1:], (pos, unk)):
+        assert got.dtype == leaf.dtype and got.shape == leaf.shape, name
+        torch.testing.assert_close(got, want, **TOLERANCES[dtype], msg=lambda m, name=name: f"grad of {name}: {m}")
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="needs the triton backend (the interpreter here)")
+def test_triton_backward_is_deterministic(monkeypatch):
+    _force_batch_chunks(monkeypatch)
+    tokens, pos, unk, jigsaw, grad = _inputs(10, 3, 5, 24, torch.bfloat16, ratio=0.5)
+    function = functools.partial(mjp_pos_embed, backend="triton")
+    first = _forward_backward(function, tokens, pos, unk, jigsaw, grad)[1]
+    second = _forward_backward(function, tokens, pos, unk, jigsaw, grad)[1]
+    for got, again in zip(first, second):
+        assert torch.equal(got, again)

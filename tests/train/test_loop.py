@@ -2,9 +2,11 @@
 
 import json
 import math
+import sys
 
 import pytest
 import torch
+from timm.loss import SoftTargetCrossEntropy
 
 from mjp_fast.train import loop
 from mjp_fast.train.checkpoint import load_checkpoint, load_model
@@ -124,6 +126,90 @@ def test_nan_loss_stops_the_run(cifar_tree, tmp_path, monkeypatch):
     monkeypatch.setattr(loop, "SoftTargetCrossEntropy", NanLoss)  # the recipe's loss with mixup
     with pytest.raises(TrainingDiverged, match=r"the loss became nan at epoch 1, batch 0, step 0"):
         train(_config(cifar_tree, tmp_path / "nan"))
+
+
+class _NanAtBatch(SoftTargetCrossEntropy):
+    """The recipe's loss (with mixup), NaN on one training batch only: the run diverges there."""
+
+    bad_call = 2
+    calls = 0
+
+    def forward(self, logits, targets):
+        loss = super().forward(logits, targets)
+        type(self).calls += 1
+        return loss * float("nan") if type(self).calls - 1 == self.bad_call else loss
+
+
+@pytest.mark.parametrize(
+    "checkpoint_steps, noticed, saved_step",
+    [(2, "at batch 3", 2), (0, "at the end of epoch 1", None)],
+    ids=["at-a-checkpoint", "at-the-epoch-end"],
+)
+def test_a_diverged_run_writes_no_checkpoint_after_the_bad_loss(
+    cifar_tree, tmp_path, monkeypatch, checkpoint_steps, noticed, saved_step
+):
+    # The loss is read back only at log intervals (none here after batch 0), checkpoints and the epoch's end: the
+    # NaN of batch 2 goes unnoticed for a step, but never into a checkpoint (6 batches, one step each).
+    monkeypatch.setattr(_NanAtBatch, "calls", 0)
+    monkeypatch.setattr(loop, "SoftTargetCrossEntropy", _NanAtBatch)
+    config = _config(
+        cifar_tree, tmp_path / "nan", epochs=1, warmup_epochs=0, log_interval=1000, checkpoint_steps=checkpoint_steps
+    )
+    pattern = rf"the loss became nan at epoch 1, batch 2, step 2 \(classification nan, DAL .*noticed {noticed}\)"
+    with pytest.raises(TrainingDiverged, match=pattern):
+        train(config)
+    last = tmp_path / "nan" / "last.pt"
+    assert not (tmp_path / "nan" / "best.pt").exists()
+    if saved_step is None:
+        assert not last.exists()
+        return
+    saved = load_checkpoint(last)
+    assert saved["step"] == saved_step and saved["batch_in_epoch"] == saved_step and not saved["finished"]
+    assert all(torch.isfinite(value).all() for value in saved["state_dict"].values() if value.is_floating_point())
+    running = saved["running"]
+    assert running["samples"] == 8 * saved_step and math.isfinite(running["loss"]) and math.isfinite(running["dal"])
+
+
+def _count_host_reads(monkeypatch) -> list[int]:
+    """Counts the reads of tensors back to the host made by the training loop's own code (not timm's or torch's)."""
+    loop_file = loop.__file__
+    count = [0]
+    for name in ("item", "tolist", "__float__", "__int__", "__bool__", "cpu", "numpy"):
+        original = getattr(torch.Tensor, name)
+
+        def counting(self, *args, _original=original, **kwargs):
+            if sys._getframe(1).f_code.co_filename == loop_file:
+                count[0] += 1
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counting)
+    return count
+
+
+def test_the_loop_reads_losses_back_only_at_log_intervals(cifar_tree, tmp_path, monkeypatch):
+    # On a GPU each read back waits for the queue to drain: the loop must not read once per step.
+    log_interval = 5
+    reads, steps = [], []
+    for samples in (4, 48):
+        count = _count_host_reads(monkeypatch)
+        result = train(
+            _config(
+                cifar_tree,
+                tmp_path / f"run{samples}",
+                epochs=1,
+                warmup_epochs=0,
+                batch_size=2,
+                max_train_samples=samples,
+                log_interval=log_interval,
+            )
+        )
+        monkeypatch.undo()
+        reads.append(count[0])
+        steps.append(result.history[0]["step"])
+    assert steps[1] - steps[0] >= 20
+    assert reads[0] > 0  # the counter sees the loop's reads (at the epoch's end at least)
+    # more steps add reads only at the log intervals among them, not one (or three) per step
+    assert reads[1] - reads[0] <= (steps[1] - steps[0]) / log_interval, (reads, steps)
 
 
 def test_dal_weight_decays_along_a_cosine():

@@ -23,3 +23,6 @@ def test_every_triton_kernel_compiles_for_hopper():
     )
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
     assert result.stdout.count("ok   sm_90") >= 18 and "\n0 failed" in result.stdout
+    # the DAL loss: forward (partial and finish) and backward, nonlinear and linear, float32, bfloat16 and mixed,
+    # and with the sizes of 1 that a launch makes constexpr
+    assert result.stdout.count("ok   sm_90 dal_loss") == 17

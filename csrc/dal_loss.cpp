@@ -1,0 +1,247 @@
+// The DAL loss (dense absolute localization) with its regressor, as two dispatcher operators:
+//
+//   torch.ops.mjp_fast.dal_loss_extension(pos, w1, b1, w2, b2, coords, mask, scale) -> (loss, pred, hidden, weights)
+//     hidden = relu(pos @ w1^T + b1)             [N, H]   ([N, 0] for the linear regressor: no w1)
+//     pred = hidden @ w2^T + b2                   [N, 2]   (linear regressor: pos @ w2^T + b2)
+//     weights[n] = u[n] / max(sum_m u[m], 1)      [N]      u[n]: samples b with mask[b, n] False (1 without a mask)
+//     loss = scale * sum_n weights[n] * |pred[n] - coords[n]|_1                 []
+//   torch.ops.mjp_fast.dal_loss_extension_backward(grad, pos, w1, w2, coords, pred, hidden, weights, scale, has_b1,
+//                                                  has_b2) -> (grad_pos, grad_w1, grad_b1, grad_w2, grad_b2)
+//
+// Everything runs in float32 (float64 when pos is float64): pred, hidden and weights come out in that dtype (they
+// are what the backward needs), the gradients in the dtype of their tensors; a gradient that does not apply (no w1,
+// no bias) is an empty [0] tensor. Beyond the regressor's GEMMs the work is tiny, so the cost is the number of
+// operations: the kernels are CompositeExplicitAutograd (they run on any device) over the fewest ATen operations that
+// compute it, 12 forward and 14 backward instead of the ~40 of the nn.Sequential regressor and the weighted L1 under
+// autograd. Meta kernels give the shapes to FakeTensor and torch.compile. The Python layer owns the autograd.
+#include <ATen/core/LegacyTypeDispatch.h>
+#include <ATen/ops/_addmm_activation.h>
+#include <ATen/ops/addmm.h>
+#include <ATen/ops/dot.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/linalg_vector_norm.h>
+#include <ATen/ops/mm.h>
+#include <ATen/ops/sub.h>
+#include <ATen/ops/sum.h>
+#include <ATen/ops/threshold_backward.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <tuple>
+
+#include "ops.h"
+
+namespace mjp {
+
+// See the anchor in ops.h.
+extern const int kDalLossOperators = 1;
+
+namespace {
+
+constexpr const char* kForward = "mjp_fast::dal_loss_extension";
+constexpr const char* kBackward = "mjp_fast::dal_loss_extension_backward";
+
+bool is_float_dtype(at::ScalarType dtype) {
+  return dtype == at::kFloat || dtype == at::kDouble || dtype == at::kHalf || dtype == at::kBFloat16;
+}
+
+// The computation dtype: float64 for float64 embeddings, float32 otherwise.
+at::ScalarType compute_dtype(const at::Tensor& pos) {
+  return pos.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+// A floating tensor of exactly `sizes` on pos's device. Symbolic sizes, so the Meta kernels share the checks.
+void check_param(const char* op, const char* name, const at::Tensor& tensor, c10::SymIntArrayRef sizes,
+                 const at::Tensor& pos) {
+  TORCH_CHECK(tensor.sym_sizes() == sizes, op, ": ", name, " must be ", sizes, ", got ", tensor.sym_sizes());
+  TORCH_CHECK(is_float_dtype(tensor.scalar_type()), op, ": ", name,
+              " must be float32, float64, float16 or bfloat16, got ", tensor.scalar_type());
+  TORCH_CHECK(tensor.device() == pos.device(), op, ": ", name, " on ", tensor.device(), ", pos on ", pos.device());
+}
+
+// Checks pos [N, D], w1 [H, D], w2 [2, H] ([2, D] without w1) and coords [N, 2]; returns H (D without w1).
+c10::SymInt check_regressor(const char* op, const at::Tensor& pos, const std::optional<at::Tensor>& w1,
+                            const at::Tensor& w2, const at::Tensor& coords) {
+  TORCH_CHECK(pos.dim() == 2, op, ": pos must be [N, D], got ", pos.sym_sizes());
+  TORCH_CHECK(is_float_dtype(pos.scalar_type()), op, ": pos must be float32, float64, float16 or bfloat16, got ",
+              pos.scalar_type());
+  const c10::SymInt positions = pos.sym_size(0), dim = pos.sym_size(1);
+  c10::SymInt hidden = dim;
+  if (present(w1)) {
+    TORCH_CHECK(w1->dim() == 2, op, ": w1 must be [H, D], got ", w1->sym_sizes());
+    hidden = w1->sym_size(0);
+    check_param(op, "w1", *w1, {hidden, dim}, pos);
+  }
+  check_param(op, "w2", w2, {c10::SymInt(2), hidden}, pos);
+  check_param(op, "coords", coords, {positions, c10::SymInt(2)}, pos);
+  return hidden;
+}
+
+void check_forward_args(const at::Tensor& pos, const std::optional<at::Tensor>& w1,
+                        const std::optional<at::Tensor>& b1, const at::Tensor& w2,
+                        const std::optional<at::Tensor>& b2, const at::Tensor& coords,
+                        const std::optional<at::Tensor>& mask) {
+  const c10::SymInt hidden = check_regressor(kForward, pos, w1, w2, coords);
+  if (present(b1)) {
+    TORCH_CHECK(present(w1), kForward, ": b1 given without w1");
+    check_param(kForward, "b1", *b1, {hidden}, pos);
+  }
+  if (present(b2)) check_param(kForward, "b2", *b2, {c10::SymInt(2)}, pos);
+  if (present(mask)) {
+    TORCH_CHECK(mask->scalar_type() == at::kBool, kForward, ": mask must be bool, got ", mask->scalar_type());
+    TORCH_CHECK(mask->dim() == 2 && mask->sym_size(1) == pos.sym_size(0), kForward, ": mask must be [B, N] with N = ",
+                pos.sym_size(0), ", got ", mask->sym_sizes());
+    TORCH_CHECK(mask->device() == pos.device(), kForward, ": mask on ", mask->device(), ", pos on ", pos.device());
+  }
+}
+
+void check_backward_args(const at::Tensor& grad, const at::Tensor& pos, const std::optional<at::Tensor>& w1,
+                         const at::Tensor& w2, const at::Tensor& coords, const at::Tensor& pred,
+                         const at::Tensor& hidden, const at::Tensor& weights) {
+  const c10::SymInt width = check_regressor(kBackward, pos, w1, w2, coords);
+  const c10::SymInt positions = pos.sym_size(0);
+  const auto dtype = compute_dtype(pos);
+  TORCH_CHECK(grad.dim() == 0 && is_float_dtype(grad.scalar_type()), kBackward,
+              ": grad must be a floating scalar of shape [], got ", grad.scalar_type(), " ", grad.sym_sizes());
+  const c10::SymInt hidden_width = present(w1) ? width : c10::SymInt(0);
+  // The forward's outputs, in the computation dtype.
+  auto check_saved = [&](const char* name, const at::Tensor& tensor, c10::SymIntArrayRef sizes) {
+    TORCH_CHECK(tensor.sym_sizes() == sizes, kBackward, ": ", name, " must be ", sizes, ", got ", tensor.sym_sizes());
+    TORCH_CHECK(tensor.scalar_type() == dtype, kBackward, ": ", name, " must be ", dtype, ", got ",
+                tensor.scalar_type());
+    TORCH_CHECK(tensor.device() == pos.device(), kBackward, ": ", name, " on ", tensor.device(), ", pos on ",
+                pos.device());
+  };
+  check_saved("pred", pred, {positions, c10::SymInt(2)});
+  check_saved("hidden", hidden, {positions, hidden_width});
+  check_saved("weights", weights, {positions});
+}
+
+// An empty [0] gradient, for a tensor that does not exist.
+at::Tensor no_gradient(const at::Tensor& like) { return at::empty({0}, like.options()); }
+
+// `tensor` in `dtype`, without a dispatch when it already is.
+at::Tensor as_dtype(const at::Tensor& tensor, at::ScalarType dtype) {
+  return tensor.scalar_type() == dtype ? tensor : tensor.to(dtype);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dal_loss_forward(
+    const at::Tensor& pos, const std::optional<at::Tensor>& w1, const std::optional<at::Tensor>& b1,
+    const at::Tensor& w2, const std::optional<at::Tensor>& b2, const at::Tensor& coords,
+    const std::optional<at::Tensor>& mask, double scale) {
+  // Raw computation: never recorded by autograd (the Python layer owns the graph).
+  const at::AutoDispatchBelowADInplaceOrView below_autograd;
+  check_forward_args(pos, w1, b1, w2, b2, coords, mask);
+  const auto dtype = compute_dtype(pos);
+  const auto pos_c = as_dtype(pos, dtype);
+  const int64_t positions = pos.size(0);
+  at::Tensor hidden, features;  // features: what the last Linear maps ([N, H] hidden, or pos for a linear regressor)
+  if (present(w1)) {
+    const auto w1_t = as_dtype(*w1, dtype).t();
+    // relu(pos @ w1^T + b1) in one operation (on CUDA a cuBLASLt epilogue).
+    hidden = present(b1) ? at::_addmm_activation(as_dtype(*b1, dtype), pos_c, w1_t) : at::mm(pos_c, w1_t).relu_();
+    features = hidden;
+  } else {
+    hidden = at::empty({positions, 0}, pos_c.options());
+    features = pos_c;
+  }
+  const auto w2_t = as_dtype(w2, dtype).t();
+  const auto pred = present(b2) ? at::addmm(as_dtype(*b2, dtype), features, w2_t) : at::mm(features, w2_t);
+  at::Tensor weights;
+  if (present(mask)) {
+    // u[n] = samples keeping n unmasked; summed and normalised on the device (no host sync).
+    weights = at::sum(mask->logical_not(), {0}, /*keepdim=*/false, dtype);
+    weights.div_(weights.sum().clamp_min_(1));
+  } else {
+    weights = at::full({positions}, 1.0 / static_cast<double>(std::max<int64_t>(positions, 1)), pos_c.options());
+  }
+  // |pred - coords|_1 per position, then weighted and summed.
+  const auto errors = at::linalg_vector_norm(at::sub(pred, as_dtype(coords, dtype)), 1, {1});
+  auto loss = at::dot(errors, weights);
+  if (scale != 1.0) loss.mul_(scale);
+  return {loss, pred, hidden, weights};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> dal_loss_backward(
+    const at::Tensor& grad, const at::Tensor& pos, const std::optional<at::Tensor>& w1, const at::Tensor& w2,
+    const at::Tensor& coords, const at::Tensor& pred, const at::Tensor& hidden, const at::Tensor& weights,
+    double scale, bool has_b1, bool has_b2) {
+  const at::AutoDispatchBelowADInplaceOrView below_autograd;
+  check_backward_args(grad, pos, w1, w2, coords, pred, hidden, weights);
+  const auto dtype = compute_dtype(pos);
+  // d_pred = grad * scale * weights[:, None] * sign(pred - coords); sign(0) = 0, as abs's backward.
+  auto d_pred = at::sub(pred, as_dtype(coords, dtype));
+  d_pred.sign_();
+  auto row_scale = weights.unsqueeze(1).mul(grad);  // [N, 1], in weights' dtype (grad is a 0-d tensor)
+  if (scale != 1.0) row_scale.mul_(scale);
+  d_pred.mul_(row_scale);
+  const auto pos_c = as_dtype(pos, dtype);
+  const auto w2_c = as_dtype(w2, dtype);
+  const auto grad_b2 = has_b2 ? as_dtype(d_pred.sum(0), w2.scalar_type()) : no_gradient(w2);
+  const auto d_pred_t = d_pred.t();
+  if (!present(w1)) {
+    return {as_dtype(at::mm(d_pred, w2_c), pos.scalar_type()), no_gradient(pos), no_gradient(pos),
+            as_dtype(at::mm(d_pred_t, pos_c), w2.scalar_type()), grad_b2};
+  }
+  const auto grad_w2 = as_dtype(at::mm(d_pred_t, hidden), w2.scalar_type());
+  const auto d_hidden = at::threshold_backward(at::mm(d_pred, w2_c), hidden, 0);  // relu's backward
+  const auto grad_b1 = has_b1 ? as_dtype(d_hidden.sum(0), w1->scalar_type()) : no_gradient(*w1);
+  const auto grad_w1 = as_dtype(at::mm(d_hidden.t(), pos_c), w1->scalar_type());
+  const auto grad_pos = as_dtype(at::mm(d_hidden, as_dtype(*w1, dtype)), pos.scalar_type());
+  return {grad_pos, grad_w1, grad_b1, grad_w2, grad_b2};
+}
+
+// ---- Meta kernels: checks and output shapes only (symbolic sizes, for torch.compile's dynamic shapes).
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dal_loss_forward_meta(
+    const at::Tensor& pos, const std::optional<at::Tensor>& w1, const std::optional<at::Tensor>& b1,
+    const at::Tensor& w2, const std::optional<at::Tensor>& b2, const at::Tensor& coords,
+    const std::optional<at::Tensor>& mask, double /*scale*/) {
+  check_forward_args(pos, w1, b1, w2, b2, coords, mask);
+  const auto options = pos.options().dtype(compute_dtype(pos));
+  const c10::SymInt positions = pos.sym_size(0);
+  const c10::SymInt hidden_width = present(w1) ? w1->sym_size(0) : c10::SymInt(0);
+  return {at::empty_symint({}, options), at::empty_symint({positions, c10::SymInt(2)}, options),
+          at::empty_symint({positions, hidden_width}, options), at::empty_symint({positions}, options)};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> dal_loss_backward_meta(
+    const at::Tensor& grad, const at::Tensor& pos, const std::optional<at::Tensor>& w1, const at::Tensor& w2,
+    const at::Tensor& coords, const at::Tensor& pred, const at::Tensor& hidden, const at::Tensor& weights,
+    double /*scale*/, bool has_b1, bool has_b2) {
+  check_backward_args(grad, pos, w1, w2, coords, pred, hidden, weights);
+  const auto grad_b2 = has_b2 ? at::empty_symint({c10::SymInt(2)}, w2.options()) : no_gradient(w2);
+  if (!present(w1)) {
+    return {at::empty_symint(pos.sym_sizes(), pos.options()), no_gradient(pos), no_gradient(pos),
+            at::empty_symint(w2.sym_sizes(), w2.options()), grad_b2};
+  }
+  return {at::empty_symint(pos.sym_sizes(), pos.options()), at::empty_symint(w1->sym_sizes(), w1->options()),
+          has_b1 ? at::empty_symint({w1->sym_size(0)}, w1->options()) : no_gradient(*w1),
+          at::empty_symint(w2.sym_sizes(), w2.options()), grad_b2};
+}
+
+}  // namespace
+}  // namespace mjp
+
+TORCH_LIBRARY_FRAGMENT(mjp_fast, m) {
+  m.def(
+      "dal_loss_extension(Tensor pos, Tensor? w1, Tensor? b1, Tensor w2, Tensor? b2, Tensor coords, Tensor? mask, "
+      "float scale) -> (Tensor loss, Tensor pred, Tensor hidden, Tensor weights)",
+      {at::Tag::pt2_compliant_tag});
+  m.def(
+      "dal_loss_extension_backward(Tensor grad, Tensor pos, Tensor? w1, Tensor w2, Tensor coords, Tensor pred, "
+      "Tensor hidden, Tensor weights, float scale, bool has_b1, bool has_b2) -> (Tensor grad_pos, Tensor grad_w1, "
+      "Tensor grad_b1, Tensor grad_w2, Tensor grad_b2)",
+      {at::Tag::pt2_compliant_tag});
+}
+
+TORCH_LIBRARY_IMPL(mjp_fast, CompositeExplicitAutograd, m) {
+  m.impl("dal_loss_extension", TORCH_FN(mjp::dal_loss_forward));
+  m.impl("dal_loss_extension_backward", TORCH_FN(mjp::dal_loss_backward));
+}
+
+TORCH_LIBRARY_IMPL(mjp_fast, Meta, m) {
+  m.impl("dal_loss_extension", TORCH_FN(mjp::dal_loss_forward_meta));
+  m.impl("dal_loss_extension_backward", TORCH_FN(mjp::dal_loss_backward_meta));
+}

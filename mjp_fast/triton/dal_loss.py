@@ -1,0 +1,638 @@
+"""Triton kernels of the DAL loss: the regressor, the weighted L1 loss and all their gradients, in float32.
+
+The regressor maps each position embedding ``pos[n]`` (``[N, D]``) to grid coordinates ``pred[n]`` (``[N, 2]``):
+``pred = relu(pos @ w1^T + b1) @ w2^T + b2`` (nonlinear, hidden width H) or ``pred = pos @ w2^T + b2`` (linear).
+With ``u[n]`` the number of samples that keep position n unmasked (1 without a mask) and
+``weights = u / max(sum(u), 1)``: ``loss = scale * sum_n weights[n] * |pred[n] - coords[n]|_1``.
+
+Forward, two launches:
+
+1. ``_forward_partial_kernel``, grid ``(position blocks, splits)``: the reduction axis of the last Linear (H, or D
+   for the linear regressor) is cut into ``splits`` ranges of tiles, as many as it takes to give the GPU about two
+   programs per multiprocessor. Each program computes its hidden tile (``tl.dot`` over D, then bias and ReLU),
+   stores it, and multiplies it by its columns of ``w2`` (the 2-wide coordinate axis padded to 16 by masked loads)
+   into a float32 partial prediction ``[splits, N, 2]``. The same program counts, for its positions, the unmasked
+   samples of its share of the batch: partial counts ``[splits, N]``.
+2. ``_forward_finish_kernel``, one program: sums the partials over the splits in a fixed order, adds ``b2``, writes
+   ``pred`` and ``weights``, and reduces the loss in a fixed order.
+
+Backward, one launch (``_backward_kernel``), each gradient element owned by exactly one program, so no atomics
+and no partials: the first programs own a tile of ``(H, D)``, loop over all positions and accumulate ``grad_w1``
+(and, in the tiles of the first D block, ``grad_b1`` and ``grad_w2``; ``grad_b2`` in program 0); the others own a
+tile of ``(N, D)`` of ``grad_pos`` and loop over H. Both recompute ``d_pred`` (cheap: it is elementwise in the
+saved ``pred``) and ``dh = (d_pred @ w2) * (hidden > 0)`` where they need it, so nothing passes between programs.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from mjp_fast.triton import operator as _operator
+from mjp_fast.triton.patch_embed import _interpreting
+
+# The coordinate axis (2 wide) padded to the smallest side that tl.dot takes.
+COORD_PAD = tl.constexpr(16)
+
+
+@triton.jit
+def _forward_partial_kernel(
+    pos_ptr,  # [N, D], pos's dtype
+    w1_ptr,  # [H, D] (NONLINEAR)
+    b1_ptr,  # [H] (NONLINEAR and HAS_B1)
+    w2_ptr,  # [2, K]
+    mask_ptr,  # bool [B, N] (HAS_MASK)
+    hidden_ptr,  # float32 [N, H], written (NONLINEAR)
+    partial_pred_ptr,  # float32 [splits, N, 2], written
+    partial_kept_ptr,  # int32 [splits, N], written (HAS_MASK)
+    N,
+    D,
+    K,  # the reduction axis of the last Linear: H (NONLINEAR) or D
+    B,
+    tiles_per_split,  # tiles of BLOCK_K of the K axis in each split
+    samples_per_split,  # samples of the mask counted by each split
+    NONLINEAR: tl.constexpr,
+    HAS_B1: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(1)
+    row_ok = rows < N
+    wide_rows = rows.to(tl.int64)
+    coord = tl.arange(0, COORD_PAD)
+    part = tl.zeros((BLOCK_N, COORD_PAD), dtype=tl.float32)
+    first_tile = split * tiles_per_split
+    last_tile = tl.minimum(first_tile + tiles_per_split, tl.cdiv(K, BLOCK_K))
+    for tile in range(first_tile, last_tile):
+        cols = tile * BLOCK_K + tl.arange(0, BLOCK_K)
+        col_ok = cols < K
+        if NONLINEAR:
+            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+            for d_start in range(0, D, BLOCK_D):
+                channels = d_start + tl.arange(0, BLOCK_D)
+                channel_ok = channels < D
+                pos = tl.load(
+                    pos_ptr + wide_rows[:, None] * D + channels[None, :],
+                    mask=row_ok[:, None] & channel_ok[None, :],
+                    other=0.0,
+                )
+                # w1 is [H, D] row-major: this tile is its transpose [BLOCK_D, BLOCK_K]
+                w1 = tl.load(
+                    w1_ptr + cols[None, :].to(tl.int64) * D + channels[:, None],
+                    mask=channel_ok[:, None] & col_ok[None, :],
+                    other=0.0,
+                )
+                if UPCAST:  # mixed dtypes, or bfloat16 in the interpreter (which multiplies it wrongly)
+                    pos = pos.to(tl.float32)
+                    w1 = w1.to(tl.float32)
+                acc = tl.dot(pos, w1, acc, input_precision=PRECISION)
+            if HAS_B1:
+                acc += tl.load(b1_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            features = tl.maximum(acc, 0.0)
+            tl.store(
+                hidden_ptr + wide_rows[:, None] * K + cols[None, :], features, mask=row_ok[:, None] & col_ok[None, :]
+            )
+        else:
+            features = tl.load(
+                pos_ptr + wide_rows[:, None] * K + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0
+            ).to(tl.float32)
+        # w2 is [2, K]: this tile is its transpose [BLOCK_K, 16], zero past the two coordinates
+        w2 = tl.load(
+            w2_ptr + coord[None, :] * K + cols[:, None], mask=col_ok[:, None] & (coord[None, :] < 2), other=0.0
+        ).to(tl.float32)
+        part = tl.dot(features, w2, part, input_precision="ieee")
+    tl.store(
+        partial_pred_ptr + (split * N + wide_rows)[:, None] * 2 + coord[None, :],
+        part,
+        mask=row_ok[:, None] & (coord[None, :] < 2),
+    )
+    if HAS_MASK:
+        kept = tl.zeros((BLOCK_N,), dtype=tl.int32)
+        first_sample = split * samples_per_split
+        last_sample = tl.minimum(first_sample + samples_per_split, B)
+        for sample_start in range(first_sample, last_sample, BLOCK_B):
+            samples = sample_start + tl.arange(0, BLOCK_B)
+            masked = tl.load(
+                mask_ptr + samples[:, None].to(tl.int64) * N + rows[None, :],
+                mask=(samples[:, None] < last_sample) & row_ok[None, :],
+                other=1,
+            ).to(tl.int1)
+            kept += tl.sum(tl.where(masked, 0, 1), axis=0)
+        tl.store(partial_kept_ptr + split * N + wide_rows, kept, mask=row_ok)
+
+
+@triton.jit
+def _forward_finish_kernel(
+    partial_pred_ptr,  # float32 [splits, N, 2]
+    partial_kept_ptr,  # int32 [splits, N] (HAS_MASK)
+    b2_ptr,  # [2] (HAS_B2)
+    coords_ptr,  # float32 [N, 2]
+    pred_ptr,  # float32 [N, 2], written
+    weights_ptr,  # float32 [N], written
+    loss_ptr,  # float32 [], written
+    N,
+    splits,
+    scale,  # float
+    HAS_B2: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    offsets = tl.arange(0, BLOCK)
+    # The weights' denominator first: every position's count, over the splits in order.
+    kept_total = tl.zeros((BLOCK,), dtype=tl.int32)
+    for start in range(0, N, BLOCK):
+        rows = start + offsets
+        if HAS_MASK:
+            for split in range(0, splits):
+                kept_total += tl.load(partial_kept_ptr + split * N + rows, mask=rows < N, other=0)
+        else:
+            kept_total += tl.where(rows < N, 1, 0)
+    denominator = tl.maximum(tl.sum(kept_total, axis=0), 1).to(tl.float32)
+    if HAS_B2:
+        bias_row = tl.load(b2_ptr).to(tl.float32)
+        bias_col = tl.load(b2_ptr + 1).to(tl.float32)
+    else:
+        bias_row = 0.0
+        bias_col = 0.0
+    loss = tl.zeros((BLOCK,), dtype=tl.float32)
+    for start in range(0, N, BLOCK):
+        rows = start + offsets
+        ok = rows < N
+        pred_row = tl.zeros((BLOCK,), dtype=tl.float32)
+        pred_col = tl.zeros((BLOCK,), dtype=tl.float32)
+        kept = tl.zeros((BLOCK,), dtype=tl.int32)
+        for split in range(0, splits):
+            pred_row += tl.load(partial_pred_ptr + (split * N + rows) * 2, mask=ok, other=0.0)
+            pred_col += tl.load(partial_pred_ptr + (split * N + rows) * 2 + 1, mask=ok, other=0.0)
+            if HAS_MASK:
+                kept += tl.load(partial_kept_ptr + split * N + rows, mask=ok, other=0)
+        if not HAS_MASK:
+            kept = tl.where(ok, 1, 0)
+        pred_row += bias_row
+        pred_col += bias_col
+        tl.store(pred_ptr + rows * 2, pred_row, mask=ok)
+        tl.store(pred_ptr + rows * 2 + 1, pred_col, mask=ok)
+        weights = kept.to(tl.float32) / denominator
+        tl.store(weights_ptr + rows, weights, mask=ok)
+        error = tl.abs(pred_row - tl.load(coords_ptr + rows * 2, mask=ok, other=0.0)) + tl.abs(
+            pred_col - tl.load(coords_ptr + rows * 2 + 1, mask=ok, other=0.0)
+        )
+        loss += tl.where(ok, weights * error, 0.0)
+    tl.store(loss_ptr, scale * tl.sum(loss, axis=0))
+
+
+@triton.jit
+def _grad_prediction(grad_ptr, pred_ptr, coords_ptr, weights_ptr, rows, N, scale, COORDS: tl.constexpr):
+    """``grad * scale * weights[n] * sign(pred - coords)``, ``[BLOCK_N, COORDS]``, zero past the 2 coordinates."""
+    coord = tl.arange(0, COORDS)
+    row_ok = rows < N
+    ok = row_ok[:, None] & (coord[None, :] < 2)
+    offsets = rows.to(tl.int64)[:, None] * 2 + coord[None, :]
+    difference = tl.load(pred_ptr + offsets, mask=ok, other=0.0) - tl.load(coords_ptr + offsets, mask=ok, other=0.0)
+    sign = tl.where(difference > 0, 1.0, tl.where(difference < 0, -1.0, 0.0))
+    factor = tl.load(grad_ptr).to(tl.float32) * scale * tl.load(weights_ptr + rows, mask=row_ok, other=0.0)
+    return sign * factor[:, None]
+
+
+@triton.jit
+def _backward_kernel(
+    grad_ptr,  # float32 [], the loss's gradient
+    pos_ptr,  # [N, D]
+    w1_ptr,  # [H, D] (NONLINEAR)
+    w2_ptr,  # [2, H] or [2, D]
+    coords_ptr,  # float32 [N, 2]
+    pred_ptr,  # float32 [N, 2]
+    hidden_ptr,  # float32 [N, H] (NONLINEAR)
+    weights_ptr,  # float32 [N]
+    grad_pos_ptr,  # [N, D], written
+    grad_w1_ptr,  # [H, D], written (NONLINEAR)
+    grad_b1_ptr,  # [H], written (NONLINEAR and HAS_B1)
+    grad_w2_ptr,  # like w2, written
+    grad_b2_ptr,  # [2], written (HAS_B2)
+    N,
+    D,
+    H,
+    scale,  # float
+    weight_programs,  # programs below this own weight tiles, the others tiles of grad_pos
+    NONLINEAR: tl.constexpr,
+    HAS_B1: tl.constexpr,
+    HAS_B2: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    program = tl.program_id(0)
+    d_tiles = tl.cdiv(D, BLOCK_D)
+    coord = tl.arange(0, COORD_PAD)
+    coord_ok = coord < 2
+    if program < weight_programs:
+        # A tile of the weights: loop over every position, in order.
+        d_tile = program % d_tiles
+        channels = d_tile * BLOCK_D + tl.arange(0, BLOCK_D)
+        channel_ok = channels < D
+        if NONLINEAR:
+            h_tile = program // d_tiles
+            cols = h_tile * BLOCK_H + tl.arange(0, BLOCK_H)
+            col_ok = cols < H
+            w2 = tl.load(
+                w2_ptr + coord[:, None] * H + cols[None, :], mask=coord_ok[:, None] & col_ok[None, :], other=0.0
+            ).to(tl.float32)
+            grad_w1 = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
+            grad_b1 = tl.zeros((BLOCK_H,), dtype=tl.float32)
+            grad_w2 = tl.zeros((COORD_PAD, BLOCK_H), dtype=tl.float32)
+            grad_b2 = tl.zeros((COORD_PAD,), dtype=tl.float32)
+            for start in range(0, N, BLOCK_N):
+                rows = start + tl.arange(0, BLOCK_N)
+                row_ok = rows < N
+                d_pred = _grad_prediction(grad_ptr, pred_ptr, coords_ptr, weights_ptr, rows, N, scale, COORD_PAD)
+                hidden = tl.load(
+                    hidden_ptr + rows.to(tl.int64)[:, None] * H + cols[None, :],
+                    mask=row_ok[:, None] & col_ok[None, :],
+                    other=0.0,
+                )
+                d_hidden = tl.where(hidden > 0, tl.dot(d_pred, w2, input_precision="ieee"), 0.0)
+                pos = tl.load(
+                    pos_ptr + rows.to(tl.int64)[:, None] * D + channels[None, :],
+                    mask=row_ok[:, None] & channel_ok[None, :],
+                    other=0.0,
+                ).to(tl.float32)
+                grad_w1 = tl.dot(tl.trans(d_hidden), pos, grad_w1, input_precision="ieee")
+                grad_b1 += tl.sum(d_hidden, axis=0)
+                grad_w2 = tl.dot(tl.trans(d_pred), hidden, grad_w2, input_precision="ieee")
+                grad_b2 += tl.sum(d_pred, axis=0)
+            tl.store(
+                grad_w1_ptr + cols.to(tl.int64)[:, None] * D + channels[None, :],
+                grad_w1.to(grad_w1_ptr.dtype.element_ty),
+                mask=col_ok[:, None] & channel_ok[None, :],
+            )
+            if d_tile == 0:  # the programs of the other D tiles computed the same, and store nothing
+                tl.store(
+                    grad_w2_ptr + coord[:, None] * H + cols[None, :],
+                    grad_w2.to(grad_w2_ptr.dtype.element_ty),
+                    mask=coord_ok[:, None] & col_ok[None, :],
+                )
+                if HAS_B1:
+                    tl.store(grad_b1_ptr + cols, grad_b1.to(grad_b1_ptr.dtype.element_ty), mask=col_ok)
+        else:
+            grad_w2 = tl.zeros((COORD_PAD, BLOCK_D), dtype=tl.float32)
+            grad_b2 = tl.zeros((COORD_PAD,), dtype=tl.float32)
+            for start in range(0, N, BLOCK_N):
+                rows = start + tl.arange(0, BLOCK_N)
+                d_pred = _grad_prediction(grad_ptr, pred_ptr, coords_ptr, weights_ptr, rows, N, scale, COORD_PAD)
+                pos = tl.load(
+                    pos_ptr + rows.to(tl.int64)[:, None] * D + channels[None, :],
+                    mask=(rows[:, None] < N) & channel_ok[None, :],
+                    other=0.0,
+                ).to(tl.float32)
+                grad_w2 = tl.dot(tl.trans(d_pred), pos, grad_w2, input_precision="ieee")
+                grad_b2 += tl.sum(d_pred, axis=0)
+            tl.store(
+                grad_w2_ptr + coord[:, None] * D + channels[None, :],
+                grad_w2.to(grad_w2_ptr.dtype.element_ty),
+                mask=coord_ok[:, None] & channel_ok[None, :],
+            )
+        if HAS_B2:
+            if program == 0:
+                tl.store(grad_b2_ptr + coord, grad_b2.to(grad_b2_ptr.dtype.element_ty), mask=coord_ok)
+    else:
+        # A tile of grad_pos: loop over H (nonlinear), or one product (linear).
+        tile = program - weight_programs
+        rows = (tile // d_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+        channels = (tile % d_tiles) * BLOCK_D + tl.arange(0, BLOCK_D)
+        row_ok = rows < N
+        channel_ok = channels < D
+        d_pred = _grad_prediction(grad_ptr, pred_ptr, coords_ptr, weights_ptr, rows, N, scale, COORD_PAD)
+        if NONLINEAR:
+            grad_pos = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+            for h_start in range(0, H, BLOCK_H):
+                cols = h_start + tl.arange(0, BLOCK_H)
+                col_ok = cols < H
+                w2 = tl.load(
+                    w2_ptr + coord[:, None] * H + cols[None, :], mask=coord_ok[:, None] & col_ok[None, :], other=0.0
+                ).to(tl.float32)
+                hidden = tl.load(
+                    hidden_ptr + rows.to(tl.int64)[:, None] * H + cols[None, :],
+                    mask=row_ok[:, None] & col_ok[None, :],
+                    other=0.0,
+                )
+                d_hidden = tl.where(hidden > 0, tl.dot(d_pred, w2, input_precision="ieee"), 0.0)
+                w1 = tl.load(
+                    w1_ptr + cols.to(tl.int64)[:, None] * D + channels[None, :],
+                    mask=col_ok[:, None] & channel_ok[None, :],
+                    other=0.0,
+                ).to(tl.float32)
+                grad_pos = tl.dot(d_hidden, w1, grad_pos, input_precision="ieee")
+        else:
+            w2 = tl.load(
+                w2_ptr + coord[:, None] * D + channels[None, :], mask=coord_ok[:, None] & channel_ok[None, :], other=0.0
+            ).to(tl.float32)
+            grad_pos = tl.dot(d_pred, w2, input_precision="ieee")
+        tl.store(
+            grad_pos_ptr + rows.to(tl.int64)[:, None] * D + channels[None, :],
+            grad_pos.to(grad_pos_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & channel_ok[None, :],
+        )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Launchers
+# ----------------------------------------------------------------------------------------------------------------
+
+# Tiles and warps on a GPU (the interpreter takes 16 everywhere, its cost grows with the tile).
+FORWARD_TILES = {"BLOCK_N": 16, "BLOCK_K": 32, "BLOCK_D": 64, "BLOCK_B": 32}
+FORWARD_WARPS = 2
+FINISH_WARPS = 4
+BACKWARD_TILES = {"BLOCK_N": 16, "BLOCK_H": 32, "BLOCK_D": 64}
+BACKWARD_WARPS = 4
+
+
+def _launcher(kernel, traced: bool):
+    # traced: through wrap_triton, so torch.compile sees the kernel (the operators); else a lean eager launch.
+    return torch.library.wrap_triton(kernel) if traced else kernel
+
+
+@functools.cache
+def _cuda_multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _programs_wanted(device: torch.device) -> int:
+    """About two programs per multiprocessor; a handful in the interpreter, so tests cover splits both ways."""
+    if _interpreting() or device.type != "cuda":
+        return 4
+    # asked once per device: the query costs host time on every launch
+    return 2 * _cuda_multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _check(name: str, tensor: torch.Tensor, shape: tuple[int, ...]) -> None:
+    if tuple(tensor.shape) != shape:
+        raise ValueError(f"{name} must have shape {list(shape)}, got {list(tensor.shape)}")
+
+
+def dal_forward_launch(
+    pos: torch.Tensor,
+    w1: torch.Tensor | None,
+    b1: torch.Tensor | None,
+    w2: torch.Tensor,
+    b2: torch.Tensor | None,
+    coords: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    *,
+    traced: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The DAL loss and what its backward needs, in two launches.
+
+    Args:
+        pos: ``[N, D]`` float32, bfloat16 or float16.
+        w1, b1: ``[H, D]`` and ``[H]`` (b1 may be None), the nonlinear regressor's first Linear; None for the linear.
+        w2, b2: ``[2, H]`` (``[2, D]`` when w1 is None) and ``[2]`` or None.
+        coords: float32 ``[N, 2]``, the targets.
+        mask: bool ``[B, N]`` (True = masked, not counted) or None.
+        scale: the loss's factor.
+        traced: launch through ``torch.library.wrap_triton`` (inside the torch operator).
+
+    Returns:
+        ``(loss [], pred [N, 2], hidden [N, H] ([N, 0] for the linear regressor), weights [N])``, all float32.
+    """
+    num_positions, dim = pos.shape
+    nonlinear = w1 is not None
+    hidden_dim = w1.shape[0] if nonlinear else 0
+    reduced = hidden_dim if nonlinear else dim  # the reduction axis of the last Linear
+    if nonlinear:
+        _check("w1", w1, (hidden_dim, dim))
+        if b1 is not None:
+            _check("b1", b1, (hidden_dim,))
+    _check("w2", w2, (2, reduced))
+    if b2 is not None:
+        _check("b2", b2, (2,))
+    _check("coords", coords, (num_positions, 2))
+    batch = 0
+    if mask is not None:
+        if mask.dtype != torch.bool or mask.dim() != 2 or mask.shape[1] != num_positions:
+            raise ValueError(f"mask must be bool [B, {num_positions}], got {mask.dtype} {list(mask.shape)}")
+        batch = mask.shape[0]
+        mask = mask.contiguous()
+    pos, w2, coords = pos.contiguous(), w2.contiguous(), coords.contiguous()
+    if nonlinear:
+        w1 = w1.contiguous()
+    device = pos.device
+    loss = torch.empty((), dtype=torch.float32, device=device)
+    pred = torch.empty(num_positions, 2, dtype=torch.float32, device=device)
+    hidden = torch.empty(num_positions, hidden_dim, dtype=torch.float32, device=device)
+    weights = torch.empty(num_positions, dtype=torch.float32, device=device)
+
+    interpreting = _interpreting()
+    tiles = {name: 16 for name in FORWARD_TILES} if interpreting else FORWARD_TILES
+    position_blocks = triton.cdiv(num_positions, tiles["BLOCK_N"])
+    reduced_tiles = triton.cdiv(reduced, tiles["BLOCK_K"])
+    splits = max(1, min(reduced_tiles, _programs_wanted(device) // max(position_blocks, 1)))
+    tiles_per_split = triton.cdiv(reduced_tiles, splits)
+    splits = max(1, triton.cdiv(reduced_tiles, tiles_per_split))
+    partial_pred = torch.empty(splits, num_positions, 2, dtype=torch.float32, device=device)
+    partial_kept = torch.empty(splits, num_positions, dtype=torch.int32, device=device) if mask is not None else None
+    # Mixed dtypes, and bfloat16 in the interpreter (which multiplies it wrongly), multiply in float32.
+    upcast = nonlinear and (w1.dtype != pos.dtype or (interpreting and pos.dtype == torch.bfloat16))
+    precision = "ieee" if pos.dtype == torch.float32 or upcast else "tf32"  # half types: exact products anyway
+    # Stands for absent tensors (never read nor written): a read-only input, so that no pointer a kernel stores
+    # through is passed twice (torch.compile's analysis of which arguments a kernel mutates stays simple).
+    dummy = coords
+    if position_blocks and reduced_tiles:
+        _launcher(_forward_partial_kernel, traced)[(position_blocks, splits)](
+            pos,
+            w1 if nonlinear else dummy,
+            b1 if b1 is not None else dummy,
+            w2,
+            mask if mask is not None else dummy,
+            hidden if nonlinear else dummy,
+            partial_pred,
+            partial_kept if partial_kept is not None else dummy,
+            num_positions,
+            dim,
+            reduced,
+            batch,
+            tiles_per_split,
+            triton.cdiv(batch, splits),
+            NONLINEAR=nonlinear,
+            HAS_B1=b1 is not None,
+            HAS_MASK=mask is not None,
+            PRECISION=precision,
+            UPCAST=upcast,
+            **tiles,
+            num_warps=1 if interpreting else FORWARD_WARPS,
+        )
+    block = 16 if interpreting else min(1024, max(32, triton.next_power_of_2(num_positions)))
+    _launcher(_forward_finish_kernel, traced)[(1,)](
+        partial_pred,
+        partial_kept if partial_kept is not None else dummy,
+        b2 if b2 is not None else dummy,
+        coords,
+        pred,
+        weights,
+        loss,
+        num_positions,
+        splits if position_blocks and reduced_tiles else 0,
+        float(scale),
+        HAS_B2=b2 is not None,
+        HAS_MASK=mask is not None,
+        BLOCK=block,
+        num_warps=1 if interpreting else FINISH_WARPS,
+    )
+    return loss, pred, hidden, weights
+
+
+def dal_backward_launch(
+    grad: torch.Tensor,
+    pos: torch.Tensor,
+    w1: torch.Tensor | None,
+    w2: torch.Tensor,
+    coords: torch.Tensor,
+    pred: torch.Tensor,
+    hidden: torch.Tensor,
+    weights: torch.Tensor,
+    scale: float,
+    has_b1: bool,
+    has_b2: bool,
+    *,
+    traced: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every gradient of the DAL loss, in one launch.
+
+    Args:
+        grad: float32 ``[]``, the loss's gradient.
+        pos, w1, w2, coords: the forward's inputs (w1 None for the linear regressor).
+        pred, hidden, weights: the forward's float32 outputs.
+        scale: the forward's factor.
+        has_b1, has_b2: whether the Linears have biases (their gradients are computed only then).
+        traced: launch through ``torch.library.wrap_triton`` (inside the torch operator).
+
+    Returns:
+        ``(grad_pos, grad_w1, grad_b1, grad_w2, grad_b2)``, each in the dtype of its tensor (grad_b1 in w1's,
+        grad_b2 in w2's); an empty ``[0]`` tensor for each absent one (in pos's dtype when w1 is None).
+    """
+    num_positions, dim = pos.shape
+    nonlinear = w1 is not None
+    hidden_dim = w1.shape[0] if nonlinear else 0
+    _check("w2", w2, (2, hidden_dim if nonlinear else dim))
+    _check("pred", pred, (num_positions, 2))
+    _check("weights", weights, (num_positions,))
+    if nonlinear:
+        _check("w1", w1, (hidden_dim, dim))
+        _check("hidden", hidden, (num_positions, hidden_dim))
+        w1 = w1.contiguous()
+        hidden = hidden.contiguous()
+    pos, w2, coords, pred, weights = (t.contiguous() for t in (pos, w2, coords, pred, weights))
+    device = pos.device
+    first_dtype = w1.dtype if nonlinear else pos.dtype
+    grad_pos = torch.empty(num_positions, dim, dtype=pos.dtype, device=device)
+    grad_w1 = torch.empty((hidden_dim, dim) if nonlinear else (0,), dtype=first_dtype, device=device)
+    grad_b1 = torch.empty(hidden_dim if nonlinear and has_b1 else 0, dtype=first_dtype, device=device)
+    grad_w2 = torch.empty(w2.shape, dtype=w2.dtype, device=device)
+    grad_b2 = torch.empty(2 if has_b2 else 0, dtype=w2.dtype, device=device)
+
+    interpreting = _interpreting()
+    tiles = {name: 16 for name in BACKWARD_TILES} if interpreting else BACKWARD_TILES
+    d_tiles = triton.cdiv(dim, tiles["BLOCK_D"])
+    weight_programs = d_tiles * (triton.cdiv(hidden_dim, tiles["BLOCK_H"]) if nonlinear else 1)
+    position_programs = triton.cdiv(num_positions, tiles["BLOCK_N"]) * d_tiles
+    dummy = coords  # for absent tensors, as in the forward
+    if weight_programs + position_programs:
+        _launcher(_backward_kernel, traced)[(weight_programs + position_programs,)](
+            grad,
+            pos,
+            w1 if nonlinear else dummy,
+            w2,
+            coords,
+            pred,
+            hidden if nonlinear else dummy,
+            weights,
+            grad_pos,
+            grad_w1 if nonlinear else dummy,
+            grad_b1 if nonlinear and has_b1 else dummy,
+            grad_w2,
+            grad_b2 if has_b2 else dummy,
+            num_positions,
+            dim,
+            hidden_dim,
+            float(scale),
+            weight_programs,
+            NONLINEAR=nonlinear,
+            HAS_B1=nonlinear and has_b1,
+            HAS_B2=has_b2,
+            **tiles,
+            num_warps=1 if interpreting else BACKWARD_WARPS,
+        )
+    return grad_pos, grad_w1, grad_b1, grad_w2, grad_b2
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Operators
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@_operator("mjp_fast::dal_loss_triton", mutates_args=())
+def dal_loss_triton(
+    pos: torch.Tensor,
+    w1: torch.Tensor | None,
+    b1: torch.Tensor | None,
+    w2: torch.Tensor,
+    b2: torch.Tensor | None,
+    coords: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(loss [], pred [N, 2], hidden [N, H], weights [N])``, float32: :func:`dal_forward_launch`."""
+    return dal_forward_launch(pos, w1, b1, w2, b2, coords, mask, scale, traced=True)
+
+
+@dal_loss_triton.register_fake
+def _dal_loss_triton_fake(pos, w1, b1, w2, b2, coords, mask, scale):
+    num_positions = pos.shape[0]
+    hidden_dim = w1.shape[0] if w1 is not None else 0
+    return (
+        pos.new_empty((), dtype=torch.float32),
+        pos.new_empty((num_positions, 2), dtype=torch.float32),
+        pos.new_empty((num_positions, hidden_dim), dtype=torch.float32),
+        pos.new_empty((num_positions,), dtype=torch.float32),
+    )
+
+
+@_operator("mjp_fast::dal_loss_triton_backward", mutates_args=())
+def dal_loss_triton_backward(
+    grad: torch.Tensor,
+    pos: torch.Tensor,
+    w1: torch.Tensor | None,
+    w2: torch.Tensor,
+    coords: torch.Tensor,
+    pred: torch.Tensor,
+    hidden: torch.Tensor,
+    weights: torch.Tensor,
+    scale: float,
+    has_b1: bool,
+    has_b2: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(grad_pos, grad_w1, grad_b1, grad_w2, grad_b2)``: :func:`dal_backward_launch`."""
+    return dal_backward_launch(grad, pos, w1, w2, coords, pred, hidden, weights, scale, has_b1, has_b2, traced=True)
+
+
+@dal_loss_triton_backward.register_fake
+def _dal_loss_triton_backward_fake(grad, pos, w1, w2, coords, pred, hidden, weights, scale, has_b1, has_b2):
+    num_positions, dim = pos.shape
+    first_dtype = w1.dtype if w1 is not None else pos.dtype
+    hidden_dim = w1.shape[0] if w1 is not None else 0
+    return (
+        pos.new_empty((num_positions, dim)),
+        pos.new_empty((hidden_dim, dim) if w1 is not None else (0,), dtype=first_dtype),
+        pos.new_empty((hidden_dim,) if w1 is not None and has_b1 else (0,), dtype=first_dtype),
+        pos.new_empty(tuple(w2.shape), dtype=w2.dtype),
+        pos.new_empty((2,) if has_b2 else (0,), dtype=w2.dtype),
+    )

@@ -1,0 +1,339 @@
+"""The DAL loss's Triton kernels (in the interpreter here): against the formula, the package oracle, and themselves."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from mjp_fast import DALRegressor  # noqa: E402
+from mjp_fast.ops.dal_loss import dal_loss_ref, grid_coordinates  # noqa: E402
+from mjp_fast.triton import dal_loss as dal_triton  # noqa: E402
+from mjp_fast.triton.dal_loss import (  # noqa: E402
+    dal_backward_launch,
+    dal_forward_launch,
+    dal_loss_triton,
+    dal_loss_triton_backward,
+)
+
+# (N, D, H). In the interpreter tiles are 16 and the forward aims at 4 programs, so these cover: one position and
+# D, H < 16; H in 3 splits of one tile; 2 splits of 3 and 2 tiles; 1 split of 3 tiles over 5 position blocks.
+SHAPES = [(1, 5, 3), (7, 16, 16), (7, 13, 40), (20, 37, 80), (70, 24, 40), (33, 8, 17)]
+MASKS = ["none", "random", "all_true", "all_false", "empty_batch"]
+KINDS = ["nonlinear", "linear"]
+
+
+def _mask(kind: str, num_positions: int, generator: torch.Generator) -> torch.Tensor | None:
+    batch = 3
+    if kind == "none":
+        return None
+    if kind == "random":
+        return torch.rand(batch, num_positions, generator=generator) < 0.5
+    if kind == "all_true":
+        return torch.ones(batch, num_positions, dtype=torch.bool)
+    if kind == "all_false":
+        return torch.zeros(batch, num_positions, dtype=torch.bool)
+    return torch.zeros(0, num_positions, dtype=torch.bool)  # "empty_batch"
+
+
+def _inputs(
+    num_positions: int,
+    dim: int,
+    hidden_dim: int,
+    kind: str,
+    mask_kind: str,
+    dtype: torch.dtype = torch.float32,
+    *,
+    weight_dtype: torch.dtype | None = None,
+    biases: tuple[bool, bool] = (True, True),
+    seed: int = 0,
+) -> dict:
+    generator = torch.Generator().manual_seed(seed)
+    weight_dtype = weight_dtype or dtype
+
+    def randn(*shape: int, std: float = 1.0, dtype: torch.dtype = weight_dtype) -> torch.Tensor:
+        return (torch.randn(*shape, generator=generator) * std).to(dtype)
+
+    nonlinear = kind == "nonlinear"
+    second_in = hidden_dim if nonlinear else dim
+    return dict(
+        pos=randn(num_positions, dim, dtype=dtype),
+        w1=randn(hidden_dim, dim, std=1 / math.sqrt(dim)) if nonlinear else None,
+        b1=randn(hidden_dim, std=0.5) if nonlinear and biases[0] else None,
+        w2=randn(2, second_in, std=1 / math.sqrt(second_in)),
+        b2=randn(2) if biases[1] else None,
+        coords=torch.randn(num_positions, 2, generator=generator) * 2,
+        mask=_mask(mask_kind, num_positions, generator),
+        scale=0.75,
+    )
+
+
+def _reference(pos, w1, b1, w2, b2, coords, mask, scale, *, dtype=torch.float64):
+    """The formula, straightforwardly, in ``dtype`` (float64: the truth), with autograd on the five parameters.
+
+    Returns ``(loss, pred, hidden, weights), (grad_pos, grad_w1, grad_b1, grad_w2, grad_b2)``; None where absent.
+    """
+    leaves = [t.detach().to(dtype).requires_grad_() if t is not None else None for t in (pos, w1, b1, w2, b2)]
+    pos_, w1_, b1_, w2_, b2_ = leaves
+    if w1_ is not None:
+        hidden = torch.relu(pos_ @ w1_.T + (b1_ if b1_ is not None else 0))
+        pred = hidden @ w2_.T
+    else:
+        hidden = pos_.new_empty(pos.shape[0], 0)
+        pred = pos_ @ w2_.T
+    pred = pred + (b2_ if b2_ is not None else 0)
+    if mask is None:
+        kept = torch.ones(pos.shape[0], dtype=torch.float64)
+    else:
+        kept = (~mask).sum(0, dtype=torch.float64)
+    weights = kept / kept.sum().clamp_min(1)
+    loss = scale * (weights * (pred.double() - coords.double()).abs().sum(-1)).sum()
+    present = [leaf for leaf in leaves if leaf is not None]
+    grads = iter(torch.autograd.grad(loss, present))
+    return (loss, pred, hidden, weights), tuple(next(grads) if leaf is not None else None for leaf in leaves)
+
+
+def _run(inputs: dict, *, operator: bool = False):
+    forward, backward = (
+        (dal_loss_triton, dal_loss_triton_backward)
+        if operator
+        else (
+            dal_forward_launch,
+            dal_backward_launch,
+        )
+    )
+    outputs = forward(**inputs)
+    loss, pred, hidden, weights = outputs
+    grads = backward(
+        torch.ones((), dtype=torch.float32),
+        inputs["pos"],
+        inputs["w1"],
+        inputs["w2"],
+        inputs["coords"],
+        pred,
+        hidden,
+        weights,
+        inputs["scale"],
+        inputs["b1"] is not None,
+        inputs["b2"] is not None,
+    )
+    return tuple(outputs), tuple(grads)
+
+
+GRAD_NAMES = ("pos", "w1", "b1", "w2", "b2")
+
+
+def _check_shapes_and_dtypes(inputs, outputs, grads):
+    num_positions = inputs["pos"].shape[0]
+    hidden_dim = inputs["w1"].shape[0] if inputs["w1"] is not None else 0
+    loss, pred, hidden, weights = outputs
+    assert [t.dtype for t in outputs] == [torch.float32] * 4
+    assert [tuple(t.shape) for t in outputs] == [(), (num_positions, 2), (num_positions, hidden_dim), (num_positions,)]
+    for name, grad in zip(GRAD_NAMES, grads):
+        tensor = inputs[name]
+        if tensor is None:
+            assert grad.shape == (0,), name
+        else:
+            assert grad.shape == tensor.shape and grad.dtype == tensor.dtype, name
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("mask_kind", MASKS)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_float32_matches_formula(shape, mask_kind, kind):
+    inputs = _inputs(*shape, kind, mask_kind)
+    outputs, grads = _run(inputs)
+    _check_shapes_and_dtypes(inputs, outputs, grads)
+    expected, expected_grads = _reference(**inputs)
+    for name, got, want in zip(("loss", "pred", "hidden", "weights"), outputs, expected):
+        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    for name, got, want in zip(GRAD_NAMES, grads, expected_grads):
+        if want is not None:
+            torch.testing.assert_close(got.double(), want, atol=1e-6, rtol=1e-5, msg=lambda m, n=name: f"grad {n}: {m}")
+    if mask_kind in ("all_true", "empty_batch"):  # nothing counted: zero loss and gradients, no division by zero
+        assert outputs[0].item() == 0 and not outputs[3].any() and not grads[0].any()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("biases", [(False, True), (True, False), (False, False)], ids=str)
+def test_without_biases(biases, kind):
+    inputs = _inputs(20, 37, 40, kind, "random", biases=biases)
+    outputs, grads = _run(inputs)
+    _check_shapes_and_dtypes(inputs, outputs, grads)
+    expected, expected_grads = _reference(**inputs)
+    torch.testing.assert_close(outputs[1].double(), expected[1], atol=1e-5, rtol=1e-5)
+    for got, want in zip(grads, expected_grads):
+        if want is not None:
+            torch.testing.assert_close(got.double(), want, atol=1e-6, rtol=1e-5)
+
+
+def _max_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return (got.double() - want.double()).abs().max().item() if want.numel() else 0.0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", [(7, 13, 40), (33, 8, 17), (20, 37, 80)], ids=lambda s: "x".join(map(str, s)))
+def test_half_precision(shape, dtype, kind):
+    inputs = _inputs(*shape, kind, "random", dtype)
+    outputs, grads = _run(inputs)
+    _check_shapes_and_dtypes(inputs, outputs, grads)
+    # The kernels compute in float32 from the half inputs (exact products): the forward is float32-tight against
+    # the float64 formula on the same inputs, and each gradient is rounded once, to its dtype.
+    expected, expected_grads = _reference(**inputs)
+    for name, got, want in zip(("loss", "pred", "hidden", "weights"), outputs, expected):
+        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    eps = torch.finfo(dtype).eps
+    # House rule: at most twice the error of torch computing the formula in that dtype (and within a few ulps).
+    _, torch_grads = _reference(**inputs, dtype=dtype)
+    for name, got, want, theirs in zip(GRAD_NAMES, grads, expected_grads, torch_grads):
+        if want is None:
+            continue
+        floor = eps * want.abs().max().item()
+        ours = _max_error(got, want)
+        assert ours <= 2 * _max_error(theirs, want) + floor, (name, ours, _max_error(theirs, want))
+        torch.testing.assert_close(got.double(), want, atol=2 * floor, rtol=2 * eps, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_half_positions_with_float32_regressor():
+    # Autocast-like: bfloat16 positions, a float32 regressor; the kernel multiplies both in float32.
+    inputs = _inputs(20, 37, 40, "nonlinear", "random", torch.bfloat16, weight_dtype=torch.float32)
+    outputs, grads = _run(inputs)
+    _check_shapes_and_dtypes(inputs, outputs, grads)
+    expected, expected_grads = _reference(**inputs)
+    torch.testing.assert_close(outputs[0].double(), expected[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grads[1].double(), expected_grads[1], atol=1e-6, rtol=1e-5)  # float32 grad_w1
+    torch.testing.assert_close(grads[0].double(), expected_grads[0], atol=1e-4, rtol=2**-7)  # bfloat16 grad_pos
+
+
+def test_non_contiguous_inputs():
+    inputs = _inputs(20, 37, 40, "nonlinear", "random")
+    strided = dict(inputs)
+    strided["pos"] = inputs["pos"].T.contiguous().T
+    strided["w1"] = inputs["w1"].T.contiguous().T
+    strided["mask"] = inputs["mask"].T.contiguous().T
+    assert not strided["pos"].is_contiguous()
+    outputs, grads = _run(strided)
+    expected_outputs, expected_grads = _run(inputs)
+    for got, want in zip(outputs + grads, expected_outputs + expected_grads):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("mask_kind", ["none", "random", "all_true"])
+@pytest.mark.parametrize("grid", [(1, 1), (1, 7), (3, 5), (14, 14)], ids=lambda g: f"{g[0]}x{g[1]}")
+def test_matches_package_oracle(grid, mask_kind, kind):
+    rows, cols = grid
+    num_positions, dim, hidden_dim = rows * cols, 11, 19
+    torch.manual_seed(0)
+    regressor = DALRegressor(dim, kind, hidden_dim=hidden_dim if kind == "nonlinear" else None)
+    pos = torch.randn(num_positions, dim, requires_grad=True)
+    generator = torch.Generator().manual_seed(1)
+    mask = _mask(mask_kind, num_positions, generator)
+    expected = dal_loss_ref(pos, regressor, grid, mask)
+    expected_grads = torch.autograd.grad(expected, [pos, *regressor.parameters()])
+    if kind == "nonlinear":
+        first, second = regressor.net[0], regressor.net[2]
+        w1, b1 = first.weight.detach(), first.bias.detach()
+    else:
+        second, w1, b1 = regressor.net, None, None
+    w2, b2 = second.weight.detach(), second.bias.detach()
+    inputs = dict(pos=pos.detach(), w1=w1, b1=b1, w2=w2, b2=b2, coords=grid_coordinates(grid), mask=mask, scale=1.0)
+    outputs, grads = _run(inputs)
+    torch.testing.assert_close(outputs[0], expected.detach(), atol=1e-5, rtol=1e-5)
+    present = [grad for grad, tensor in zip(grads, (pos, w1, b1, w2, b2)) if tensor is not None]
+    for got, want in zip(present, expected_grads):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_deterministic(kind):
+    inputs = _inputs(70, 24, 40, kind, "random")
+    first_outputs, first_grads = _run(inputs)
+    second_outputs, second_grads = _run(inputs)
+    for first, second in zip(first_outputs + first_grads, second_outputs + second_grads):
+        assert torch.equal(first, second)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_operators_equal_launches(kind):
+    inputs = _inputs(20, 37, 40, kind, "random")
+    launched = _run(inputs)
+    operated = _run(inputs, operator=True)
+    for first, second in zip(launched[0] + launched[1], operated[0] + operated[1]):
+        assert torch.equal(first, second)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("mask_kind", ["none", "random"])
+def test_opcheck(kind, mask_kind):
+    inputs = _inputs(7, 13, 20, kind, mask_kind)
+    torch.library.opcheck(dal_loss_triton, tuple(inputs.values()))
+    _, pred, hidden, weights = dal_forward_launch(**inputs)
+    backward_args = (
+        torch.ones((), dtype=torch.float32),
+        inputs["pos"],
+        inputs["w1"],
+        inputs["w2"],
+        inputs["coords"],
+        pred,
+        hidden,
+        weights,
+        inputs["scale"],
+        inputs["b1"] is not None,
+        False,
+    )
+    torch.library.opcheck(dal_loss_triton_backward, backward_args)
+
+
+class _NoLaunch:
+    """Stands for a kernel: records its launch and runs nothing."""
+
+    def __init__(self, launches: list):
+        self.launches = launches
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append(grid)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("traced", [False, True])
+def test_launchers_only_allocate_and_launch(kind, traced, monkeypatch):
+    # At most 2 launches each way, and, around them, nothing but torch.empty: no zeros, sums, casts or copies.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    inputs = _inputs(20, 37, 40, kind, "random")
+    _, pred, hidden, weights = dal_forward_launch(**inputs)
+    grad = torch.ones(())
+    launches = []
+    monkeypatch.setattr(dal_triton, "_launcher", lambda kernel, traced: _NoLaunch(launches))
+    with Record() as forward_ops:
+        dal_forward_launch(**inputs, traced=traced)
+    assert len(launches) == 2
+    with Record() as backward_ops:
+        dal_backward_launch(
+            grad, inputs["pos"], inputs["w1"], inputs["w2"], inputs["coords"], pred, hidden, weights, 0.5,
+            True, True, traced=traced,
+        )  # fmt: skip
+    assert len(launches) == 3
+    assert set(forward_ops.ops + backward_ops.ops) <= {"aten.empty"}, forward_ops.ops + backward_ops.ops
+
+
+def test_shape_errors_name_the_argument():
+    inputs = _inputs(7, 13, 20, "nonlinear", "random")
+    with pytest.raises(ValueError, match="w2 must have shape"):
+        dal_forward_launch(**{**inputs, "w2": inputs["w2"][:, :5]})
+    with pytest.raises(ValueError, match="mask must be bool"):
+        dal_forward_launch(**{**inputs, "mask": inputs["mask"].int()})
