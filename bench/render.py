@@ -33,6 +33,7 @@ CASE_TITLES = {
     "sampler": "Jigsaw sampler",
     "patch_embed": "Patch embedding",
     "jigsaw_apply": "Applying the jigsaw",
+    "host_cost": "Host cost",
     "train_step": "Training step",
 }
 

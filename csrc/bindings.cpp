@@ -1,12 +1,16 @@
-// Python bindings of mjp_fast._C: argument checks, then dispatch to the CPU or the CUDA implementation.
+// Python bindings of mjp_fast._C: argument checks, then dispatch to the CPU or the CUDA implementation (the
+// sampler); the patch embedding's bindings are thin wrappers of its dispatcher operators, which check their own.
 //
 // The Python layer (mjp_fast/ops/) validates user input and words the errors; the checks here guard the kernels
 // (shapes, dtypes, devices, ranges) so that a wrong call raises RuntimeError instead of touching bad memory.
 #include <ATen/core/LegacyTypeDispatch.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <optional>
+#include <utility>
+#include <vector>
 
 #include "ops.h"
 
@@ -66,124 +70,57 @@ std::tuple<at::Tensor, at::Tensor> sample_jigsaw(int64_t batch_size, int64_t row
   return sample_jigsaw_cpu(batch_size, rows, cols, target, min_block, seed, offset, shared, prob_threshold, h, w);
 }
 
-// Checks images / weight and derives the geometry.
-PatchGeometry patch_geometry(const char* op, const at::Tensor& images, const at::Tensor& weight) {
-  TORCH_CHECK(images.dim() == 4, op, ": images must be [B, C, H, W], got ", images.sizes());
-  TORCH_CHECK(weight.dim() == 4 && weight.size(2) == weight.size(3) && weight.size(2) >= 1,
-              op, ": weight must be [D, C, P, P], got ", weight.sizes());
-  TORCH_CHECK(weight.size(1) == images.size(1), op, ": weight has ", weight.size(1), " input channels, images have ",
-              images.size(1));
-  const auto dtype = images.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kDouble, op,
-              ": images must be float32, float16, bfloat16 or float64, got ", dtype);
-  TORCH_CHECK(weight.scalar_type() == dtype, op, ": weight dtype ", weight.scalar_type(), " differs from images ",
-              dtype);
-  TORCH_CHECK(weight.device() == images.device(), op, ": weight on ", weight.device(), ", images on ",
-              images.device());
-  PatchGeometry g;
-  g.batch = images.size(0);
-  g.channels = images.size(1);
-  g.patch = weight.size(2);
-  g.rows = images.size(2) / g.patch;
-  g.cols = images.size(3) / g.patch;
-  g.positions = g.rows * g.cols;
-  g.patch_size = g.channels * g.patch * g.patch;
-  g.dim = weight.size(0);
-  return g;
-}
-
-void check_vector(const char* op, const char* name, const at::Tensor& tensor, const at::Tensor& like, int64_t size) {
-  TORCH_CHECK(tensor.numel() == size, op, ": ", name, " must have ", size, " elements, got shape ", tensor.sizes());
-  TORCH_CHECK(tensor.scalar_type() == like.scalar_type(), op, ": ", name, " dtype ", tensor.scalar_type(),
-              " differs from images ", like.scalar_type());
-  TORCH_CHECK(tensor.device() == like.device(), op, ": ", name, " on ", tensor.device(), ", images on ",
-              like.device());
-}
-
-// perm int64 / mask bool with B * N elements on the images' device, made contiguous.
-std::optional<at::Tensor> index_tensor(const char* op, const char* name, const std::optional<at::Tensor>& tensor,
-                                       at::ScalarType dtype, const at::Tensor& images, const PatchGeometry& g) {
-  if (!present(tensor)) return std::nullopt;
-  TORCH_CHECK(tensor->scalar_type() == dtype, op, ": ", name, " must be ", dtype, ", got ", tensor->scalar_type());
-  TORCH_CHECK(tensor->numel() == g.batch * g.positions, op, ": ", name, " must be [", g.batch, ", ", g.positions,
-              "], got ", tensor->sizes());
-  TORCH_CHECK(tensor->device() == images.device(), op, ": ", name, " on ", tensor->device(), ", images on ",
-              images.device());
-  return tensor->contiguous();
-}
-
-// Images may be strided, but the innermost (width) stride must be 1 for the row copies.
-at::Tensor row_contiguous(const at::Tensor& images) {
-  return images.size(3) <= 1 || images.stride(3) == 1 ? images : images.contiguous();
-}
-
-std::optional<at::Tensor> contiguous_optional(const std::optional<at::Tensor>& tensor) {
-  if (!present(tensor)) return std::nullopt;
-  return tensor->contiguous();
-}
+// The patch embedding: the dispatcher operators mjp_fast::patch_embed_extension[_backward] (patch_embed_cpu.cpp,
+// which checks the arguments), called below autograd: raw kernels, no autograd recording whatever requires grad.
+// Through the dispatcher, so a TorchDispatchMode sees one operator, as it does when Python calls the operators.
 
 at::Tensor patch_embed_forward(const at::Tensor& images, const at::Tensor& weight,
                                const std::optional<at::Tensor>& bias, const at::Tensor& pos_embed,
                                const std::optional<at::Tensor>& unk_embed, const std::optional<at::Tensor>& perm,
-                               const std::optional<at::Tensor>& mask) {
-  constexpr const char* op = "patch_embed_forward";
-  // Raw kernels: no autograd recording (the Python layer's autograd Function owns the graph), and out= GEMMs
-  // must not see arguments that require grad (a weight that is an nn.Parameter does).
-  const at::AutoDispatchBelowADInplaceOrView below_autograd;
-  const PatchGeometry g = patch_geometry(op, images, weight);
-  if (present(bias)) check_vector(op, "bias", *bias, images, g.dim);
-  check_vector(op, "pos_embed", pos_embed, images, g.positions * g.dim);
-  if (present(unk_embed)) check_vector(op, "unk_embed", *unk_embed, images, g.dim);
-  const auto perm_c = index_tensor(op, "perm", perm, at::kLong, images, g);
-  const auto mask_c = index_tensor(op, "mask", mask, at::kBool, images, g);
-  const auto images_c = row_contiguous(images);
-  const auto weight_c = weight.contiguous();
-  const auto pos_c = pos_embed.contiguous();
-  const auto bias_c = contiguous_optional(bias);
-  const auto unk_c = contiguous_optional(unk_embed);
-  if (images.is_cuda()) {
-#ifdef MJP_WITH_CUDA
-    return patch_embed_forward_cuda(g, images_c, weight_c, bias_c, pos_c, unk_c, perm_c, mask_c);
-#else
-    fail_no_cuda(op);
+                               const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& prefix,
+                               int64_t prefix_positions) {
+#ifndef MJP_WITH_CUDA
+  if (images.is_cuda()) fail_no_cuda("patch_embed_forward");
 #endif
-  }
-  TORCH_CHECK(images.is_cpu(), op, ": tensors must be on the CPU or a CUDA device, got ", images.device());
-  return patch_embed_forward_cpu(g, images_c, weight_c, bias_c, pos_c, unk_c, perm_c, mask_c);
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("mjp_fast::patch_embed_extension", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&,
+                            const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+                            const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, int64_t)>();
+  const at::AutoDispatchBelowADInplaceOrView below_autograd;
+  return op.call(images, weight, bias, pos_embed, unk_embed, perm, mask, prefix, prefix_positions);
 }
 
-std::vector<std::optional<at::Tensor>> patch_embed_backward(const at::Tensor& grad_out, const at::Tensor& images,
-                                                            const at::Tensor& weight,
-                                                            const std::optional<at::Tensor>& perm,
-                                                            const std::optional<at::Tensor>& mask, bool need_images,
-                                                            bool need_weight, bool need_bias, bool need_pos,
-                                                            bool need_unk) {
-  constexpr const char* op = "patch_embed_backward";
-  const at::AutoDispatchBelowADInplaceOrView below_autograd;
-  const PatchGeometry g = patch_geometry(op, images, weight);
-  TORCH_CHECK(grad_out.dim() == 3 && grad_out.size(0) == g.batch && grad_out.size(1) == g.positions &&
-                  grad_out.size(2) == g.dim,
-              op, ": grad_out must be [", g.batch, ", ", g.positions, ", ", g.dim, "], got ", grad_out.sizes());
-  TORCH_CHECK(grad_out.scalar_type() == images.scalar_type(), op, ": grad_out dtype ", grad_out.scalar_type(),
-              " differs from images ", images.scalar_type());
-  TORCH_CHECK(grad_out.device() == images.device(), op, ": grad_out on ", grad_out.device(), ", images on ",
-              images.device());
-  const auto perm_c = index_tensor(op, "perm", perm, at::kLong, images, g);
-  const auto mask_c = index_tensor(op, "mask", mask, at::kBool, images, g);
-  const auto grad_c = grad_out.contiguous();
-  const auto images_c = need_weight ? row_contiguous(images) : images;
-  const auto weight_c = weight.contiguous();
-  if (images.is_cuda()) {
-#ifdef MJP_WITH_CUDA
-    return patch_embed_backward_cuda(g, grad_c, images_c, weight_c, perm_c, mask_c, need_images, need_weight,
-                                     need_bias, need_pos, need_unk);
-#else
-    fail_no_cuda(op);
+// The operator's gradients, None where not requested (the operator returns an empty [0] tensor there).
+std::vector<std::optional<at::Tensor>> patch_embed_backward(
+    const at::Tensor& grad_out, const at::Tensor& images, const at::Tensor& weight,
+    const std::optional<at::Tensor>& perm, const std::optional<at::Tensor>& mask, bool need_images, bool need_weight,
+    bool need_bias, bool need_pos, bool need_unk, bool need_prefix, int64_t prefix_count, int64_t prefix_positions,
+    const std::optional<std::vector<int64_t>>& pos_shape, const std::optional<std::vector<int64_t>>& prefix_shape) {
+#ifndef MJP_WITH_CUDA
+  if (images.is_cuda()) fail_no_cuda("patch_embed_backward");
 #endif
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("mjp_fast::patch_embed_extension_backward", "")
+          .typed<std::vector<at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                         const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, bool, bool,
+                                         bool, bool, bool, bool, int64_t, int64_t, at::OptionalSymIntArrayRef,
+                                         at::OptionalSymIntArrayRef)>();
+  const auto symbolic = [](const std::optional<std::vector<int64_t>>& shape) -> at::OptionalSymIntArrayRef {
+    if (!shape.has_value()) return std::nullopt;
+    return c10::fromIntArrayRefSlow(*shape);
+  };
+  const at::AutoDispatchBelowADInplaceOrView below_autograd;
+  auto grads = op.call(grad_out, images, weight, perm, mask, need_images, need_weight, need_bias, need_pos, need_unk,
+                       need_prefix, prefix_count, prefix_positions, symbolic(pos_shape), symbolic(prefix_shape));
+  const bool needs[] = {need_images, need_weight, need_bias, need_pos, need_unk, need_prefix};
+  std::vector<std::optional<at::Tensor>> out(grads.size());
+  for (size_t i = 0; i < grads.size(); ++i) {
+    if (needs[i]) out[i] = std::move(grads[i]);
   }
-  TORCH_CHECK(images.is_cpu(), op, ": tensors must be on the CPU or a CUDA device, got ", images.device());
-  return patch_embed_backward_cpu(g, grad_c, images_c, weight_c, perm_c, mask_c, need_images, need_weight, need_bias,
-                                  need_pos, need_unk);
+  return out;
 }
 
 }  // namespace
@@ -199,11 +136,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("seed"), py::arg("offset"), py::arg("shared"), py::arg("prob_threshold"), py::arg("h_thresholds"),
         py::arg("w_thresholds"));
   m.def("patch_embed_forward", &mjp::patch_embed_forward,
-        "tokens [B, N, D] = W @ patch(images[b], perm[b, n]) + bias + (unk if mask[b, n] else pos[n]).",
+        "out [B, P + N, D]: out[b, t] = prefix[t] + (pos[t] if t < Q) for the P prefix tokens (prefix: P * D "
+        "elements, Q = prefix_positions, 0 or P), then out[b, P + n] = W @ patch(images[b], perm[b, n]) + bias + "
+        "(unk if mask[b, n] else pos[Q + n]); pos_embed is the whole table, last two dims [Q + N, D].",
         py::arg("images"), py::arg("weight"), py::arg("bias"), py::arg("pos_embed"), py::arg("unk_embed"),
-        py::arg("perm"), py::arg("mask"));
+        py::arg("perm"), py::arg("mask"), py::arg("prefix") = py::none(), py::arg("prefix_positions") = 0);
   m.def("patch_embed_backward", &mjp::patch_embed_backward,
-        "[grad_images, grad_weight, grad_bias, grad_pos, grad_unk], None where not requested.", py::arg("grad_out"),
-        py::arg("images"), py::arg("weight"), py::arg("perm"), py::arg("mask"), py::arg("need_images"),
-        py::arg("need_weight"), py::arg("need_bias"), py::arg("need_pos"), py::arg("need_unk"));
+        "[grad_images, grad_weight, grad_bias, grad_pos, grad_unk, grad_prefix], None where not requested. grad_out "
+        "[B, P + N, D] (P = prefix_count); grad_pos comes in pos_shape (default [Q + N, D]), grad_prefix in "
+        "prefix_shape (default [P, D]; an empty [0] tensor when P = 0).",
+        py::arg("grad_out"), py::arg("images"), py::arg("weight"), py::arg("perm"), py::arg("mask"),
+        py::arg("need_images"), py::arg("need_weight"), py::arg("need_bias"), py::arg("need_pos"),
+        py::arg("need_unk"), py::arg("need_prefix") = false, py::arg("prefix_count") = 0,
+        py::arg("prefix_positions") = 0, py::arg("pos_shape") = py::none(), py::arg("prefix_shape") = py::none());
 }

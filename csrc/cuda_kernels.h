@@ -49,10 +49,14 @@ template <typename scalar_t>
 cudaError_t launch_scatter_patches(const PatchLayout& layout, const scalar_t* grad_columns, const int64_t* perm,
                                    scalar_t* grad_images, cudaStream_t stream);
 
-// tokens [B * N, D] += bias + (unk if mask else pos[n]); bias, unk, mask may be null.
+// out [B, P + N, D] from the GEMM's tokens [B * N, D]: out[b, t] = prefix[t] + (pos[t] if t < Q) for the P prefix
+// rows t < prefix_rows (Q = prefix_positions), then out[b, P + n] = tokens[b * N + n] + bias + (unk if mask[b, n] else
+// pos[Q + n]). pos: the whole table [Q + N, D]. bias, unk, mask may be null, prefix when P = 0; out may be tokens
+// itself when P = 0 (each element is read and written by one thread).
 template <typename scalar_t>
-cudaError_t launch_add_embeddings(const PatchLayout& layout, scalar_t* tokens, const scalar_t* bias,
-                                  const scalar_t* pos, const scalar_t* unk, const bool* mask, cudaStream_t stream);
+cudaError_t launch_add_embeddings(const PatchLayout& layout, const scalar_t* tokens, const scalar_t* bias,
+                                  const scalar_t* pos, const scalar_t* unk, const bool* mask, const scalar_t* prefix,
+                                  int64_t prefix_rows, int64_t prefix_positions, scalar_t* out, cudaStream_t stream);
 
 // Deterministic sums of grad [B * N, D]: grad_pos [N, D] over unmasked tokens, grad_unk [D] over masked ones,
 // grad_bias [D] over all (null: not wanted). unk_partial / bias_partial: accumulate_t [N, D] scratch, needed

@@ -57,30 +57,39 @@ std::tuple<at::Tensor, at::Tensor> sample_jigsaw_cuda(int64_t batch_size, int64_
 at::Tensor patch_embed_forward_cuda(const PatchGeometry& g, const at::Tensor& images, const at::Tensor& weight,
                                     const std::optional<at::Tensor>& bias, const at::Tensor& pos_embed,
                                     const std::optional<at::Tensor>& unk_embed, const std::optional<at::Tensor>& perm,
-                                    const std::optional<at::Tensor>& mask) {
+                                    const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& prefix) {
   const c10::cuda::CUDAGuard guard(images.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const auto columns = gather_columns(g, images, perm, stream);
   auto tokens = at::mm(columns, weight.view({g.dim, g.patch_size}).t());
   TORCH_CHECK(tokens.is_contiguous(), "patch_embed: at::mm returned a non-contiguous result");
+  // Without prefix rows the epilogue runs in place; with them it writes [B, P + N, D] from the GEMM's [B * N, D].
+  auto out = g.prefix_rows == 0 ? tokens : at::empty({g.batch * g.rows_per_sample(), g.dim}, tokens.options());
   const auto layout = image_layout(g, images);
   MJP_DISPATCH_FLOATING_TYPES(images.scalar_type(), "mjp_add_embeddings_cuda", [&] {
     C10_CUDA_CHECK(cuda::launch_add_embeddings<scalar_t>(
         layout, tokens.data_ptr<scalar_t>(), optional_data<scalar_t>(bias), pos_embed.data_ptr<scalar_t>(),
-        optional_data<scalar_t>(unk_embed), optional_data<bool>(mask), stream));
+        optional_data<scalar_t>(unk_embed), optional_data<bool>(mask), optional_data<scalar_t>(prefix),
+        g.prefix_rows, g.prefix_positions, out.data_ptr<scalar_t>(), stream));
   });
-  return tokens.view({g.batch, g.positions, g.dim});
+  return out.view({g.batch, g.rows_per_sample(), g.dim});
 }
 
 std::vector<std::optional<at::Tensor>> patch_embed_backward_cuda(
     const PatchGeometry& g, const at::Tensor& grad_out, const at::Tensor& images, const at::Tensor& weight,
     const std::optional<at::Tensor>& perm, const std::optional<at::Tensor>& mask, bool need_images,
-    bool need_weight, bool need_bias, bool need_pos, bool need_unk) {
+    bool need_weight, bool need_bias, bool need_pos, bool need_unk, bool need_prefix, at::IntArrayRef pos_shape,
+    at::IntArrayRef prefix_shape) {
   const c10::cuda::CUDAGuard guard(grad_out.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  std::vector<std::optional<at::Tensor>> grads(5);
-  const auto grad_2d = grad_out.view({g.batch * g.positions, g.dim});
+  std::vector<std::optional<at::Tensor>> grads(6);
   const auto options = grad_out.options();
+  // grad_out [B, P + N, D]: its patch rows [B * N, D] (a copy when prefix rows lie between them) serve the GEMMs and
+  // the reductions below as they did without a prefix; its prefix rows [B, P, D] are summed over b the same way.
+  const auto grad_3d = grad_out.view({g.batch, g.rows_per_sample(), g.dim});
+  const auto grad_2d = g.prefix_rows == 0
+                           ? grad_out.view({g.batch * g.positions, g.dim})
+                           : grad_3d.narrow(1, g.prefix_rows, g.positions).reshape({g.batch * g.positions, g.dim});
 
   if (need_weight) {
     const auto columns = gather_columns(g, images, perm, stream);
@@ -98,9 +107,24 @@ std::vector<std::optional<at::Tensor>> patch_embed_backward_cuda(
     });
     grads[0] = grad_images;
   }
+  if (need_prefix && g.prefix_rows == 0) grads[5] = at::empty({0}, options);
+  at::Tensor grad_prefix;  // [P, D]: grad_prefix, and the table's first Q rows
+  if (g.prefix_rows > 0 && (need_prefix || (need_pos && g.prefix_positions > 0))) {
+    const auto prefix_rows = grad_3d.narrow(1, 0, g.prefix_rows).contiguous();
+    grad_prefix = at::empty({g.prefix_rows, g.dim}, options);
+    auto layout = patch_layout(g, 0, 0, 0);
+    layout.positions = g.prefix_rows;
+    MJP_DISPATCH_FLOATING_TYPES(grad_out.scalar_type(), "mjp_reduce_prefix_grads_cuda", [&] {
+      C10_CUDA_CHECK(cuda::launch_reduce_embedding_grads<scalar_t>(layout, prefix_rows.data_ptr<scalar_t>(), nullptr,
+                                                                   grad_prefix.data_ptr<scalar_t>(), nullptr, nullptr,
+                                                                   nullptr, nullptr, stream));
+    });
+    if (need_prefix) grads[5] = grad_prefix.view(prefix_shape);
+  }
   if (need_bias || need_pos || need_unk) {
     const auto acc_options = options.dtype(at::toOpMathType(grad_out.scalar_type()));
-    auto grad_pos = need_pos ? at::empty({g.positions, g.dim}, options) : at::Tensor();
+    const int64_t table_rows = g.prefix_positions + g.positions;
+    auto grad_table = need_pos ? at::empty({table_rows, g.dim}, options) : at::Tensor();
     auto grad_unk = need_unk ? at::empty({g.dim}, options) : at::Tensor();
     auto grad_bias = need_bias ? at::empty({g.dim}, options) : at::Tensor();
     auto unk_partial = need_unk ? at::empty({g.positions, g.dim}, acc_options) : at::Tensor();
@@ -108,14 +132,16 @@ std::vector<std::optional<at::Tensor>> patch_embed_backward_cuda(
     const auto layout = patch_layout(g, 0, 0, 0);
     MJP_DISPATCH_FLOATING_TYPES(grad_out.scalar_type(), "mjp_reduce_grads_cuda", [&] {
       C10_CUDA_CHECK(cuda::launch_reduce_embedding_grads<scalar_t>(
-          layout, grad_out.data_ptr<scalar_t>(), optional_data<bool>(mask),
-          need_pos ? grad_pos.data_ptr<scalar_t>() : nullptr, need_unk ? grad_unk.data_ptr<scalar_t>() : nullptr,
+          layout, grad_2d.data_ptr<scalar_t>(), optional_data<bool>(mask),
+          need_pos ? grad_table.data_ptr<scalar_t>() + g.prefix_positions * g.dim : nullptr,
+          need_unk ? grad_unk.data_ptr<scalar_t>() : nullptr,
           need_bias ? grad_bias.data_ptr<scalar_t>() : nullptr,
           need_unk ? unk_partial.data_ptr<cuda::accumulate_t<scalar_t>>() : nullptr,
           need_bias ? bias_partial.data_ptr<cuda::accumulate_t<scalar_t>>() : nullptr, stream));
     });
+    if (need_pos && g.prefix_positions > 0) grad_table.narrow(0, 0, g.prefix_positions).copy_(grad_prefix);
     if (need_bias) grads[2] = grad_bias;
-    if (need_pos) grads[3] = grad_pos;
+    if (need_pos) grads[3] = grad_table.view(pos_shape);
     if (need_unk) grads[4] = grad_unk;
   }
   return grads;

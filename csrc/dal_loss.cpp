@@ -1,19 +1,25 @@
 // The DAL loss (dense absolute localization) with its regressor, as two dispatcher operators:
 //
-//   torch.ops.mjp_fast.dal_loss_extension(pos, w1, b1, w2, b2, coords, mask, scale) -> (loss, pred, hidden, weights)
+//   torch.ops.mjp_fast.dal_loss_extension(pos, skip_rows, w1, b1, w2, b2, coords, mask, scale)
+//     -> (loss, pred, hidden, weights)
+//     pos: the model's whole position table, any shape with last two dims [skip_rows + N, D] (the first skip_rows
+//     rows, the prefix tokens' positions, are not regressed); below, pos means its rows skip_rows.. ([N, D]).
 //     hidden = relu(pos @ w1^T + b1)             [N, H]   ([N, 0] for the linear regressor: no w1)
 //     pred = hidden @ w2^T + b2                   [N, 2]   (linear regressor: pos @ w2^T + b2)
 //     weights[n] = u[n] / max(sum_m u[m], 1)      [N]      u[n]: samples b with mask[b, n] False (1 without a mask)
 //     loss = scale * sum_n weights[n] * |pred[n] - coords[n]|_1                 []
-//   torch.ops.mjp_fast.dal_loss_extension_backward(grad, pos, w1, w2, coords, pred, hidden, weights, scale, has_b1,
-//                                                  has_b2) -> (grad_pos, grad_w1, grad_b1, grad_w2, grad_b2)
+//   torch.ops.mjp_fast.dal_loss_extension_backward(grad, pos, skip_rows, w1, w2, coords, pred, hidden, weights, scale,
+//                                                  has_b1, has_b2) -> (grad_pos, grad_w1, grad_b1, grad_w2, grad_b2)
+//     grad_pos has pos's whole shape, zeros in the skipped rows.
 //
-// Everything runs in float32 (float64 when pos is float64): pred, hidden and weights come out in that dtype (they
-// are what the backward needs), the gradients in the dtype of their tensors; a gradient that does not apply (no w1,
-// no bias) is an empty [0] tensor. Beyond the regressor's GEMMs the work is tiny, so the cost is the number of
-// operations: the kernels are CompositeExplicitAutograd (they run on any device) over the fewest ATen operations that
-// compute it, 12 forward and 14 backward instead of the ~40 of the nn.Sequential regressor and the weighted L1 under
-// autograd. Meta kernels give the shapes to FakeTensor and torch.compile. The Python layer owns the autograd.
+// Everything runs in float32 (float64 when pos is float64), under torch.autocast too (the kernels turn it off for
+// their own operations): pred, hidden and weights come out in that dtype (they are what the backward needs), the
+// gradients in the dtype of their tensors; a gradient that does not apply (no w1, no bias) is an empty [0] tensor.
+// Beyond the regressor's GEMMs the work is tiny, so the cost is the number of operations: the kernels are
+// CompositeExplicitAutograd (they run on any device) over the fewest ATen operations that compute it, 12 forward and
+// 14 backward (a view or two more for a table with skipped rows) instead of the ~40 of the nn.Sequential regressor
+// and the weighted L1 under autograd. Meta kernels give the shapes to FakeTensor and torch.compile. The Python layer
+// owns the autograd.
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/ops/_addmm_activation.h>
 #include <ATen/ops/addmm.h>
@@ -25,6 +31,8 @@
 #include <ATen/ops/sub.h>
 #include <ATen/ops/sum.h>
 #include <ATen/ops/threshold_backward.h>
+#include <ATen/ops/zeros.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -60,13 +68,21 @@ void check_param(const char* op, const char* name, const at::Tensor& tensor, c10
   TORCH_CHECK(tensor.device() == pos.device(), op, ": ", name, " on ", tensor.device(), ", pos on ", pos.device());
 }
 
-// Checks pos [N, D], w1 [H, D], w2 [2, H] ([2, D] without w1) and coords [N, 2]; returns H (D without w1).
-c10::SymInt check_regressor(const char* op, const at::Tensor& pos, const std::optional<at::Tensor>& w1,
-                            const at::Tensor& w2, const at::Tensor& coords) {
-  TORCH_CHECK(pos.dim() == 2, op, ": pos must be [N, D], got ", pos.sym_sizes());
+// Checks coords [N, 2], pos (the whole table: last two dims [skip_rows + N, D], leading dims of size 1), w1 [H, D]
+// and w2 [2, H] ([2, D] without w1); returns H (D without w1).
+c10::SymInt check_regressor(const char* op, const at::Tensor& pos, int64_t skip_rows,
+                            const std::optional<at::Tensor>& w1, const at::Tensor& w2, const at::Tensor& coords) {
+  TORCH_CHECK(coords.dim() == 2, op, ": coords must be [N, 2], got ", coords.sym_sizes());
+  TORCH_CHECK(skip_rows >= 0, op, ": skip_rows must be >= 0, got ", skip_rows);
+  TORCH_CHECK(pos.dim() >= 2, op, ": pos must be the position table, last two dims [skip_rows + N, D], got ",
+              pos.sym_sizes());
   TORCH_CHECK(is_float_dtype(pos.scalar_type()), op, ": pos must be float32, float64, float16 or bfloat16, got ",
               pos.scalar_type());
-  const c10::SymInt positions = pos.sym_size(0), dim = pos.sym_size(1);
+  const c10::SymInt positions = coords.sym_size(0), dim = pos.sym_size(-1);
+  TORCH_CHECK(pos.sym_size(-2) == positions + skip_rows && pos.sym_numel() == (positions + skip_rows) * dim, op,
+              ": pos must be the whole position table, last two dims [skip_rows + N, D] = [", skip_rows, " + ",
+              positions, ", D] (N = coords.size(0)) and no other rows (leading dims of size 1), got ",
+              pos.sym_sizes());
   c10::SymInt hidden = dim;
   if (present(w1)) {
     TORCH_CHECK(w1->dim() == 2, op, ": w1 must be [H, D], got ", w1->sym_sizes());
@@ -78,11 +94,11 @@ c10::SymInt check_regressor(const char* op, const at::Tensor& pos, const std::op
   return hidden;
 }
 
-void check_forward_args(const at::Tensor& pos, const std::optional<at::Tensor>& w1,
+void check_forward_args(const at::Tensor& pos, int64_t skip_rows, const std::optional<at::Tensor>& w1,
                         const std::optional<at::Tensor>& b1, const at::Tensor& w2,
                         const std::optional<at::Tensor>& b2, const at::Tensor& coords,
                         const std::optional<at::Tensor>& mask) {
-  const c10::SymInt hidden = check_regressor(kForward, pos, w1, w2, coords);
+  const c10::SymInt hidden = check_regressor(kForward, pos, skip_rows, w1, w2, coords);
   if (present(b1)) {
     TORCH_CHECK(present(w1), kForward, ": b1 given without w1");
     check_param(kForward, "b1", *b1, {hidden}, pos);
@@ -90,17 +106,17 @@ void check_forward_args(const at::Tensor& pos, const std::optional<at::Tensor>& 
   if (present(b2)) check_param(kForward, "b2", *b2, {c10::SymInt(2)}, pos);
   if (present(mask)) {
     TORCH_CHECK(mask->scalar_type() == at::kBool, kForward, ": mask must be bool, got ", mask->scalar_type());
-    TORCH_CHECK(mask->dim() == 2 && mask->sym_size(1) == pos.sym_size(0), kForward, ": mask must be [B, N] with N = ",
-                pos.sym_size(0), ", got ", mask->sym_sizes());
+    TORCH_CHECK(mask->dim() == 2 && mask->sym_size(1) == coords.sym_size(0), kForward,
+                ": mask must be [B, N] with N = ", coords.sym_size(0), ", got ", mask->sym_sizes());
     TORCH_CHECK(mask->device() == pos.device(), kForward, ": mask on ", mask->device(), ", pos on ", pos.device());
   }
 }
 
-void check_backward_args(const at::Tensor& grad, const at::Tensor& pos, const std::optional<at::Tensor>& w1,
-                         const at::Tensor& w2, const at::Tensor& coords, const at::Tensor& pred,
-                         const at::Tensor& hidden, const at::Tensor& weights) {
-  const c10::SymInt width = check_regressor(kBackward, pos, w1, w2, coords);
-  const c10::SymInt positions = pos.sym_size(0);
+void check_backward_args(const at::Tensor& grad, const at::Tensor& pos, int64_t skip_rows,
+                         const std::optional<at::Tensor>& w1, const at::Tensor& w2, const at::Tensor& coords,
+                         const at::Tensor& pred, const at::Tensor& hidden, const at::Tensor& weights) {
+  const c10::SymInt width = check_regressor(kBackward, pos, skip_rows, w1, w2, coords);
+  const c10::SymInt positions = coords.sym_size(0);
   const auto dtype = compute_dtype(pos);
   TORCH_CHECK(grad.dim() == 0 && is_float_dtype(grad.scalar_type()), kBackward,
               ": grad must be a floating scalar of shape [], got ", grad.scalar_type(), " ", grad.sym_sizes());
@@ -126,16 +142,49 @@ at::Tensor as_dtype(const at::Tensor& tensor, at::ScalarType dtype) {
   return tensor.scalar_type() == dtype ? tensor : tensor.to(dtype);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dal_loss_forward(
-    const at::Tensor& pos, const std::optional<at::Tensor>& w1, const std::optional<at::Tensor>& b1,
-    const at::Tensor& w2, const std::optional<at::Tensor>& b2, const at::Tensor& coords,
-    const std::optional<at::Tensor>& mask, double scale) {
-  // Raw computation: never recorded by autograd (the Python layer owns the graph).
+// The regressed rows [N, D] of a position table (rows skip_rows.. of its last two dims): a view, without a dispatch
+// for an [N, D] table.
+at::Tensor regressed_rows(const at::Tensor& table, int64_t skip_rows, int64_t positions) {
+  const auto rows = table.dim() == 2 ? table : table.view({table.size(-2), table.size(-1)});
+  return skip_rows == 0 ? rows : rows.narrow(0, skip_rows, positions);
+}
+
+// The gradient of the table `pos` whose regressed rows get d_features @ weight (computed in `dtype`): pos's shape and
+// dtype, zeros in the skipped rows. Without skipped rows the product itself, reshaped; else one zero-filled table
+// whose regressed rows receive the product (written there directly when pos has the computation dtype).
+at::Tensor table_gradient(const at::Tensor& pos, int64_t skip_rows, const at::Tensor& d_features,
+                          const at::Tensor& weight, at::ScalarType dtype) {
+  if (skip_rows == 0) {
+    const auto grad = as_dtype(at::mm(d_features, weight), pos.scalar_type());
+    return pos.dim() == 2 ? grad : grad.view(pos.sizes());
+  }
+  auto grad = at::zeros(pos.sizes(), pos.options());
+  auto rows = regressed_rows(grad, skip_rows, d_features.size(0));
+  if (pos.scalar_type() == dtype) {
+    at::mm_out(rows, d_features, weight);
+  } else {
+    rows.copy_(at::mm(d_features, weight));
+  }
+  return grad;
+}
+
+// The DAL kernels compute in float32 as specified, also when called under torch.autocast (whose keys would otherwise
+// send their matrix products to bfloat16 or float16), and are never recorded by autograd (the Python layer owns the
+// graph).
+struct RawComputation {
   const at::AutoDispatchBelowADInplaceOrView below_autograd;
-  check_forward_args(pos, w1, b1, w2, b2, coords, mask);
+  const c10::impl::ExcludeDispatchKeyGuard no_autocast{c10::autocast_dispatch_keyset};
+};
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dal_loss_forward(
+    const at::Tensor& pos, int64_t skip_rows, const std::optional<at::Tensor>& w1,
+    const std::optional<at::Tensor>& b1, const at::Tensor& w2, const std::optional<at::Tensor>& b2,
+    const at::Tensor& coords, const std::optional<at::Tensor>& mask, double scale) {
+  const RawComputation raw;
+  check_forward_args(pos, skip_rows, w1, b1, w2, b2, coords, mask);
   const auto dtype = compute_dtype(pos);
-  const auto pos_c = as_dtype(pos, dtype);
-  const int64_t positions = pos.size(0);
+  const int64_t positions = coords.size(0);
+  const auto pos_c = as_dtype(regressed_rows(pos, skip_rows, positions), dtype);
   at::Tensor hidden, features;  // features: what the last Linear maps ([N, H] hidden, or pos for a linear regressor)
   if (present(w1)) {
     const auto w1_t = as_dtype(*w1, dtype).t();
@@ -164,11 +213,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dal_loss_forward(
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> dal_loss_backward(
-    const at::Tensor& grad, const at::Tensor& pos, const std::optional<at::Tensor>& w1, const at::Tensor& w2,
-    const at::Tensor& coords, const at::Tensor& pred, const at::Tensor& hidden, const at::Tensor& weights,
-    double scale, bool has_b1, bool has_b2) {
-  const at::AutoDispatchBelowADInplaceOrView below_autograd;
-  check_backward_args(grad, pos, w1, w2, coords, pred, hidden, weights);
+    const at::Tensor& grad, const at::Tensor& pos, int64_t skip_rows, const std::optional<at::Tensor>& w1,
+    const at::Tensor& w2, const at::Tensor& coords, const at::Tensor& pred, const at::Tensor& hidden,
+    const at::Tensor& weights, double scale, bool has_b1, bool has_b2) {
+  const RawComputation raw;
+  check_backward_args(grad, pos, skip_rows, w1, w2, coords, pred, hidden, weights);
+  const int64_t positions = coords.size(0);
   const auto dtype = compute_dtype(pos);
   // d_pred = grad * scale * weights[:, None] * sign(pred - coords); sign(0) = 0, as abs's backward.
   auto d_pred = at::sub(pred, as_dtype(coords, dtype));
@@ -176,41 +226,42 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> dal_loss_
   auto row_scale = weights.unsqueeze(1).mul(grad);  // [N, 1], in weights' dtype (grad is a 0-d tensor)
   if (scale != 1.0) row_scale.mul_(scale);
   d_pred.mul_(row_scale);
-  const auto pos_c = as_dtype(pos, dtype);
   const auto w2_c = as_dtype(w2, dtype);
   const auto grad_b2 = has_b2 ? as_dtype(d_pred.sum(0), w2.scalar_type()) : no_gradient(w2);
   const auto d_pred_t = d_pred.t();
   if (!present(w1)) {
-    return {as_dtype(at::mm(d_pred, w2_c), pos.scalar_type()), no_gradient(pos), no_gradient(pos),
+    const auto pos_c = as_dtype(regressed_rows(pos, skip_rows, positions), dtype);
+    return {table_gradient(pos, skip_rows, d_pred, w2_c, dtype), no_gradient(pos), no_gradient(pos),
             as_dtype(at::mm(d_pred_t, pos_c), w2.scalar_type()), grad_b2};
   }
   const auto grad_w2 = as_dtype(at::mm(d_pred_t, hidden), w2.scalar_type());
   const auto d_hidden = at::threshold_backward(at::mm(d_pred, w2_c), hidden, 0);  // relu's backward
   const auto grad_b1 = has_b1 ? as_dtype(d_hidden.sum(0), w1->scalar_type()) : no_gradient(*w1);
+  const auto pos_c = as_dtype(regressed_rows(pos, skip_rows, positions), dtype);
   const auto grad_w1 = as_dtype(at::mm(d_hidden.t(), pos_c), w1->scalar_type());
-  const auto grad_pos = as_dtype(at::mm(d_hidden, as_dtype(*w1, dtype)), pos.scalar_type());
+  const auto grad_pos = table_gradient(pos, skip_rows, d_hidden, as_dtype(*w1, dtype), dtype);
   return {grad_pos, grad_w1, grad_b1, grad_w2, grad_b2};
 }
 
 // ---- Meta kernels: checks and output shapes only (symbolic sizes, for torch.compile's dynamic shapes).
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dal_loss_forward_meta(
-    const at::Tensor& pos, const std::optional<at::Tensor>& w1, const std::optional<at::Tensor>& b1,
-    const at::Tensor& w2, const std::optional<at::Tensor>& b2, const at::Tensor& coords,
-    const std::optional<at::Tensor>& mask, double /*scale*/) {
-  check_forward_args(pos, w1, b1, w2, b2, coords, mask);
+    const at::Tensor& pos, int64_t skip_rows, const std::optional<at::Tensor>& w1,
+    const std::optional<at::Tensor>& b1, const at::Tensor& w2, const std::optional<at::Tensor>& b2,
+    const at::Tensor& coords, const std::optional<at::Tensor>& mask, double /*scale*/) {
+  check_forward_args(pos, skip_rows, w1, b1, w2, b2, coords, mask);
   const auto options = pos.options().dtype(compute_dtype(pos));
-  const c10::SymInt positions = pos.sym_size(0);
+  const c10::SymInt positions = coords.sym_size(0);
   const c10::SymInt hidden_width = present(w1) ? w1->sym_size(0) : c10::SymInt(0);
   return {at::empty_symint({}, options), at::empty_symint({positions, c10::SymInt(2)}, options),
           at::empty_symint({positions, hidden_width}, options), at::empty_symint({positions}, options)};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> dal_loss_backward_meta(
-    const at::Tensor& grad, const at::Tensor& pos, const std::optional<at::Tensor>& w1, const at::Tensor& w2,
-    const at::Tensor& coords, const at::Tensor& pred, const at::Tensor& hidden, const at::Tensor& weights,
-    double /*scale*/, bool has_b1, bool has_b2) {
-  check_backward_args(grad, pos, w1, w2, coords, pred, hidden, weights);
+    const at::Tensor& grad, const at::Tensor& pos, int64_t skip_rows, const std::optional<at::Tensor>& w1,
+    const at::Tensor& w2, const at::Tensor& coords, const at::Tensor& pred, const at::Tensor& hidden,
+    const at::Tensor& weights, double /*scale*/, bool has_b1, bool has_b2) {
+  check_backward_args(grad, pos, skip_rows, w1, w2, coords, pred, hidden, weights);
   const auto grad_b2 = has_b2 ? at::empty_symint({c10::SymInt(2)}, w2.options()) : no_gradient(w2);
   if (!present(w1)) {
     return {at::empty_symint(pos.sym_sizes(), pos.options()), no_gradient(pos), no_gradient(pos),
@@ -226,13 +277,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> dal_loss_
 
 TORCH_LIBRARY_FRAGMENT(mjp_fast, m) {
   m.def(
-      "dal_loss_extension(Tensor pos, Tensor? w1, Tensor? b1, Tensor w2, Tensor? b2, Tensor coords, Tensor? mask, "
-      "float scale) -> (Tensor loss, Tensor pred, Tensor hidden, Tensor weights)",
+      "dal_loss_extension(Tensor pos, int skip_rows, Tensor? w1, Tensor? b1, Tensor w2, Tensor? b2, Tensor coords, "
+      "Tensor? mask, float scale) -> (Tensor loss, Tensor pred, Tensor hidden, Tensor weights)",
       {at::Tag::pt2_compliant_tag});
   m.def(
-      "dal_loss_extension_backward(Tensor grad, Tensor pos, Tensor? w1, Tensor w2, Tensor coords, Tensor pred, "
-      "Tensor hidden, Tensor weights, float scale, bool has_b1, bool has_b2) -> (Tensor grad_pos, Tensor grad_w1, "
-      "Tensor grad_b1, Tensor grad_w2, Tensor grad_b2)",
+      "dal_loss_extension_backward(Tensor grad, Tensor pos, int skip_rows, Tensor? w1, Tensor w2, Tensor coords, "
+      "Tensor pred, Tensor hidden, Tensor weights, float scale, bool has_b1, bool has_b2) -> (Tensor grad_pos, "
+      "Tensor grad_w1, Tensor grad_b1, Tensor grad_w2, Tensor grad_b2)",
       {at::Tag::pt2_compliant_tag});
 }
 

@@ -1,7 +1,8 @@
-// The tensor-level operations behind the bindings (bindings.cpp), for the CPU and, when compiled, CUDA.
+// The tensor-level operations behind the bindings (bindings.cpp) and the dispatcher operators, for the CPU and, when
+// compiled, CUDA.
 //
-// bindings.cpp checks every argument (shapes, dtypes, devices, ranges) and makes tensors contiguous where a
-// kernel needs it; the functions here assume that. Headers are kept narrow (no ATen/ATen.h, no
+// Their callers (bindings.cpp, the operators' kernels) check every argument (shapes, dtypes, devices, ranges) and
+// make tensors contiguous where a kernel needs it; the functions here assume that. Headers are kept narrow (no ATen/ATen.h, no
 // torch/extension.h): compile time on small CI machines is dominated by them.
 #pragma once
 
@@ -19,7 +20,8 @@
 
 namespace mjp {
 
-// Geometry of one patch-embedding call, derived from images [B, C, H, W] and weight [D, C, P, P].
+// Geometry of one patch-embedding call, derived from images [B, C, H, W] and weight [D, C, P, P], and the prefix
+// (class and register) tokens written in front of each sample's patch tokens.
 struct PatchGeometry {
   int64_t batch = 0;       // B
   int64_t channels = 0;    // C
@@ -29,6 +31,10 @@ struct PatchGeometry {
   int64_t positions = 0;   // N = gh * gw
   int64_t patch_size = 0;  // K = C * P * P, the length of one im2col row
   int64_t dim = 0;         // D
+  int64_t prefix_rows = 0;       // P: prefix (class, register) tokens written in front of each sample's patch tokens
+  int64_t prefix_positions = 0;  // Q: 0 or P, the position-table rows of the prefix tokens, in front of the N others
+
+  int64_t rows_per_sample() const { return prefix_rows + positions; }  // output rows of a sample
 };
 
 inline bool present(const std::optional<at::Tensor>& tensor) { return tensor.has_value() && tensor->defined(); }
@@ -46,30 +52,38 @@ std::tuple<at::Tensor, at::Tensor> sample_jigsaw_cpu(int64_t batch_size, int64_t
                                                      int64_t prob_threshold, const at::Tensor& h_thresholds,
                                                      const at::Tensor& w_thresholds);
 
-// tokens [B, N, D]. images [B, C, H, W] with stride(3) == 1; weight, bias [D], pos_embed [N, D], unk_embed [D],
-// perm [B, N], mask [B, N] contiguous (the optional ones may be absent). A masked token without unk_embed gets
-// no position term.
+// out [B, P + N, D] (P = geometry.prefix_rows, Q = geometry.prefix_positions): out[b, t] = prefix[t] + (pos[t] if
+// t < Q) for t < P, then the patch tokens out[b, P + n] = W @ patch(images[b], perm[b, n]) + bias + (unk if mask[b, n]
+// else pos[Q + n]). images [B, C, H, W] with stride(3) == 1; weight, bias [D], pos_embed (the whole table,
+// (Q + N) * D elements), unk_embed [D], perm [B, N], mask [B, N], prefix (P * D elements, absent when P = 0)
+// contiguous (the optional ones may be absent). A masked token without unk_embed gets no position term.
 at::Tensor patch_embed_forward_cpu(const PatchGeometry& geometry, const at::Tensor& images, const at::Tensor& weight,
                                    const std::optional<at::Tensor>& bias, const at::Tensor& pos_embed,
                                    const std::optional<at::Tensor>& unk_embed, const std::optional<at::Tensor>& perm,
-                                   const std::optional<at::Tensor>& mask);
+                                   const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& prefix);
 
-// {grad_images, grad_weight, grad_bias, grad_pos, grad_unk}, each absent unless requested. grad_out [B, N, D]
-// contiguous; images need stride(3) == 1 only when need_weight.
+// {grad_images, grad_weight, grad_bias, grad_pos, grad_unk, grad_prefix}, each absent unless requested; grad_pos in
+// pos_shape ((Q + N) * D elements), grad_prefix in prefix_shape (P * D elements). grad_out [B, P + N, D] contiguous;
+// the weight, bias, image gradients come from its patch rows P.. alone. images need stride(3) == 1 only when
+// need_weight.
 std::vector<std::optional<at::Tensor>> patch_embed_backward_cpu(
     const PatchGeometry& geometry, const at::Tensor& grad_out, const at::Tensor& images, const at::Tensor& weight,
     const std::optional<at::Tensor>& perm, const std::optional<at::Tensor>& mask, bool need_images,
-    bool need_weight, bool need_bias, bool need_pos, bool need_unk);
+    bool need_weight, bool need_bias, bool need_pos, bool need_unk, bool need_prefix, at::IntArrayRef pos_shape,
+    at::IntArrayRef prefix_shape);
 
-// ---- Dispatcher operators (pos_embed_cpu.cpp, dal_loss.cpp): torch.ops.mjp_fast.pos_embed_extension[_backward]
-// (CPU and Meta kernels) and torch.ops.mjp_fast.dal_loss_extension[_backward] (CompositeExplicitAutograd and Meta).
-// They register themselves with the dispatcher from static initialisers and are called through it, never by name.
-// A linker drops the object file of a static library (CMake's mjp_kernels) that nothing references, and its
-// registrations with it: every translation unit that includes this header references one symbol of each file, so
-// the operators come with any of the kernels.
+// ---- Dispatcher operators (patch_embed_cpu.cpp, pos_embed_cpu.cpp, dal_loss.cpp):
+// torch.ops.mjp_fast.patch_embed_extension[_backward] (CPU, CUDA when compiled, and Meta kernels),
+// torch.ops.mjp_fast.pos_embed_extension[_backward] (CPU and Meta) and torch.ops.mjp_fast.dal_loss_extension[_backward]
+// (CompositeExplicitAutograd and Meta). They register themselves with the dispatcher from static initialisers and
+// are called through it, never by name. A linker drops the object file of a static library (CMake's mjp_kernels)
+// that nothing references, and its registrations with it: every translation unit that includes this header
+// references one symbol of each file, so the operators come with any of the kernels.
+extern const int kPatchEmbedOperators;
 extern const int kPosEmbedOperators;
 extern const int kDalLossOperators;
-[[maybe_unused, gnu::used]] static const int* const kOperatorAnchors[] = {&kPosEmbedOperators, &kDalLossOperators};
+[[maybe_unused, gnu::used]] static const int* const kOperatorAnchors[] = {&kPatchEmbedOperators, &kPosEmbedOperators,
+                                                                          &kDalLossOperators};
 
 #ifdef MJP_WITH_CUDA
 // ---- CUDA (cuda_ops.cpp over the kernels of sampler_cuda.cu and patch_embed_cuda.cu): same contracts, all
@@ -83,12 +97,13 @@ std::tuple<at::Tensor, at::Tensor> sample_jigsaw_cuda(int64_t batch_size, int64_
 at::Tensor patch_embed_forward_cuda(const PatchGeometry& geometry, const at::Tensor& images, const at::Tensor& weight,
                                     const std::optional<at::Tensor>& bias, const at::Tensor& pos_embed,
                                     const std::optional<at::Tensor>& unk_embed, const std::optional<at::Tensor>& perm,
-                                    const std::optional<at::Tensor>& mask);
+                                    const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& prefix);
 
 std::vector<std::optional<at::Tensor>> patch_embed_backward_cuda(
     const PatchGeometry& geometry, const at::Tensor& grad_out, const at::Tensor& images, const at::Tensor& weight,
     const std::optional<at::Tensor>& perm, const std::optional<at::Tensor>& mask, bool need_images,
-    bool need_weight, bool need_bias, bool need_pos, bool need_unk);
+    bool need_weight, bool need_bias, bool need_pos, bool need_unk, bool need_prefix, at::IntArrayRef pos_shape,
+    at::IntArrayRef prefix_shape);
 #endif
 
 }  // namespace mjp

@@ -1,6 +1,8 @@
-// CPU path of the MJP patch embedding:
+// CPU path of the MJP patch embedding, with the P prefix (class and register) tokens in front of each sample's patch
+// tokens and Q (0 or P) position-table rows for them:
 //
-//   tokens[b, n, :] = W_flat @ patch(images[b], perm[b, n]) + bias + (unk if mask[b, n] else pos[n])
+//   out[b, t, :]     = prefix[t] + (pos[t] if t < Q)                                                     t < P
+//   out[b, P + n, :] = W_flat @ patch(images[b], perm[b, n]) + bias + (unk if mask[b, n] else pos[Q + n])
 //
 // The im2col matrix (patches in perm order, one row per token) is never materialised whole: the rows are
 // gathered in chunks of about 512 KiB that stay in the core's cache, each chunk goes straight into a GEMM
@@ -8,16 +10,25 @@
 // epilogue while its output is still in cache. Everything is computed in at::opmath_type<scalar_t> ("acc_t":
 // float for float, half and bfloat16, double for double): half and bfloat16 patches are gathered into float, the
 // GEMMs and sums run in float, and each output is rounded once.
+//
+// At the end of the file, the dispatcher operators over this path and the CUDA one (cuda_ops.cpp):
+// torch.ops.mjp_fast.patch_embed_extension and patch_embed_extension_backward, with their argument checks and Meta
+// kernels. Python calls them as one dispatcher call each way; their autograd is registered from Python
+// (mjp_fast/ops/patch_embed.py).
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/zeros.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <type_traits>
+#include <utility>
+#include <vector>
 
 #include "ops.h"
 
@@ -119,19 +130,21 @@ bool scatter_rows(const PatchGeometry& g, const acc_t<scalar_t>* columns, const 
   return valid;
 }
 
-// tokens[r, :] = projected[r - row_begin, :] + bias + (unk if mask[r] else pos[n]) for r in [row_begin, row_end),
-// in acc_t, rounded once. `projected` may be the very memory of those token rows (when scalar_t is acc_t).
+// out[b, P + n, :] = projected[r - row_begin, :] + bias + (unk if mask[r] else pos[n]) for the im2col rows
+// r = b * N + n in [row_begin, row_end), in acc_t, rounded once. pos: the table's patch rows. `projected` may be the
+// very memory of those output rows (when scalar_t is acc_t and P = 0).
 template <typename scalar_t>
 void add_embeddings_rows(const PatchGeometry& g, const acc_t<scalar_t>* projected, int64_t row_begin,
                          int64_t row_end, const scalar_t* bias, const scalar_t* pos, const scalar_t* unk,
                          const bool* mask, scalar_t* tokens) {
   using acc = acc_t<scalar_t>;
-  const int64_t D = g.dim, N = g.positions;
+  const int64_t D = g.dim, N = g.positions, P = g.prefix_rows;
   for (int64_t row = row_begin; row < row_end; ++row) {
     const acc* in = projected + (row - row_begin) * D;
-    scalar_t* out = tokens + row * D;
+    const int64_t b = row / N;
+    scalar_t* out = tokens + (row + (b + 1) * P) * D;
     // A masked token without an unk_embed gets no position term.
-    const scalar_t* add = (mask != nullptr && mask[row]) ? unk : pos + (row % N) * D;
+    const scalar_t* add = (mask != nullptr && mask[row]) ? unk : pos + (row - b * N) * D;
     if (bias != nullptr && add != nullptr) {
       for (int64_t d = 0; d < D; ++d) {
         out[d] = static_cast<scalar_t>(in[d] + static_cast<acc>(bias[d]) + static_cast<acc>(add[d]));
@@ -145,20 +158,29 @@ void add_embeddings_rows(const PatchGeometry& g, const acc_t<scalar_t>* projecte
   }
 }
 
-// Deterministic sums of grad_out [B * N, D] in acc_t: pos_sum[n] over unmasked tokens at n, unk_sum over masked
-// tokens, bias_sum over all (null: not wanted). Parallel over chunks of D only, so every element is summed in the
-// same (b, n) order whatever the thread count.
+// Deterministic sums of grad_out [B, P + N, D] in acc_t: prefix_sum[t] over the samples' prefix rows t, and over
+// their patch rows pos_sum[n] (the table's patch rows) of unmasked tokens at n, unk_sum of masked tokens, bias_sum of
+// all (null: not wanted). Parallel over chunks of D only, so every element is summed in the same (b, n) order
+// whatever the thread count.
 template <typename scalar_t>
 void reduce_embedding_grads(const PatchGeometry& g, const scalar_t* grad, const bool* mask, acc_t<scalar_t>* pos_sum,
-                            acc_t<scalar_t>* unk_sum, acc_t<scalar_t>* bias_sum) {
+                            acc_t<scalar_t>* unk_sum, acc_t<scalar_t>* bias_sum, acc_t<scalar_t>* prefix_sum) {
   using acc = acc_t<scalar_t>;
-  const int64_t D = g.dim, N = g.positions;
+  const int64_t D = g.dim, N = g.positions, P = g.prefix_rows;
   at::parallel_for(0, D, 16, [&](int64_t d_begin, int64_t d_end) {
     const int64_t width = d_end - d_begin;
     for (int64_t b = 0; b < g.batch; ++b) {
+      const scalar_t* sample = grad + b * g.rows_per_sample() * D + d_begin;
+      if (prefix_sum != nullptr) {
+        for (int64_t t = 0; t < P; ++t) {
+          const scalar_t* __restrict__ in = sample + t * D;
+          acc* __restrict__ sum = prefix_sum + t * D + d_begin;
+          for (int64_t d = 0; d < width; ++d) sum[d] += static_cast<acc>(in[d]);
+        }
+      }
       for (int64_t n = 0; n < N; ++n) {
         const int64_t row = b * N + n;
-        const scalar_t* __restrict__ in = grad + row * D + d_begin;
+        const scalar_t* __restrict__ in = sample + (P + n) * D;
         if (bias_sum != nullptr) {
           acc* __restrict__ sum = bias_sum + d_begin;
           for (int64_t d = 0; d < width; ++d) sum[d] += static_cast<acc>(in[d]);
@@ -181,14 +203,47 @@ ImageStrides image_strides(const at::Tensor& images) {
   return ImageStrides{images.stride(0), images.stride(1), images.stride(2)};
 }
 
-// Rows [row_begin, row_end) of grad_out [B * N, D] in acc_t: a view when the dtypes agree, else a converted copy
-// in `buffer` ([rows per chunk, D], acc_t).
-at::Tensor acc_rows(const at::Tensor& grad_2d, int64_t row_begin, int64_t row_end, at::Tensor& buffer) {
-  const auto rows = grad_2d.narrow(0, row_begin, row_end - row_begin);
-  if (!buffer.defined()) return rows;
-  auto converted = buffer.narrow(0, 0, row_end - row_begin);
-  converted.copy_(rows);
-  return converted;
+// The gradient rows of im2col rows [row_begin, row_end) (row b * N + n: grad_out[b, P + n]) as an acc_t matrix:
+// a view of grad_out when it is acc_t and has no prefix rows between the samples' patch rows, else a converted copy in
+// `buffer` ([rows per chunk, D], acc_t; defined exactly then). grad_3d: grad_out [B, P + N, D].
+at::Tensor acc_rows(const PatchGeometry& g, const at::Tensor& grad_3d, int64_t row_begin, int64_t row_end,
+                    at::Tensor& buffer) {
+  const int64_t N = g.positions;
+  if (g.prefix_rows == 0) {
+    const auto rows = grad_3d.view({g.batch * N, g.dim}).narrow(0, row_begin, row_end - row_begin);
+    if (!buffer.defined()) return rows;
+    auto converted = buffer.narrow(0, 0, row_end - row_begin);
+    converted.copy_(rows);
+    return converted;
+  }
+  // One copy per sample the rows span (a chunk holds about a sample's worth of rows: one or two).
+  for (int64_t row = row_begin; row < row_end;) {
+    const int64_t b = row / N, n = row - b * N;
+    const int64_t count = std::min(row_end - row, N - n);
+    buffer.narrow(0, row - row_begin, count).copy_(grad_3d.select(0, b).narrow(0, g.prefix_rows + n, count));
+    row += count;
+  }
+  return buffer.narrow(0, 0, row_end - row_begin);
+}
+
+// The prefix rows of every sample: out[b, t] = prefix[t] + (pos[t] if t < Q) for t < P, in acc_t, rounded once;
+// computed once and copied to each sample.
+template <typename scalar_t>
+void write_prefix_rows(const PatchGeometry& g, const scalar_t* prefix, const scalar_t* pos, scalar_t* out) {
+  using acc = acc_t<scalar_t>;
+  const int64_t D = g.dim, block = g.prefix_rows * D;
+  if (block == 0 || g.batch == 0) return;
+  for (int64_t t = 0; t < g.prefix_rows; ++t) {
+    for (int64_t d = 0; d < D; ++d) {
+      const int64_t i = t * D + d;
+      out[i] = t < g.prefix_positions ? static_cast<scalar_t>(static_cast<acc>(prefix[i]) + static_cast<acc>(pos[i]))
+                                      : prefix[i];
+    }
+  }
+  const int64_t stride = g.rows_per_sample() * D;
+  at::parallel_for(1, g.batch, std::max<int64_t>(1, 32768 / block), [&](int64_t b_begin, int64_t b_end) {
+    for (int64_t b = b_begin; b < b_end; ++b) std::memcpy(out + b * stride, out, block * sizeof(scalar_t));
+  });
 }
 
 void check_perm(bool valid, const PatchGeometry& g) {
@@ -200,19 +255,22 @@ void check_perm(bool valid, const PatchGeometry& g) {
 at::Tensor patch_embed_forward_cpu(const PatchGeometry& g, const at::Tensor& images, const at::Tensor& weight,
                                    const std::optional<at::Tensor>& bias, const at::Tensor& pos_embed,
                                    const std::optional<at::Tensor>& unk_embed, const std::optional<at::Tensor>& perm,
-                                   const std::optional<at::Tensor>& mask) {
-  const int64_t total_rows = g.batch * g.positions;
-  auto tokens = at::empty({total_rows, g.dim}, images.options());
+                                   const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& prefix) {
+  const int64_t total_rows = g.batch * g.positions;  // im2col rows: the patch tokens
+  auto tokens = at::empty({g.batch * g.rows_per_sample(), g.dim}, images.options());
   const auto acc_dtype = at::toOpMathType(images.scalar_type());
   const auto acc_options = images.options().dtype(acc_dtype);
   const auto weight_t = weight.view({g.dim, g.patch_size}).to(acc_dtype).t();  // [K, D]
-  const bool tokens_are_acc = images.scalar_type() == acc_dtype;
+  // The GEMM writes the output rows themselves when they are acc_t and contiguous (no prefix rows between samples).
+  const bool tokens_are_acc = images.scalar_type() == acc_dtype && g.prefix_rows == 0;
   const int64_t chunk = rows_per_chunk(g, kChunkBytes);
   const int64_t num_chunks = (total_rows + chunk - 1) / chunk;
   std::atomic<bool> valid{true};
   MJP_DISPATCH_FLOATING_TYPES(images.scalar_type(), "mjp_patch_embed_forward", [&] {
     using acc = acc_t<scalar_t>;
     const scalar_t* image_data = images.data_ptr<scalar_t>();
+    const scalar_t* pos_data = pos_embed.data_ptr<scalar_t>();
+    write_prefix_rows<scalar_t>(g, optional_data<scalar_t>(prefix), pos_data, tokens.data_ptr<scalar_t>());
     at::parallel_for(0, num_chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
       auto columns = at::empty({chunk, g.patch_size}, acc_options);
       auto projected = tokens_are_acc ? at::Tensor() : at::empty({chunk, g.dim}, acc_options);
@@ -223,30 +281,31 @@ at::Tensor patch_embed_forward_cpu(const PatchGeometry& g, const at::Tensor& ima
                          columns.data_ptr<acc>())) {
           valid.store(false, std::memory_order_relaxed);
         }
-        // The GEMM writes the token rows themselves when they are acc_t, a buffer otherwise.
         auto out = tokens_are_acc ? tokens.narrow(0, row_begin, rows) : projected.narrow(0, 0, rows);
         at::mm_out(out, columns.narrow(0, 0, rows), weight_t);
         add_embeddings_rows<scalar_t>(g, out.data_ptr<acc>(), row_begin, row_end, optional_data<scalar_t>(bias),
-                                      pos_embed.data_ptr<scalar_t>(), optional_data<scalar_t>(unk_embed),
+                                      pos_data + g.prefix_positions * g.dim, optional_data<scalar_t>(unk_embed),
                                       optional_data<bool>(mask), tokens.data_ptr<scalar_t>());
       }
     });
   });
   check_perm(valid.load(), g);
-  return tokens.view({g.batch, g.positions, g.dim});
+  return tokens.view({g.batch, g.rows_per_sample(), g.dim});
 }
 
 std::vector<std::optional<at::Tensor>> patch_embed_backward_cpu(
     const PatchGeometry& g, const at::Tensor& grad_out, const at::Tensor& images, const at::Tensor& weight,
     const std::optional<at::Tensor>& perm, const std::optional<at::Tensor>& mask, bool need_images,
-    bool need_weight, bool need_bias, bool need_pos, bool need_unk) {
-  std::vector<std::optional<at::Tensor>> grads(5);
-  const int64_t total_rows = g.batch * g.positions;
-  const auto grad_2d = grad_out.view({total_rows, g.dim});
+    bool need_weight, bool need_bias, bool need_pos, bool need_unk, bool need_prefix, at::IntArrayRef pos_shape,
+    at::IntArrayRef prefix_shape) {
+  std::vector<std::optional<at::Tensor>> grads(6);
+  const int64_t total_rows = g.batch * g.positions;  // im2col rows: the patch tokens
+  const auto grad_3d = grad_out.view({g.batch, g.rows_per_sample(), g.dim});
   const auto dtype = grad_out.scalar_type();
   const auto acc_dtype = at::toOpMathType(dtype);
   const auto acc_options = grad_out.options().dtype(acc_dtype);
-  const bool grad_is_acc = dtype == acc_dtype;
+  // Whether the patch rows of grad_out serve the GEMMs as they are (acc_t, no prefix rows between them).
+  const bool grad_is_acc = dtype == acc_dtype && g.prefix_rows == 0;
   const int64_t* perm_data = optional_data<int64_t>(perm);
 
   if (need_weight) {
@@ -273,7 +332,7 @@ std::vector<std::optional<at::Tensor>> patch_embed_backward_cpu(
                              columns.data_ptr<acc>())) {
               valid.store(false, std::memory_order_relaxed);
             }
-            const auto grad_rows = acc_rows(grad_2d, row_begin, row_end, grad_buffer);
+            const auto grad_rows = acc_rows(g, grad_3d, row_begin, row_end, grad_buffer);
             partial.addmm_(grad_rows.t(), columns.narrow(0, 0, row_end - row_begin));
           }
           partials[group] = partial;
@@ -303,7 +362,7 @@ std::vector<std::optional<at::Tensor>> patch_embed_backward_cpu(
         for (int64_t c = chunk_begin; c < chunk_end; ++c) {
           const int64_t row_begin = c * chunk, row_end = std::min(total_rows, row_begin + chunk);
           auto out = columns.narrow(0, 0, row_end - row_begin);
-          at::mm_out(out, acc_rows(grad_2d, row_begin, row_end, grad_buffer), weight_flat);
+          at::mm_out(out, acc_rows(g, grad_3d, row_begin, row_end, grad_buffer), weight_flat);
           if (!scatter_rows<scalar_t>(g, out.data_ptr<acc>(), perm_data, row_begin, row_end, strides,
                                       grad_image_data)) {
             valid.store(false, std::memory_order_relaxed);
@@ -314,22 +373,333 @@ std::vector<std::optional<at::Tensor>> patch_embed_backward_cpu(
     check_perm(valid.load(), g);
     grads[0] = grad_images;
   }
-  if (need_bias || need_pos || need_unk) {
-    auto pos_sum = need_pos ? at::zeros({g.positions, g.dim}, acc_options) : at::Tensor();
+  if (need_prefix && g.prefix_rows == 0) grads[5] = at::empty({0}, grad_out.options());
+  // The prefix rows' sums serve grad_prefix and the table's first Q rows.
+  const bool need_prefix_sums = g.prefix_rows > 0 && (need_prefix || (need_pos && g.prefix_positions > 0));
+  if (need_bias || need_pos || need_unk || need_prefix_sums) {
+    const int64_t table_rows = g.prefix_positions + g.positions;
+    auto pos_sum = need_pos ? at::zeros({table_rows, g.dim}, acc_options) : at::Tensor();
     auto unk_sum = need_unk ? at::zeros({g.dim}, acc_options) : at::Tensor();
     auto bias_sum = need_bias ? at::zeros({g.dim}, acc_options) : at::Tensor();
+    auto prefix_sum = need_prefix_sums ? at::zeros({g.prefix_rows, g.dim}, acc_options) : at::Tensor();
     MJP_DISPATCH_FLOATING_TYPES(dtype, "mjp_reduce_embedding_grads", [&] {
       using acc = acc_t<scalar_t>;
       reduce_embedding_grads<scalar_t>(g, grad_out.data_ptr<scalar_t>(), optional_data<bool>(mask),
-                                       need_pos ? pos_sum.data_ptr<acc>() : nullptr,
+                                       need_pos ? pos_sum.data_ptr<acc>() + g.prefix_positions * g.dim : nullptr,
                                        need_unk ? unk_sum.data_ptr<acc>() : nullptr,
-                                       need_bias ? bias_sum.data_ptr<acc>() : nullptr);
+                                       need_bias ? bias_sum.data_ptr<acc>() : nullptr,
+                                       need_prefix_sums ? prefix_sum.data_ptr<acc>() : nullptr);
     });
+    if (need_pos && g.prefix_positions > 0) pos_sum.narrow(0, 0, g.prefix_positions).copy_(prefix_sum);
     if (need_bias) grads[2] = bias_sum.to(dtype);
-    if (need_pos) grads[3] = pos_sum.to(dtype);
+    if (need_pos) grads[3] = pos_sum.to(dtype).view(pos_shape);
     if (need_unk) grads[4] = unk_sum.to(dtype);
+    if (need_prefix && g.prefix_rows > 0) grads[5] = prefix_sum.to(dtype).view(prefix_shape);
   }
   return grads;
 }
 
+// ---- The dispatcher operators torch.ops.mjp_fast.patch_embed_extension[_backward]: their argument checks (on
+// symbolic sizes, so the Meta kernels share them), one kernel each for the CPU and CUDA keys (it runs the CPU or the
+// CUDA implementation by the tensors' device), the Meta kernels, and the registrations at the end of the file.
+
+// See the anchor in ops.h.
+extern const int kPatchEmbedOperators = 1;
+
+namespace {
+
+constexpr const char* kForward = "mjp_fast::patch_embed_extension";
+constexpr const char* kBackward = "mjp_fast::patch_embed_extension_backward";
+
+// A call's sizes: B, N = (H / p) * (W / p) for patch size p, D.
+struct CallSizes {
+  c10::SymInt batch, positions, dim;
+};
+
+// Checks images [B, C, H, W] and weight [D, C, p, p] (one float dtype, one device).
+CallSizes check_images_weight(const char* op, const at::Tensor& images, const at::Tensor& weight) {
+  TORCH_CHECK(images.dim() == 4, op, ": images must be [B, C, H, W], got ", images.sym_sizes());
+  TORCH_CHECK(weight.dim() == 4 && weight.sym_size(2) == weight.sym_size(3) && weight.sym_size(2) >= 1, op,
+              ": weight must be [D, C, P, P], got ", weight.sym_sizes());
+  TORCH_CHECK(weight.sym_size(1) == images.sym_size(1), op, ": weight has ", weight.sym_size(1),
+              " input channels, images have ", images.sym_size(1));
+  const auto dtype = images.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kDouble, op,
+              ": images must be float32, float16, bfloat16 or float64, got ", dtype);
+  TORCH_CHECK(weight.scalar_type() == dtype, op, ": weight dtype ", weight.scalar_type(), " differs from images ",
+              dtype);
+  TORCH_CHECK(weight.device() == images.device(), op, ": weight on ", weight.device(), ", images on ",
+              images.device());
+  const auto& patch = weight.sym_size(2);
+  return {images.sym_size(0), (images.sym_size(2) / patch) * (images.sym_size(3) / patch), weight.sym_size(0)};
+}
+
+// `size` elements, the images' dtype and device.
+void check_like_images(const char* op, const char* name, const at::Tensor& tensor, const at::Tensor& images,
+                       const c10::SymInt& size) {
+  TORCH_CHECK(tensor.sym_numel() == size, op, ": ", name, " must have ", size, " elements, got shape ",
+              tensor.sym_sizes());
+  TORCH_CHECK(tensor.scalar_type() == images.scalar_type(), op, ": ", name, " dtype ", tensor.scalar_type(),
+              " differs from images ", images.scalar_type());
+  TORCH_CHECK(tensor.device() == images.device(), op, ": ", name, " on ", tensor.device(), ", images on ",
+              images.device());
+}
+
+// perm (int64) or mask (bool), absent or B * N elements on the images' device.
+void check_index(const char* op, const char* name, const std::optional<at::Tensor>& tensor, at::ScalarType dtype,
+                 const at::Tensor& images, const CallSizes& sizes) {
+  if (!present(tensor)) return;
+  TORCH_CHECK(tensor->scalar_type() == dtype, op, ": ", name, " must be ", dtype, ", got ", tensor->scalar_type());
+  TORCH_CHECK(tensor->sym_numel() == sizes.batch * sizes.positions, op, ": ", name, " must be [", sizes.batch, ", ",
+              sizes.positions, "], got ", tensor->sym_sizes());
+  TORCH_CHECK(tensor->device() == images.device(), op, ": ", name, " on ", tensor->device(), ", images on ",
+              images.device());
+}
+
+// The number of prefix tokens P of a prefix tensor holding P * D elements (0 without one).
+c10::SymInt prefix_rows_of(const char* op, const std::optional<at::Tensor>& prefix, const at::Tensor& images,
+                           const c10::SymInt& dim) {
+  if (!present(prefix)) return 0;
+  TORCH_CHECK(prefix->scalar_type() == images.scalar_type(), op, ": prefix dtype ", prefix->scalar_type(),
+              " differs from images ", images.scalar_type());
+  TORCH_CHECK(prefix->device() == images.device(), op, ": prefix on ", prefix->device(), ", images on ",
+              images.device());
+  const c10::SymInt numel = prefix->sym_numel();
+  if (dim == 0) {
+    TORCH_CHECK(numel == 0, op, ": prefix must be empty when D = 0, got shape ", prefix->sym_sizes());
+    return 0;
+  }
+  TORCH_CHECK(numel % dim == 0, op, ": prefix must hold P * D elements (P prefix tokens of D = ", dim,
+              "), got shape ", prefix->sym_sizes());
+  return numel / dim;
+}
+
+// prefix_positions Q: 0 (no table rows for the prefix tokens) or P (one row each, in front of the patch rows).
+void check_prefix_positions(const char* op, int64_t prefix_positions, const c10::SymInt& prefix_rows) {
+  TORCH_CHECK(prefix_positions == 0 || prefix_rows == prefix_positions, op,
+              ": prefix_positions must be 0 or the number of prefix tokens P = ", prefix_rows, ", got ",
+              prefix_positions);
+}
+
+// The whole position table's shape: at least 2-D, last two dims [Q + N, D], no other rows (leading dims of size 1).
+void check_table_shape(const char* op, const char* name, c10::SymIntArrayRef shape, const c10::SymInt& rows,
+                       const c10::SymInt& dim) {
+  const size_t ndim = shape.size();
+  c10::SymInt numel = 1;
+  for (const auto& size : shape) numel = numel * size;
+  TORCH_CHECK(ndim >= 2 && shape[ndim - 2] == rows && shape[ndim - 1] == dim && numel == rows * dim, op, ": ", name,
+              " must be the whole position table, last two dims [Q + N, D] = [", rows, ", ", dim,
+              "] and no other rows (leading dims of size 1), got ", shape);
+}
+
+// Returns the sizes and P.
+std::pair<CallSizes, c10::SymInt> check_forward_args(const at::Tensor& images, const at::Tensor& weight,
+                                                     const std::optional<at::Tensor>& bias,
+                                                     const at::Tensor& pos_embed,
+                                                     const std::optional<at::Tensor>& unk_embed,
+                                                     const std::optional<at::Tensor>& perm,
+                                                     const std::optional<at::Tensor>& mask,
+                                                     const std::optional<at::Tensor>& prefix,
+                                                     int64_t prefix_positions) {
+  const char* op = kForward;
+  const CallSizes sizes = check_images_weight(op, images, weight);
+  c10::SymInt prefix_rows = prefix_rows_of(op, prefix, images, sizes.dim);
+  check_prefix_positions(op, prefix_positions, prefix_rows);
+  if (present(bias)) check_like_images(op, "bias", *bias, images, sizes.dim);
+  check_table_shape(op, "pos_embed", pos_embed.sym_sizes(), sizes.positions + prefix_positions, sizes.dim);
+  check_like_images(op, "pos_embed", pos_embed, images, pos_embed.sym_numel());  // its dtype and device
+  if (present(unk_embed)) check_like_images(op, "unk_embed", *unk_embed, images, sizes.dim);
+  check_index(op, "perm", perm, at::kLong, images, sizes);
+  check_index(op, "mask", mask, at::kBool, images, sizes);
+  return {sizes, std::move(prefix_rows)};
+}
+
+// Returns the gradients' shapes: those of images and weight, [D], pos_shape (default [Q + N, D]), [D], prefix_shape
+// (default [P, D]; [0] when P = 0).
+std::vector<std::vector<c10::SymInt>> check_backward_args(
+    const at::Tensor& grad_out, const at::Tensor& images, const at::Tensor& weight,
+    const std::optional<at::Tensor>& perm, const std::optional<at::Tensor>& mask, int64_t prefix_count,
+    int64_t prefix_positions, at::OptionalSymIntArrayRef pos_shape, at::OptionalSymIntArrayRef prefix_shape) {
+  const char* op = kBackward;
+  const CallSizes sizes = check_images_weight(op, images, weight);
+  const auto& dim = sizes.dim;
+  TORCH_CHECK(prefix_count >= 0, op, ": prefix_count must be >= 0, got ", prefix_count);
+  check_prefix_positions(op, prefix_positions, prefix_count);
+  TORCH_CHECK(grad_out.dim() == 3 && grad_out.sym_size(0) == sizes.batch &&
+                  grad_out.sym_size(1) == sizes.positions + prefix_count && grad_out.sym_size(2) == dim,
+              op, ": grad_out must be [B, P + N, D] = [", sizes.batch, ", ", prefix_count, " + ", sizes.positions,
+              ", ", dim, "], got ", grad_out.sym_sizes());
+  TORCH_CHECK(grad_out.scalar_type() == images.scalar_type(), op, ": grad_out dtype ", grad_out.scalar_type(),
+              " differs from images ", images.scalar_type());
+  TORCH_CHECK(grad_out.device() == images.device(), op, ": grad_out on ", grad_out.device(), ", images on ",
+              images.device());
+  std::vector<c10::SymInt> pos_sizes =
+      pos_shape.has_value() ? pos_shape->vec() : std::vector<c10::SymInt>{sizes.positions + prefix_positions, dim};
+  check_table_shape(op, "pos_shape", pos_sizes, sizes.positions + prefix_positions, dim);
+  std::vector<c10::SymInt> prefix_sizes{0};
+  if (prefix_count > 0) {
+    prefix_sizes = prefix_shape.has_value() ? prefix_shape->vec() : std::vector<c10::SymInt>{prefix_count, dim};
+    c10::SymInt numel = 1;
+    for (const auto& size : prefix_sizes) numel = numel * size;
+    TORCH_CHECK(numel == dim * prefix_count, op, ": prefix_shape must hold P * D = ", prefix_count, " * ", dim,
+                " elements, got ", c10::SymIntArrayRef(prefix_sizes));
+  }
+  check_index(op, "perm", perm, at::kLong, images, sizes);
+  check_index(op, "mask", mask, at::kBool, images, sizes);
+  return {images.sym_sizes().vec(), weight.sym_sizes().vec(), {dim}, pos_sizes, {dim}, prefix_sizes};
+}
+
+// The geometry of a checked call on real tensors.
+PatchGeometry geometry_of(const at::Tensor& images, const at::Tensor& weight, int64_t prefix_rows,
+                          int64_t prefix_positions) {
+  PatchGeometry g;
+  g.batch = images.size(0);
+  g.channels = images.size(1);
+  g.patch = weight.size(2);
+  g.rows = images.size(2) / g.patch;
+  g.cols = images.size(3) / g.patch;
+  g.positions = g.rows * g.cols;
+  g.patch_size = g.channels * g.patch * g.patch;
+  g.dim = weight.size(0);
+  g.prefix_rows = prefix_rows;
+  g.prefix_positions = prefix_positions;
+  return g;
+}
+
+// The tensor itself when contiguous (no dispatch), else a contiguous copy.
+at::Tensor contiguous(const at::Tensor& tensor) { return tensor.is_contiguous() ? tensor : tensor.contiguous(); }
+
+std::optional<at::Tensor> contiguous(const std::optional<at::Tensor>& tensor) {
+  if (!present(tensor)) return std::nullopt;
+  return contiguous(*tensor);
+}
+
+// Images may be strided, but the innermost (width) stride must be 1 for the row copies.
+at::Tensor row_contiguous(const at::Tensor& images) {
+  return images.size(3) <= 1 || images.stride(3) == 1 ? images : images.contiguous();
+}
+
+// The kernel of the CPU and CUDA keys: the checks, then patch_embed_forward_cpu or _cuda.
+at::Tensor patch_embed_forward_kernel(const at::Tensor& images, const at::Tensor& weight,
+                                      const std::optional<at::Tensor>& bias, const at::Tensor& pos_embed,
+                                      const std::optional<at::Tensor>& unk_embed,
+                                      const std::optional<at::Tensor>& perm, const std::optional<at::Tensor>& mask,
+                                      const std::optional<at::Tensor>& prefix, int64_t prefix_positions) {
+  // The ATen operations inside are the implementation's: no autograd recording (the caller owns the graph), and the
+  // out= GEMMs must not see arguments that require grad (a weight that is an nn.Parameter does).
+  const at::AutoDispatchBelowADInplaceOrView below_autograd;
+  const auto prefix_rows =
+      check_forward_args(images, weight, bias, pos_embed, unk_embed, perm, mask, prefix, prefix_positions).second;
+  const PatchGeometry g = geometry_of(images, weight, prefix_rows.expect_int(), prefix_positions);
+  const auto perm_c = contiguous(perm);
+  const auto mask_c = contiguous(mask);
+  const auto images_c = row_contiguous(images);
+  const auto weight_c = contiguous(weight);
+  const auto pos_c = contiguous(pos_embed);
+  const auto bias_c = contiguous(bias);
+  const auto unk_c = contiguous(unk_embed);
+  const auto prefix_c = g.prefix_rows > 0 ? contiguous(prefix) : std::nullopt;
+#ifdef MJP_WITH_CUDA
+  if (images.is_cuda()) {
+    return patch_embed_forward_cuda(g, images_c, weight_c, bias_c, pos_c, unk_c, perm_c, mask_c, prefix_c);
+  }
+#endif
+  TORCH_CHECK(images.is_cpu(), kForward, ": tensors must be on the CPU or a CUDA device, got ", images.device());
+  return patch_embed_forward_cpu(g, images_c, weight_c, bias_c, pos_c, unk_c, perm_c, mask_c, prefix_c);
+}
+
+// The kernel of the CPU and CUDA keys: the checks, then patch_embed_backward_cpu or _cuda; an empty [0] tensor for
+// each gradient not asked for.
+std::vector<at::Tensor> patch_embed_backward_kernel(
+    const at::Tensor& grad_out, const at::Tensor& images, const at::Tensor& weight,
+    const std::optional<at::Tensor>& perm, const std::optional<at::Tensor>& mask, bool need_images, bool need_weight,
+    bool need_bias, bool need_pos, bool need_unk, bool need_prefix, int64_t prefix_count, int64_t prefix_positions,
+    at::OptionalSymIntArrayRef pos_shape, at::OptionalSymIntArrayRef prefix_shape) {
+  const at::AutoDispatchBelowADInplaceOrView below_autograd;
+  const auto shapes = check_backward_args(grad_out, images, weight, perm, mask, prefix_count, prefix_positions,
+                                          pos_shape, prefix_shape);
+  const PatchGeometry g = geometry_of(images, weight, prefix_count, prefix_positions);
+  const auto pos_sizes = C10_AS_INTARRAYREF_SLOW(shapes[3]);
+  const auto prefix_sizes = C10_AS_INTARRAYREF_SLOW(shapes[5]);
+  const auto perm_c = contiguous(perm);
+  const auto mask_c = contiguous(mask);
+  const auto grad_c = contiguous(grad_out);
+  const auto images_c = need_weight ? row_contiguous(images) : images;
+  const auto weight_c = contiguous(weight);
+  auto grads = [&] {
+#ifdef MJP_WITH_CUDA
+    if (images.is_cuda()) {
+      return patch_embed_backward_cuda(g, grad_c, images_c, weight_c, perm_c, mask_c, need_images, need_weight,
+                                       need_bias, need_pos, need_unk, need_prefix, pos_sizes, prefix_sizes);
+    }
+#endif
+    TORCH_CHECK(images.is_cpu(), kBackward, ": tensors must be on the CPU or a CUDA device, got ", images.device());
+    return patch_embed_backward_cpu(g, grad_c, images_c, weight_c, perm_c, mask_c, need_images, need_weight,
+                                    need_bias, need_pos, need_unk, need_prefix, pos_sizes, prefix_sizes);
+  }();
+  std::vector<at::Tensor> out;
+  out.reserve(grads.size());
+  for (auto& grad : grads) out.push_back(present(grad) ? std::move(*grad) : at::empty({0}, grad_out.options()));
+  return out;
+}
+
+// ---- Meta kernels: the checks and the outputs' shapes (symbolic sizes, for torch.compile's dynamic shapes).
+
+at::Tensor patch_embed_forward_meta(const at::Tensor& images, const at::Tensor& weight,
+                                    const std::optional<at::Tensor>& bias, const at::Tensor& pos_embed,
+                                    const std::optional<at::Tensor>& unk_embed,
+                                    const std::optional<at::Tensor>& perm, const std::optional<at::Tensor>& mask,
+                                    const std::optional<at::Tensor>& prefix, int64_t prefix_positions) {
+  const auto [sizes, prefix_rows] =
+      check_forward_args(images, weight, bias, pos_embed, unk_embed, perm, mask, prefix, prefix_positions);
+  return at::empty_symint({sizes.batch, prefix_rows + sizes.positions, sizes.dim}, images.options());
+}
+
+std::vector<at::Tensor> patch_embed_backward_meta(
+    const at::Tensor& grad_out, const at::Tensor& images, const at::Tensor& weight,
+    const std::optional<at::Tensor>& perm, const std::optional<at::Tensor>& mask, bool need_images, bool need_weight,
+    bool need_bias, bool need_pos, bool need_unk, bool need_prefix, int64_t prefix_count, int64_t prefix_positions,
+    at::OptionalSymIntArrayRef pos_shape, at::OptionalSymIntArrayRef prefix_shape) {
+  const auto shapes = check_backward_args(grad_out, images, weight, perm, mask, prefix_count, prefix_positions,
+                                          pos_shape, prefix_shape);
+  const bool needs[] = {need_images, need_weight, need_bias, need_pos, need_unk, need_prefix};
+  std::vector<at::Tensor> out;
+  out.reserve(shapes.size());
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    out.push_back(needs[i] ? at::empty_symint(shapes[i], grad_out.options())
+                           : at::empty_symint({c10::SymInt(0)}, grad_out.options()));
+  }
+  return out;
+}
+
+}  // namespace
 }  // namespace mjp
+
+TORCH_LIBRARY_FRAGMENT(mjp_fast, m) {
+  m.def(
+      "patch_embed_extension(Tensor images, Tensor weight, Tensor? bias, Tensor pos_embed, Tensor? unk_embed, "
+      "Tensor? perm, Tensor? mask, Tensor? prefix=None, int prefix_positions=0) -> Tensor",
+      {at::Tag::pt2_compliant_tag});
+  m.def(
+      "patch_embed_extension_backward(Tensor grad_out, Tensor images, Tensor weight, Tensor? perm, Tensor? mask, "
+      "bool need_images, bool need_weight, bool need_bias, bool need_pos, bool need_unk, bool need_prefix=False, "
+      "int prefix_count=0, int prefix_positions=0, SymInt[]? pos_shape=None, SymInt[]? prefix_shape=None) -> Tensor[]",
+      {at::Tag::pt2_compliant_tag});
+}
+
+TORCH_LIBRARY_IMPL(mjp_fast, CPU, m) {
+  m.impl("patch_embed_extension", TORCH_FN(mjp::patch_embed_forward_kernel));
+  m.impl("patch_embed_extension_backward", TORCH_FN(mjp::patch_embed_backward_kernel));
+}
+
+#ifdef MJP_WITH_CUDA
+TORCH_LIBRARY_IMPL(mjp_fast, CUDA, m) {
+  m.impl("patch_embed_extension", TORCH_FN(mjp::patch_embed_forward_kernel));
+  m.impl("patch_embed_extension_backward", TORCH_FN(mjp::patch_embed_backward_kernel));
+}
+#endif
+
+TORCH_LIBRARY_IMPL(mjp_fast, Meta, m) {
+  m.impl("patch_embed_extension", TORCH_FN(mjp::patch_embed_forward_meta));
+  m.impl("patch_embed_extension_backward", TORCH_FN(mjp::patch_embed_backward_meta));
+}

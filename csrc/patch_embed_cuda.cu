@@ -58,23 +58,38 @@ __global__ void scatter_patches_kernel(PatchLayout l, int64_t total, const scala
   }
 }
 
-// tokens[row, d] += bias[d] + (unk[d] if mask[row] else pos[n, d]) in accumulate_t, rounded once.
+// One thread per element of out [B, P + N, D]: a prefix row t < P gets prefix[t, d] + (pos[t, d] if t < Q), a patch
+// row P + n gets tokens[b * N + n, d] + bias[d] + (unk[d] if mask[b, n] else pos[Q + n, d]); in accumulate_t, rounded
+// once. tokens and out may be the same memory (P = 0): no __restrict__ on them.
 template <typename scalar_t>
-__global__ void add_embeddings_kernel(int64_t total, int64_t positions, int64_t dim, scalar_t* __restrict__ tokens,
+__global__ void add_embeddings_kernel(int64_t total, int64_t positions, int64_t dim, int64_t prefix_rows,
+                                      int64_t prefix_positions, const scalar_t* tokens,
                                       const scalar_t* __restrict__ bias, const scalar_t* __restrict__ pos,
-                                      const scalar_t* __restrict__ unk, const bool* __restrict__ mask) {
+                                      const scalar_t* __restrict__ unk, const bool* __restrict__ mask,
+                                      const scalar_t* __restrict__ prefix, scalar_t* out) {
   using acc = accumulate_t<scalar_t>;
+  const int64_t rows_per_sample = prefix_rows + positions;
   MJP_GRID_STRIDE_LOOP(index, total) {
-    const int64_t row = index / dim;
+    const int64_t row = index / dim;  // b * (P + N) + t
     const int64_t d = index - row * dim;
-    acc value = static_cast<acc>(tokens[index]);
-    if (bias != nullptr) value += static_cast<acc>(bias[d]);
-    if (mask != nullptr && mask[row]) {
-      if (unk != nullptr) value += static_cast<acc>(unk[d]);
+    const int64_t b = row / rows_per_sample;
+    const int64_t t = row - b * rows_per_sample;
+    acc value;
+    if (t < prefix_rows) {
+      value = static_cast<acc>(prefix[t * dim + d]);
+      if (t < prefix_positions) value += static_cast<acc>(pos[t * dim + d]);
     } else {
-      value += static_cast<acc>(pos[(row % positions) * dim + d]);
+      const int64_t n = t - prefix_rows;
+      const int64_t token_row = b * positions + n;
+      value = static_cast<acc>(tokens[token_row * dim + d]);
+      if (bias != nullptr) value += static_cast<acc>(bias[d]);
+      if (mask != nullptr && mask[token_row]) {
+        if (unk != nullptr) value += static_cast<acc>(unk[d]);
+      } else {
+        value += static_cast<acc>(pos[(prefix_positions + n) * dim + d]);
+      }
     }
-    tokens[index] = static_cast<scalar_t>(value);
+    out[index] = static_cast<scalar_t>(value);
   }
 }
 
@@ -147,12 +162,13 @@ cudaError_t launch_scatter_patches(const PatchLayout& layout, const scalar_t* gr
 }
 
 template <typename scalar_t>
-cudaError_t launch_add_embeddings(const PatchLayout& layout, scalar_t* tokens, const scalar_t* bias,
-                                  const scalar_t* pos, const scalar_t* unk, const bool* mask, cudaStream_t stream) {
-  const int64_t total = layout.batch * layout.positions * layout.dim;
+cudaError_t launch_add_embeddings(const PatchLayout& layout, const scalar_t* tokens, const scalar_t* bias,
+                                  const scalar_t* pos, const scalar_t* unk, const bool* mask, const scalar_t* prefix,
+                                  int64_t prefix_rows, int64_t prefix_positions, scalar_t* out, cudaStream_t stream) {
+  const int64_t total = layout.batch * (prefix_rows + layout.positions) * layout.dim;
   if (total == 0) return cudaSuccess;
-  add_embeddings_kernel<scalar_t><<<blocks_for(total), kThreads, 0, stream>>>(total, layout.positions, layout.dim,
-                                                                              tokens, bias, pos, unk, mask);
+  add_embeddings_kernel<scalar_t><<<blocks_for(total), kThreads, 0, stream>>>(
+      total, layout.positions, layout.dim, prefix_rows, prefix_positions, tokens, bias, pos, unk, mask, prefix, out);
   return cudaGetLastError();
 }
 
@@ -182,8 +198,9 @@ cudaError_t launch_reduce_embedding_grads(const PatchLayout& layout, const scala
                                                        scalar_t*, cudaStream_t);                                     \
   template cudaError_t launch_scatter_patches<scalar_t>(const PatchLayout&, const scalar_t*, const int64_t*,         \
                                                         scalar_t*, cudaStream_t);                                    \
-  template cudaError_t launch_add_embeddings<scalar_t>(const PatchLayout&, scalar_t*, const scalar_t*,               \
-                                                       const scalar_t*, const scalar_t*, const bool*, cudaStream_t); \
+  template cudaError_t launch_add_embeddings<scalar_t>(const PatchLayout&, const scalar_t*, const scalar_t*,         \
+                                                       const scalar_t*, const scalar_t*, const bool*,                \
+                                                       const scalar_t*, int64_t, int64_t, scalar_t*, cudaStream_t);  \
   template cudaError_t launch_reduce_embedding_grads<scalar_t>(                                                      \
       const PatchLayout&, const scalar_t*, const bool*, scalar_t*, scalar_t*, scalar_t*, accumulate_t<scalar_t>*,    \
       accumulate_t<scalar_t>*, cudaStream_t);

@@ -1,19 +1,28 @@
-// The MJP position term on tokens that are already embedded, as two dispatcher operators with CPU kernels (and Meta
-// kernels, so FakeTensor and torch.compile see their shapes):
+// The MJP position term on tokens that are already embedded, written together with the prefix (class and register)
+// tokens in front, as two dispatcher operators with CPU kernels (and Meta kernels, so FakeTensor and torch.compile
+// see their shapes):
 //
-//   torch.ops.mjp_fast.pos_embed_extension(tokens, perm, mask, pos_embed, unk_embed) -> out
-//     out[b, n, :] = tokens[b, perm[b, n], :] + (unk_embed if mask[b, n] else pos_embed[n])
-//   torch.ops.mjp_fast.pos_embed_extension_backward(grad_out, perm, mask, tokens_dtype, pos_dtype, unk_dtype)
-//     -> (grad_tokens, grad_pos, grad_unk)
+//   torch.ops.mjp_fast.pos_embed_extension(tokens, perm, mask, pos_embed, unk_embed, prefix, prefix_positions) -> out
+//     out [B, P + N, D], P = prefix.numel() / D (0 without a prefix), Q = prefix_positions (0 or P), pos_embed the
+//     model's whole table (last two dims [Q + N, D]):
+//     out[b, t, :]     = prefix[t] + (pos_embed[t] if t < Q else 0)                          t < P
+//     out[b, P + n, :] = tokens[b, perm[b, n], :] + (unk_embed if mask[b, n] else pos_embed[Q + n])
+//   torch.ops.mjp_fast.pos_embed_extension_backward(grad_out, perm, mask, prefix_count, prefix_positions, pos_shape,
+//                                                   prefix_shape, tokens_dtype, pos_dtype, unk_dtype, prefix_dtype)
+//     -> (grad_tokens, grad_pos, grad_unk, grad_prefix)
+//     grad_pos in pos_shape, grad_prefix in prefix_shape (an empty [0] tensor when prefix_count is 0: prefix_shape is
+//     then ignored, prefix_dtype only checked): the shapes and dtypes of the inputs, so the caller reshapes
+//     nothing. The shapes are SymInt[], so torch.compile keeps them symbolic (int[] would specialise on N).
 //
 // Registered with the dispatcher from C++ (not pybind), so a call from Python is one dispatcher call with no Python
 // wrapper in between. The Python layer owns the autograd (it pairs the two operators).
 //
 // Forward: one pass over the B * N token rows, each element added in acc_t (float; double when either side is
-// double) and rounded once. Backward: one pass over the positions n; for each, the samples b in order: the gradient
-// row is moved back to where perm took the token from (perm[b] is a permutation: each destination row is written
-// once, no atomics) and summed into pos_embed's or unk_embed's share. Every sum runs in a fixed order whatever the
-// thread count: the results are bitwise reproducible.
+// double) and rounded once; the P prefix rows are computed once and copied to every sample. Backward: one pass over
+// the positions n; for each, the samples b in order: the gradient row is moved back to where perm took the token
+// from (perm[b] is a permutation: each destination row is written once, no atomics) and summed into pos_embed's or
+// unk_embed's share; the prefix rows are summed over b in order. Every sum runs in a fixed order whatever the thread
+// count: the results are bitwise reproducible.
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/bit_cast.h>
@@ -59,16 +68,52 @@ void check_perm_mask(const char* op, const at::Tensor& perm, const at::Tensor& m
               ", mask on ", mask.device(), ", expected ", like.device());
 }
 
-void check_forward_args(const at::Tensor& tokens, const at::Tensor& perm, const at::Tensor& mask,
-                        const at::Tensor& pos_embed, const at::Tensor& unk_embed) {
+// The number of prefix rows P of a prefix tensor holding P * D elements (0 without one).
+c10::SymInt prefix_rows_of(const char* op, const std::optional<at::Tensor>& prefix, const c10::SymInt& dim,
+                           const at::Tensor& like) {
+  if (!present(prefix)) return 0;
+  check_float_dtype(op, "prefix", prefix->scalar_type());
+  TORCH_CHECK(prefix->device() == like.device(), op, ": prefix on ", prefix->device(), ", tokens on ", like.device());
+  const c10::SymInt numel = prefix->sym_numel();
+  if (dim == 0) {
+    TORCH_CHECK(numel == 0, op, ": prefix must be empty when D = 0, got shape ", prefix->sym_sizes());
+    return 0;
+  }
+  TORCH_CHECK(numel % dim == 0, op, ": prefix must hold P * D elements (P prefix tokens of D = ", dim,
+              "), got shape ", prefix->sym_sizes());
+  return numel / dim;
+}
+
+// prefix_positions Q: 0 (no table rows for the prefix tokens) or P (one row each, in front of the patch rows).
+void check_prefix_positions(const char* op, int64_t prefix_positions, const c10::SymInt& prefix_rows) {
+  TORCH_CHECK(prefix_positions == 0 || prefix_rows == prefix_positions, op, ": prefix_positions must be 0 or the ",
+              "number of prefix tokens P = ", prefix_rows, ", got ", prefix_positions);
+}
+
+// The position table's shape: at least 2-D, last two dims [Q + N, D], nothing else (leading dims of size 1).
+void check_table_shape(const char* op, const char* name, c10::SymIntArrayRef shape, const c10::SymInt& rows,
+                       const c10::SymInt& dim) {
+  const size_t ndim = shape.size();
+  c10::SymInt numel = 1;
+  for (const auto& size : shape) numel = numel * size;
+  TORCH_CHECK(ndim >= 2 && shape[ndim - 2] == rows && shape[ndim - 1] == dim && numel == rows * dim, op, ": ", name,
+              " must be the whole position table, last two dims [Q + N, D] = [", rows, ", ", dim,
+              "] and no other rows (leading dims of size 1), got ", shape);
+}
+
+// Returns P.
+c10::SymInt check_forward_args(const at::Tensor& tokens, const at::Tensor& perm, const at::Tensor& mask,
+                               const at::Tensor& pos_embed, const at::Tensor& unk_embed,
+                               const std::optional<at::Tensor>& prefix, int64_t prefix_positions) {
   constexpr const char* op = "mjp_fast::pos_embed_extension";
   TORCH_CHECK(tokens.dim() == 3, op, ": tokens must be [B, N, D], got ", tokens.sym_sizes());
   check_float_dtype(op, "tokens", tokens.scalar_type());
   check_float_dtype(op, "pos_embed", pos_embed.scalar_type());
   const auto& positions = tokens.sym_size(1);
   const auto& dim = tokens.sym_size(2);
-  TORCH_CHECK(pos_embed.dim() == 2 && pos_embed.sym_size(0) == positions && pos_embed.sym_size(1) == dim, op,
-              ": pos_embed must be [N, D] = [", positions, ", ", dim, "], got ", pos_embed.sym_sizes());
+  const c10::SymInt prefix_rows = prefix_rows_of(op, prefix, dim, tokens);
+  check_prefix_positions(op, prefix_positions, prefix_rows);
+  check_table_shape(op, "pos_embed", pos_embed.sym_sizes(), positions + prefix_positions, dim);
   TORCH_CHECK(unk_embed.dim() == 1 && unk_embed.sym_size(0) == dim, op, ": unk_embed must be [D] = [", dim,
               "], got ", unk_embed.sym_sizes());
   TORCH_CHECK(unk_embed.scalar_type() == pos_embed.scalar_type(), op, ": unk_embed dtype ", unk_embed.scalar_type(),
@@ -76,17 +121,37 @@ void check_forward_args(const at::Tensor& tokens, const at::Tensor& perm, const 
   TORCH_CHECK(pos_embed.device() == tokens.device() && unk_embed.device() == tokens.device(), op, ": pos_embed on ",
               pos_embed.device(), ", unk_embed on ", unk_embed.device(), ", tokens on ", tokens.device());
   check_perm_mask(op, perm, mask, tokens.sym_size(0), positions, tokens);
+  return prefix_rows;
 }
 
-void check_backward_args(const at::Tensor& grad_out, const at::Tensor& perm, const at::Tensor& mask,
-                         at::ScalarType tokens_dtype, at::ScalarType pos_dtype, at::ScalarType unk_dtype) {
+// Returns N.
+c10::SymInt check_backward_args(const at::Tensor& grad_out, const at::Tensor& perm, const at::Tensor& mask,
+                                int64_t prefix_count, int64_t prefix_positions, c10::SymIntArrayRef pos_shape,
+                                c10::SymIntArrayRef prefix_shape, at::ScalarType tokens_dtype,
+                                at::ScalarType pos_dtype, at::ScalarType unk_dtype, at::ScalarType prefix_dtype) {
   constexpr const char* op = "mjp_fast::pos_embed_extension_backward";
-  TORCH_CHECK(grad_out.dim() == 3, op, ": grad_out must be [B, N, D], got ", grad_out.sym_sizes());
+  TORCH_CHECK(grad_out.dim() == 3, op, ": grad_out must be [B, P + N, D], got ", grad_out.sym_sizes());
   check_float_dtype(op, "grad_out", grad_out.scalar_type());
   check_float_dtype(op, "tokens_dtype", tokens_dtype);
   check_float_dtype(op, "pos_dtype", pos_dtype);
   check_float_dtype(op, "unk_dtype", unk_dtype);
-  check_perm_mask(op, perm, mask, grad_out.sym_size(0), grad_out.sym_size(1), grad_out);
+  check_float_dtype(op, "prefix_dtype", prefix_dtype);
+  TORCH_CHECK(prefix_count >= 0, op, ": prefix_count must be >= 0, got ", prefix_count);
+  check_prefix_positions(op, prefix_positions, prefix_count);
+  TORCH_CHECK(perm.dim() == 2, op, ": perm must be [B, N], got ", perm.sym_sizes());
+  const c10::SymInt positions = perm.sym_size(1);
+  const auto& dim = grad_out.sym_size(2);
+  TORCH_CHECK(grad_out.sym_size(1) == positions + prefix_count, op, ": grad_out must be [B, P + N, D] with P = ",
+              prefix_count, " and N = ", positions, " (perm's), got ", grad_out.sym_sizes());
+  check_table_shape(op, "pos_shape", pos_shape, positions + prefix_positions, dim);
+  if (prefix_count > 0) {
+    c10::SymInt numel = 1;
+    for (const auto& size : prefix_shape) numel = numel * size;
+    TORCH_CHECK(numel == dim * prefix_count, op, ": prefix_shape must hold P * D = ", prefix_count, " * ", dim,
+                " elements, got ", prefix_shape);
+  }
+  check_perm_mask(op, perm, mask, grad_out.sym_size(0), positions, grad_out);
+  return positions;
 }
 
 void check_cpu(const char* op, const at::Tensor& tensor) {
@@ -164,7 +229,8 @@ MJP_ALWAYS_INLINE void store_as(const from_t* source, int64_t count, at::ScalarT
   }
 }
 
-// The forward's data: tokens [B, N, D], perm, mask [B, N], pos [N, D], unk [D], out [B, N, D], all contiguous.
+// The forward's data: tokens [B, N, D], perm, mask [B, N], pos [N, D] (the table's patch rows), unk [D], all
+// contiguous; out [B, prefix_rows + N, D], whose patch rows this writes.
 template <typename token_t, typename out_t>
 struct ForwardData {
   const token_t* tokens;
@@ -173,18 +239,19 @@ struct ForwardData {
   const out_t* pos;
   const out_t* unk;
   out_t* out;
-  int64_t positions, dim;
+  int64_t positions, dim, prefix_rows;
 };
 
-// out rows [row_begin, row_end) of [B * N, D]. Returns false if a perm entry was out of range (its row is zeroed).
+// Token rows [row_begin, row_end) of [B * N, D], into out's patch rows. Returns false if a perm entry was out of
+// range (its row is zeroed).
 template <typename token_t, typename out_t>
 MJP_ALWAYS_INLINE bool forward_rows(const ForwardData<token_t, out_t>& data, int64_t row_begin, int64_t row_end) {
-  const int64_t positions = data.positions, dim = data.dim;
+  const int64_t positions = data.positions, dim = data.dim, prefix_rows = data.prefix_rows;
   bool valid = true;
   for (int64_t row = row_begin; row < row_end; ++row) {
     const int64_t b = row / positions, n = row - b * positions;
     const int64_t source = data.perm[row];
-    out_t* destination = data.out + row * dim;
+    out_t* destination = data.out + (row + (b + 1) * prefix_rows) * dim;  // out[b, P + n]
     if (source < 0 || source >= positions) {
       std::fill(destination, destination + dim, out_t(0));
       valid = false;
@@ -196,8 +263,22 @@ MJP_ALWAYS_INLINE bool forward_rows(const ForwardData<token_t, out_t>& data, int
   return valid;
 }
 
-// The backward's data: grad [B, N, D], perm, mask [B, N] contiguous; grad_tokens [B, N, D] and grad_pos [N, D] in
-// their dtypes; unk_partial [N, D] in acc_t.
+// out[0, t] = prefix[t] + (pos[t] if t < prefix_positions) for t < prefix_rows, in acc_t, rounded once. pos: the
+// table's first rows.
+template <typename prefix_t, typename out_t>
+void prefix_block(const prefix_t* prefix, const out_t* pos, int64_t prefix_rows, int64_t prefix_positions,
+                  int64_t dim, out_t* out) {
+  for (int64_t t = 0; t < prefix_rows; ++t) {
+    if (t < prefix_positions) {
+      add_row<acc_of<prefix_t, out_t>>(prefix + t * dim, pos + t * dim, dim, out + t * dim);
+    } else {
+      copy_row(prefix + t * dim, dim, out + t * dim);
+    }
+  }
+}
+
+// The backward's data: grad [B, prefix_rows + N, D], perm, mask [B, N] contiguous; grad_tokens [B, N, D] and
+// grad_pos [N, D] (the table's patch rows) in their dtypes; unk_partial [N, D] in acc_t.
 template <typename grad_t, typename acc_t>
 struct BackwardData {
   const grad_t* grad;
@@ -207,22 +288,23 @@ struct BackwardData {
   void* grad_tokens;
   void* grad_pos;
   acc_t* unk_partial;
-  int64_t batch, positions, dim;
+  int64_t batch, positions, dim, prefix_rows;
 };
 
-// For positions [n_begin, n_end): grad_tokens[b, perm[b, n]] = grad[b, n] for every b, grad_pos[n] = the sum over the
-// unmasked b, unk_partial[n] = the sum over the masked b (in acc_t, summed over n afterwards). pos_sum: [D] scratch.
+// For positions [n_begin, n_end): grad_tokens[b, perm[b, n]] = grad[b, P + n] for every b, grad_pos[n] = the sum
+// over the unmasked b, unk_partial[n] = the sum over the masked b (in acc_t, summed over n afterwards). pos_sum: [D]
+// scratch.
 template <typename grad_t, typename acc_t>
 MJP_ALWAYS_INLINE void backward_positions(const BackwardData<grad_t, acc_t>& data, int64_t n_begin, int64_t n_end,
                                           acc_t* pos_sum) {
-  const int64_t positions = data.positions, dim = data.dim;
+  const int64_t positions = data.positions, dim = data.dim, rows_per_sample = data.prefix_rows + positions;
   for (int64_t n = n_begin; n < n_end; ++n) {
     acc_t* unk_sum = data.unk_partial + n * dim;
     std::fill(pos_sum, pos_sum + dim, acc_t(0));
     std::fill(unk_sum, unk_sum + dim, acc_t(0));
     for (int64_t b = 0; b < data.batch; ++b) {
       const int64_t row = b * positions + n;
-      const grad_t* in = data.grad + row * dim;
+      const grad_t* in = data.grad + (b * rows_per_sample + data.prefix_rows + n) * dim;
       store_as(in, dim, data.tokens_dtype, data.grad_tokens, (b * positions + data.perm[row]) * dim);
       accumulate_row(in, dim, data.mask[row] ? unk_sum : pos_sum);
     }
@@ -283,26 +365,47 @@ bool perm_is_permutation(const int64_t* perm, int64_t batch, int64_t positions) 
 }
 
 at::Tensor pos_embed_forward_cpu(const at::Tensor& tokens, const at::Tensor& perm, const at::Tensor& mask,
-                                 const at::Tensor& pos_embed, const at::Tensor& unk_embed) {
+                                 const at::Tensor& pos_embed, const at::Tensor& unk_embed,
+                                 const std::optional<at::Tensor>& prefix, int64_t prefix_positions) {
   constexpr const char* op = "mjp_fast::pos_embed_extension";
-  check_forward_args(tokens, perm, mask, pos_embed, unk_embed);
+  const int64_t prefix_rows =
+      check_forward_args(tokens, perm, mask, pos_embed, unk_embed, prefix, prefix_positions).expect_int();
   for (const auto* tensor : {&tokens, &perm, &mask, &pos_embed, &unk_embed}) check_cpu(op, *tensor);
+  if (present(prefix)) check_cpu(op, *prefix);
   const int64_t batch = tokens.size(0), positions = tokens.size(1), dim = tokens.size(2);
+  const int64_t rows_per_sample = prefix_rows + positions;
   // No-ops (no dispatch) for the contiguous tensors callers pass.
   const auto tokens_c = tokens.is_contiguous() ? tokens : tokens.contiguous();
   const auto perm_c = perm.is_contiguous() ? perm : perm.contiguous();
   const auto mask_c = mask.is_contiguous() ? mask : mask.contiguous();
   const auto pos_c = pos_embed.is_contiguous() ? pos_embed : pos_embed.contiguous();
   const auto unk_c = unk_embed.is_contiguous() ? unk_embed : unk_embed.contiguous();
-  auto out = at::empty({batch, positions, dim}, pos_embed.options());
+  const auto prefix_c = prefix_rows == 0 || prefix->is_contiguous() ? prefix : prefix->contiguous();
+  auto out = at::empty({batch, rows_per_sample, dim}, pos_embed.options());
   std::atomic<bool> valid{true};
-  MJP_DISPATCH_FLOATING_TYPES(tokens.scalar_type(), "mjp_pos_embed_forward", [&] {
-    using token_t = scalar_t;
-    MJP_DISPATCH_FLOATING_TYPES(pos_embed.scalar_type(), "mjp_pos_embed_forward", [&] {
-      using out_t = scalar_t;
-      const ForwardData<token_t, out_t> data{tokens_c.data_ptr<token_t>(), perm_c.data_ptr<int64_t>(),
-                                             mask_c.data_ptr<bool>(), pos_c.data_ptr<out_t>(), unk_c.data_ptr<out_t>(),
-                                             out.data_ptr<out_t>(), positions, dim};
+  MJP_DISPATCH_FLOATING_TYPES(pos_embed.scalar_type(), "mjp_pos_embed_forward", [&] {
+    using out_t = scalar_t;
+    out_t* out_data = out.data_ptr<out_t>();
+    const out_t* pos_data = pos_c.data_ptr<out_t>();
+    if (prefix_rows > 0 && batch > 0) {
+      // The prefix rows are the same in every sample: computed once into sample 0, copied to the others.
+      const int64_t block = prefix_rows * dim;
+      MJP_DISPATCH_FLOATING_TYPES(prefix_c->scalar_type(), "mjp_pos_embed_prefix", [&] {
+        prefix_block(prefix_c->data_ptr<scalar_t>(), pos_data, prefix_rows, prefix_positions, dim, out_data);
+      });
+      at::parallel_for(1, batch, grain(block), [&](int64_t b_begin, int64_t b_end) {
+        for (int64_t b = b_begin; b < b_end; ++b) {
+          std::copy(out_data, out_data + block, out_data + b * rows_per_sample * dim);
+        }
+      });
+    }
+    MJP_DISPATCH_FLOATING_TYPES(tokens.scalar_type(), "mjp_pos_embed_forward", [&] {
+      using token_t = scalar_t;
+      const ForwardData<token_t, out_t> data{tokens_c.data_ptr<token_t>(),  perm_c.data_ptr<int64_t>(),
+                                             mask_c.data_ptr<bool>(),       pos_data + prefix_positions * dim,
+                                             unk_c.data_ptr<out_t>(),       out_data,
+                                             positions,                     dim,
+                                             prefix_rows};
       auto* rows = forward_rows_baseline<token_t, out_t>;
 #ifdef MJP_AVX2_CLONES
       if (use_avx2()) rows = forward_rows_avx2<token_t, out_t>;
@@ -316,15 +419,16 @@ at::Tensor pos_embed_forward_cpu(const at::Tensor& tokens, const at::Tensor& per
   return out;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> pos_embed_backward_cpu(const at::Tensor& grad_out,
-                                                                      const at::Tensor& perm, const at::Tensor& mask,
-                                                                      at::ScalarType tokens_dtype,
-                                                                      at::ScalarType pos_dtype,
-                                                                      at::ScalarType unk_dtype) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> pos_embed_backward_cpu(
+    const at::Tensor& grad_out, const at::Tensor& perm, const at::Tensor& mask, int64_t prefix_count,
+    int64_t prefix_positions, at::IntArrayRef pos_shape, at::IntArrayRef prefix_shape, at::ScalarType tokens_dtype,
+    at::ScalarType pos_dtype, at::ScalarType unk_dtype, at::ScalarType prefix_dtype) {
   constexpr const char* op = "mjp_fast::pos_embed_extension_backward";
-  check_backward_args(grad_out, perm, mask, tokens_dtype, pos_dtype, unk_dtype);
+  check_backward_args(grad_out, perm, mask, prefix_count, prefix_positions, c10::fromIntArrayRefSlow(pos_shape),
+                      c10::fromIntArrayRefSlow(prefix_shape), tokens_dtype, pos_dtype, unk_dtype, prefix_dtype);
   for (const auto* tensor : {&grad_out, &perm, &mask}) check_cpu(op, *tensor);
-  const int64_t batch = grad_out.size(0), positions = grad_out.size(1), dim = grad_out.size(2);
+  const int64_t batch = grad_out.size(0), positions = perm.size(1), dim = grad_out.size(2);
+  const int64_t prefix_rows = prefix_count, rows_per_sample = prefix_rows + positions;
   const auto grad_c = grad_out.is_contiguous() ? grad_out : grad_out.contiguous();
   const auto perm_c = perm.is_contiguous() ? perm : perm.contiguous();
   const auto mask_c = mask.is_contiguous() ? mask : mask.contiguous();
@@ -333,19 +437,32 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> pos_embed_backward_cpu(const at::
               ": every perm[b] must be a permutation of 0..", positions - 1);
   const auto options = grad_out.options();
   auto grad_tokens = at::empty({batch, positions, dim}, options.dtype(tokens_dtype));
-  auto grad_pos = at::empty({positions, dim}, options.dtype(pos_dtype));
+  auto grad_pos = at::empty(pos_shape, options.dtype(pos_dtype));
   auto grad_unk = at::empty({dim}, options.dtype(unk_dtype));
-  const bool use_double =
-      grad_out.scalar_type() == at::kDouble || pos_dtype == at::kDouble || unk_dtype == at::kDouble;
+  const auto prefix_options = options.dtype(prefix_dtype);
+  auto grad_prefix = prefix_rows > 0 ? at::empty(prefix_shape, prefix_options) : at::empty({0}, prefix_options);
+  const bool use_double = grad_out.scalar_type() == at::kDouble || pos_dtype == at::kDouble ||
+                          unk_dtype == at::kDouble || prefix_dtype == at::kDouble;
   MJP_DISPATCH_FLOATING_TYPES(grad_out.scalar_type(), "mjp_pos_embed_backward", [&] {
     using grad_t = scalar_t;
+    const grad_t* grad_data = grad_c.data_ptr<grad_t>();
     auto run = [&](auto acc_zero) {
       using acc_t = decltype(acc_zero);
       // unk_embed's share per position, summed over the positions below in order.
       std::vector<acc_t> unk_partial(positions * dim);
-      const BackwardData<grad_t, acc_t> data{grad_c.data_ptr<grad_t>(), perm_data, mask_c.data_ptr<bool>(),
-                                             tokens_dtype, pos_dtype, grad_tokens.data_ptr(), grad_pos.data_ptr(),
-                                             unk_partial.data(), batch, positions, dim};
+      const BackwardData<grad_t, acc_t> data{grad_data,
+                                             perm_data,
+                                             mask_c.data_ptr<bool>(),
+                                             tokens_dtype,
+                                             pos_dtype,
+                                             grad_tokens.data_ptr(),
+                                             static_cast<char*>(grad_pos.data_ptr()) +
+                                                 prefix_positions * dim * grad_pos.element_size(),
+                                             unk_partial.data(),
+                                             batch,
+                                             positions,
+                                             dim,
+                                             prefix_rows};
       auto* run_positions = backward_positions_baseline<grad_t, acc_t>;
 #ifdef MJP_AVX2_CLONES
       if (use_avx2()) run_positions = backward_positions_avx2<grad_t, acc_t>;
@@ -362,6 +479,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> pos_embed_backward_cpu(const at::
         }
         store_as(sum.data(), d_end - d_begin, unk_dtype, grad_unk.data_ptr(), d_begin);
       });
+      // The prefix rows: grad_prefix[t] (and grad_pos[t], t < Q) = the sum over b of grad[b, t], b in order.
+      at::parallel_for(0, prefix_rows, grain(batch * dim), [&](int64_t t_begin, int64_t t_end) {
+        std::vector<acc_t> sum(dim);
+        for (int64_t t = t_begin; t < t_end; ++t) {
+          std::fill(sum.begin(), sum.end(), acc_t(0));
+          for (int64_t b = 0; b < batch; ++b) accumulate_row(grad_data + (b * rows_per_sample + t) * dim, dim,
+                                                             sum.data());
+          store_as(sum.data(), dim, prefix_dtype, grad_prefix.data_ptr(), t * dim);
+          if (t < prefix_positions) store_as(sum.data(), dim, pos_dtype, grad_pos.data_ptr(), t * dim);
+        }
+      });
     };
     if (use_double) {
       run(double(0));
@@ -369,40 +497,48 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> pos_embed_backward_cpu(const at::
       run(float(0));
     }
   });
-  return {grad_tokens, grad_pos, grad_unk};
+  return {grad_tokens, grad_pos, grad_unk, grad_prefix};
 }
 
 // ---- Meta kernels: checks and output shapes only (symbolic sizes, for torch.compile's dynamic shapes).
 
 at::Tensor pos_embed_forward_meta(const at::Tensor& tokens, const at::Tensor& perm, const at::Tensor& mask,
-                                  const at::Tensor& pos_embed, const at::Tensor& unk_embed) {
-  check_forward_args(tokens, perm, mask, pos_embed, unk_embed);
-  return at::empty_symint(tokens.sym_sizes(), pos_embed.options());
+                                  const at::Tensor& pos_embed, const at::Tensor& unk_embed,
+                                  const std::optional<at::Tensor>& prefix, int64_t prefix_positions) {
+  const c10::SymInt prefix_rows =
+      check_forward_args(tokens, perm, mask, pos_embed, unk_embed, prefix, prefix_positions);
+  return at::empty_symint({tokens.sym_size(0), prefix_rows + tokens.sym_size(1), tokens.sym_size(2)},
+                          pos_embed.options());
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> pos_embed_backward_meta(const at::Tensor& grad_out,
-                                                                       const at::Tensor& perm, const at::Tensor& mask,
-                                                                       at::ScalarType tokens_dtype,
-                                                                       at::ScalarType pos_dtype,
-                                                                       at::ScalarType unk_dtype) {
-  check_backward_args(grad_out, perm, mask, tokens_dtype, pos_dtype, unk_dtype);
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> pos_embed_backward_meta(
+    const at::Tensor& grad_out, const at::Tensor& perm, const at::Tensor& mask, int64_t prefix_count,
+    int64_t prefix_positions, c10::SymIntArrayRef pos_shape, c10::SymIntArrayRef prefix_shape,
+    at::ScalarType tokens_dtype, at::ScalarType pos_dtype, at::ScalarType unk_dtype, at::ScalarType prefix_dtype) {
+  const c10::SymInt positions =
+      check_backward_args(grad_out, perm, mask, prefix_count, prefix_positions, pos_shape, prefix_shape, tokens_dtype,
+                          pos_dtype, unk_dtype, prefix_dtype);
   const auto options = grad_out.options();
-  const auto& positions = grad_out.sym_size(1);
   const auto& dim = grad_out.sym_size(2);
-  return {at::empty_symint(grad_out.sym_sizes(), options.dtype(tokens_dtype)),
-          at::empty_symint({positions, dim}, options.dtype(pos_dtype)),
-          at::empty_symint({dim}, options.dtype(unk_dtype))};
+  return {at::empty_symint({grad_out.sym_size(0), positions, dim}, options.dtype(tokens_dtype)),
+          at::empty_symint(pos_shape, options.dtype(pos_dtype)), at::empty_symint({dim}, options.dtype(unk_dtype)),
+          prefix_count > 0 ? at::empty_symint(prefix_shape, options.dtype(prefix_dtype))
+                           : at::empty_symint({c10::SymInt(0)}, options.dtype(prefix_dtype))};
 }
 
 }  // namespace
 }  // namespace mjp
 
 TORCH_LIBRARY_FRAGMENT(mjp_fast, m) {
-  m.def("pos_embed_extension(Tensor tokens, Tensor perm, Tensor mask, Tensor pos_embed, Tensor unk_embed) -> Tensor",
-        {at::Tag::pt2_compliant_tag});
   m.def(
-      "pos_embed_extension_backward(Tensor grad_out, Tensor perm, Tensor mask, ScalarType tokens_dtype, "
-      "ScalarType pos_dtype, ScalarType unk_dtype) -> (Tensor, Tensor, Tensor)",
+      "pos_embed_extension(Tensor tokens, Tensor perm, Tensor mask, Tensor pos_embed, Tensor unk_embed, "
+      "Tensor? prefix, int prefix_positions) -> Tensor",
+      {at::Tag::pt2_compliant_tag});
+  m.def(
+      "pos_embed_extension_backward(Tensor grad_out, Tensor perm, Tensor mask, int prefix_count, "
+      "int prefix_positions, SymInt[] pos_shape, SymInt[] prefix_shape, ScalarType tokens_dtype, "
+      "ScalarType pos_dtype, ScalarType unk_dtype, ScalarType prefix_dtype) -> (Tensor grad_tokens, Tensor grad_pos, "
+      "Tensor grad_unk, Tensor grad_prefix)",
       {at::Tag::pt2_compliant_tag});
 }
 

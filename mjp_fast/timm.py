@@ -55,10 +55,10 @@ from torch import nn
 from mjp_fast._validate import check_int
 from mjp_fast.backend import KNOWN_BACKENDS, resolve_backend
 from mjp_fast.nn import DAL_KINDS, DALRegressor
-from mjp_fast.ops.dal_loss import dal_loss_unchecked
+from mjp_fast.ops.dal_loss import dal_loss_unchecked, grid_coordinates
 from mjp_fast.ops.jigsaw_images import jigsaw_images
-from mjp_fast.ops.patch_embed import mjp_patch_embed
-from mjp_fast.ops.pos_embed import mjp_pos_embed_unchecked
+from mjp_fast.ops.patch_embed import patch_embed_step
+from mjp_fast.ops.pos_embed import mjp_position_step
 from mjp_fast.ops.sample_jigsaw import Jigsaw
 from mjp_fast.sampler import JigsawSampler
 
@@ -93,36 +93,40 @@ def _fused_patch_embed(
     images: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
-    patch_pos: torch.Tensor,
+    pos_table: torch.Tensor,
     unk_embed: torch.Tensor | None,
     jigsaw: Jigsaw | None,
     backend: str | None,
+    prefix: torch.Tensor | None,
+    prefix_positions: int,
 ) -> torch.Tensor:
-    """:func:`mjp_patch_embed` in the dtypes timm's ``PatchEmbed`` plus the position add would compute in.
+    """timm's ``PatchEmbed``, the prefix tokens and the position add as one :func:`patch_embed_step`, in the dtypes
+    timm computes them in.
 
     Args:
         images: ``[B, C, H, W]``; weight ``[D, C, P, P]`` and bias ``[D]`` (or None): ``patch_embed.proj``'s.
-        patch_pos: ``[1, N, D]``, the patch positions' embeddings (no prefix tokens).
+        pos_table: the model's ``pos_embed`` ``[1, Q + N, D]``, its first Q (``prefix_positions``) rows the prefix
+            tokens'. prefix: the class and register tokens (numel ``P * D``), or None.
         unk_embed: ``[D]``, or None without a jigsaw. jigsaw: ``Jigsaw(mask [B, N], perm [B, N])`` or None.
-        backend: as :func:`mjp_patch_embed`.
+        backend: as :func:`mjp_fast.mjp_patch_embed`.
 
     Returns:
-        tokens ``[B, N, D]``, in the dtype of timm's ``proj(images) + patch_pos``.
+        ``[B, P + N, D]``, in the dtype of timm's ``cat(prefix, proj(images)) + pos_embed``.
     """
     device_type = images.device.type
+    chosen = resolve_backend(backend, images.device)
     if not torch.is_autocast_enabled(device_type):
-        return mjp_patch_embed(images, weight, bias, patch_pos, unk_embed, jigsaw, backend=backend, validate=False)
-    # Under autocast timm's Conv2d runs in the autocast dtype and the add of the float32 table promotes its output.
-    # The fused op takes one dtype, so it gets what autocast gives the convolution, the position terms rounded to
-    # it (the epilogue adds them in float32), and its output is cast to the dtype of timm's sum.
+        return patch_embed_step(images, weight, bias, pos_table, unk_embed, jigsaw, chosen, prefix, prefix_positions)
+    # Under autocast timm's Conv2d runs in the autocast dtype and the add of the float32 table promotes its output:
+    # the fused op gets what autocast gives the convolution, adds the float32 position terms in its epilogue and
+    # writes the promoted dtype.
     dtype = torch.get_autocast_dtype(device_type)
     images, weight, bias = (_autocast_like_conv(tensor, dtype) for tensor in (images, weight, bias))
-    out_dtype = torch.promote_types(images.dtype, patch_pos.dtype)
-    patch_pos = patch_pos.to(images.dtype)
-    unk_embed = unk_embed.to(images.dtype) if unk_embed is not None else None
     with torch.autocast(device_type, enabled=False):  # the torch backend's conv: already in the right dtype
-        tokens = mjp_patch_embed(images, weight, bias, patch_pos, unk_embed, jigsaw, backend=backend, validate=False)
-    return tokens.to(out_dtype)
+        return patch_embed_step(
+            images, weight, bias, pos_table, unk_embed, jigsaw, chosen, prefix, prefix_positions,
+            out_dtype=torch.promote_types(dtype, pos_table.dtype),
+        )  # fmt: skip
 
 
 @register_notrace_module  # timm's FX tracer (create_feature_extractor) keeps it as one call
@@ -172,62 +176,65 @@ class MJPState(nn.Module):
             self.unk_embed = None
         self.dal_regressor = DALRegressor(dim, dal) if dal is not None else None
         self.last_jigsaw: Jigsaw | None = None
-        # The patch positions' slice of the model's pos_embed that the last forward used: the DAL loss reuses it,
-        # so a step slices the table once (one slice backward, not two and an add).
-        self.last_patch_pos: torch.Tensor | None = None
+        # The DAL loss's targets, made once (not saved: they follow from the grid).
+        self.register_buffer(
+            "dal_coordinates", grid_coordinates(grid_size, normalize=self.dal_normalize), persistent=False
+        )
 
     def forward(
         self,
         x: torch.Tensor,
-        patch_pos: torch.Tensor | None = None,
+        pos_table: torch.Tensor | None = None,
         grid: tuple[int, int] | None = None,
         weight: torch.Tensor | None = None,
         bias: torch.Tensor | None = None,
         backend: str | None = None,
+        prefix: torch.Tensor | None = None,
+        prefix_positions: int = 0,
     ) -> torch.Tensor:
         """MJP on one batch, when the sampler is active (training, or inside ``mjp_eval``); else the plain input.
 
         Args:
-            x: with ``patch_pos``, the patch tokens ``[B, N, D]`` of a ViT (``N = grid[0] * grid[1]``), or its
-                images ``[B, C, H, W]`` when ``weight`` is given; without ``patch_pos``, the images
+            x: with ``pos_table``, the patch tokens ``[B, N, D]`` of a ViT (``N = grid[0] * grid[1]``), or its
+                images ``[B, C, H, W]`` when ``weight`` is given; without ``pos_table``, the images
                 ``[B, C, H, W]`` of a pixel-space model (H and W multiples of ``patch_size``).
-            patch_pos: the patch positions' embeddings ``[1, N, D]`` (no prefix tokens), or None.
+            pos_table: the model's position table ``[1, Q + N, D]``: the first Q (``prefix_positions``) rows are the
+                prefix tokens', the others the patch positions'.
             grid: the patch grid of ``x`` (default: the sampler's).
             weight, bias: the patch projection (timm's ``patch_embed.proj``: Conv2d weight ``[D, C, P, P]``, bias
                 ``[D]`` or None) when ``x`` is images to embed, jigsaw and position in one fused op.
-            backend: the fused op's backend (as :func:`mjp_fast.mjp_patch_embed`).
+            backend: the fused embedding's backend (as :func:`mjp_fast.mjp_patch_embed`).
+            prefix: the class and register tokens to put in front (numel ``P * D``; timm's ``cls_token``), or None;
+                ``prefix_positions`` is 0 or P.
 
         Returns:
-            ViT: the jigsawed tokens plus their position term ``[B, N, D]`` (``x + patch_pos`` when inactive; with
-            ``weight``, the embedded images plus ``patch_pos``).
+            ViT: ``[B, P + N, D]``: the prefix tokens plus their position rows, then the jigsawed patch tokens plus
+            their position terms (with ``weight``: the embedded, jigsawed images).
             Pixel-space: the jigsawed images ``[B, C, H, W]`` (``x`` itself when inactive).
         """
         if isinstance(x, torch.fx.Proxy):
             # Symbolic tracing (torch.fx): the sampler's Python cannot run on proxies, so this call becomes one node
             # that runs the module itself when the graph runs, as a leaf module would.
             tracer = x.tracer
-            args = (x, patch_pos, grid) if weight is None else (x, patch_pos, grid, weight, bias, backend)
+            args = (x, pos_table, grid, weight, bias, backend, prefix, prefix_positions)
             return tracer.create_proxy("call_module", tracer.path_of_module(self), args, {})
         sampler = self.sampler
         self.last_jigsaw = None
-        if patch_pos is None:
+        if pos_table is None:
             return self._jigsaw_images(x)
-        if weight is not None:
-            jigsaw = sampler(x.shape[0], x.device, grid) if sampler.active else None
-            self.last_jigsaw = jigsaw
-            # The jigsaw is applied where the patches are cut, the position term in the GEMM's epilogue.
-            unk_embed = self.unk_embed if jigsaw is not None else None
-            return _fused_patch_embed(x, weight, bias, patch_pos, unk_embed, jigsaw, backend)
-        if not sampler.active:
-            return x + patch_pos
-        jigsaw = sampler(x.shape[0], x.device, grid)
+        jigsaw = sampler(x.shape[0], x.device, grid) if sampler.active else None
         self.last_jigsaw = jigsaw
+        if weight is not None:
+            # The jigsaw is applied where the patches are cut, the position terms in the GEMM's epilogue.
+            unk_embed = self.unk_embed if jigsaw is not None else None
+            return _fused_patch_embed(x, weight, bias, pos_table, unk_embed, jigsaw, backend, prefix, prefix_positions)
         if jigsaw is None:
-            return x + patch_pos
-        # P(XW) = (PX)W: moving the embedded tokens is moving the patches. One autograd node for the move and the
-        # position term; the arguments are the model's own and the sampler's jigsaws need no validation.
+            return _plain_position_step(x, pos_table, prefix, prefix_positions)
+        # P(XW) = (PX)W: moving the embedded tokens is moving the patches. One autograd node for the move, the
+        # position terms and the prefix tokens; the arguments are the model's own and the sampler's jigsaws need
+        # no validation.
         backend = resolve_backend(sampler.backend, x.device)
-        return mjp_pos_embed_unchecked(x, patch_pos, self.unk_embed, jigsaw, backend)
+        return mjp_position_step(x, pos_table, self.unk_embed, jigsaw, backend, prefix, prefix_positions)
 
     def _jigsaw_images(self, x: torch.Tensor) -> torch.Tensor:
         if not self.sampler.active:
@@ -360,20 +367,32 @@ def _unfuse_patch_embed(patch_embed: nn.Module) -> None:
         del patch_embed.fused_backend
 
 
-def _with_prefix_tokens(model: VisionTransformer, x: torch.Tensor, prefix_pos: torch.Tensor | None) -> torch.Tensor:
-    """The class and register tokens (plus ``prefix_pos`` ``[1, prefix, D]``, if any) before the patch tokens
-    ``x`` ``[B, N, D]``; then timm's ``pos_drop``."""
-    prefix = []
-    if model.cls_token is not None:
-        prefix.append(model.cls_token.expand(x.shape[0], -1, -1))
-    if model.reg_token is not None:
-        prefix.append(model.reg_token.expand(x.shape[0], -1, -1))
-    if prefix:
-        prefix_tokens = torch.cat(prefix, dim=1)
-        if prefix_pos is not None:
-            prefix_tokens = prefix_tokens + prefix_pos
-        x = torch.cat((prefix_tokens, x), dim=1)
-    return model.pos_drop(x)
+def _prefix_tokens(model: VisionTransformer) -> torch.Tensor | None:
+    """The class and register tokens as one ``[1, P, D]`` tensor (timm's ``cls_token`` itself when it is the only
+    one: no copy), or None."""
+    cls_token, reg_token = model.cls_token, model.reg_token
+    if cls_token is None or reg_token is None:
+        return cls_token if reg_token is None else reg_token
+    return torch.cat((cls_token, reg_token), dim=1)
+
+
+def _prefix_positions(model: VisionTransformer) -> int:
+    """How many leading rows of ``pos_embed`` are the prefix tokens' (0 with ``no_embed_class``)."""
+    return 0 if model.no_embed_class else model.num_prefix_tokens
+
+
+def _plain_position_step(
+    x: torch.Tensor, pos_table: torch.Tensor, prefix: torch.Tensor | None, prefix_positions: int
+) -> torch.Tensor:
+    """Without a jigsaw: timm's ``_pos_embed`` arithmetic. ``x`` ``[B, N, D]`` plus its rows of ``pos_table``
+    ``[1, Q + N, D]``, after the prefix tokens plus theirs. Returns ``[B, P + N, D]``."""
+    x = x + pos_table[:, prefix_positions:]
+    if prefix is None:
+        return x
+    prefix = prefix.reshape(1, -1, x.shape[-1]).expand(x.shape[0], -1, -1)
+    if prefix_positions:
+        prefix = prefix + pos_table[:, :prefix_positions]
+    return torch.cat((prefix.to(x.dtype), x), dim=1)
 
 
 def _fused_pos_embed(model: VisionTransformer, images: torch.Tensor, state: MJPState | None) -> torch.Tensor:
@@ -384,18 +403,15 @@ def _fused_pos_embed(model: VisionTransformer, images: torch.Tensor, state: MJPS
     """
     embed = model.patch_embed
     proj = embed.proj
-    prefix_positions = 0 if model.no_embed_class else model.num_prefix_tokens
-    patch_pos = model.pos_embed[:, prefix_positions:]
-    if state is not None:
-        state.last_patch_pos = patch_pos
+    prefix, prefix_positions = _prefix_tokens(model), _prefix_positions(model)
     if state is not None and state.sampler.active:
         grid = tuple(embed.grid_size)
-        x = state(images, patch_pos, grid, proj.weight, proj.bias, embed.fused_backend)
-    else:
-        if state is not None:
-            state.last_jigsaw = None
-        x = _fused_patch_embed(images, proj.weight, proj.bias, patch_pos, None, None, embed.fused_backend)
-    return _with_prefix_tokens(model, x, model.pos_embed[:, :prefix_positions] if prefix_positions else None)
+        arguments = (proj.weight, proj.bias, embed.fused_backend, prefix, prefix_positions)
+        return model.pos_drop(state(images, model.pos_embed, grid, *arguments))
+    if state is not None:
+        state.last_jigsaw = None
+    arguments = (None, None, embed.fused_backend, prefix, prefix_positions)
+    return model.pos_drop(_fused_patch_embed(images, proj.weight, proj.bias, model.pos_embed, *arguments))
 
 
 class _FusedViTMixin:
@@ -467,34 +483,28 @@ class MJPVisionTransformer(_MJPMixin, VisionTransformer):
                 self.pos_embed,
                 new_size=grid,
                 old_size=self.patch_embed.grid_size,
-                num_prefix_tokens=0 if self.no_embed_class else self.num_prefix_tokens,
+                num_prefix_tokens=_prefix_positions(self),
             )
             x = x.reshape(batch, rows * cols, dim)
         else:
             grid = tuple(self.patch_embed.grid_size)
             pos_embed = self.pos_embed
-        prefix_positions = 0 if self.no_embed_class else self.num_prefix_tokens
-        patch_pos = pos_embed[:, prefix_positions:]
-        state.last_patch_pos = None if self.dynamic_img_size else patch_pos
-        x = state(x, patch_pos, grid)
-        return _with_prefix_tokens(self, x, pos_embed[:, :prefix_positions] if prefix_positions else None)
+        # The whole table and the prefix tokens go in: the kernels write [B, P + N, D] at once (no slice, no cat).
+        x = state(x, pos_embed, grid, prefix=_prefix_tokens(self), prefix_positions=_prefix_positions(self))
+        return self.pos_drop(x)
 
     def mjp_aux_loss(self) -> torch.Tensor:
         state = self.mjp
         if state.dal_regressor is None or self.pos_embed is None:
             anchor = self.pos_embed if self.pos_embed is not None else state.unk_embed
             return anchor.new_zeros((), dtype=torch.float32)
-        prefix_positions = 0 if self.no_embed_class else self.num_prefix_tokens
-        grid = tuple(self.patch_embed.grid_size)
-        patch_pos = state.last_patch_pos
-        if patch_pos is None or patch_pos.requires_grad != self.pos_embed.requires_grad:
-            patch_pos = self.pos_embed[:, prefix_positions:]  # no forward since, or one without autograd
+        coords = state.dal_coordinates
         mask = state.last_jigsaw.mask if state.last_jigsaw is not None else None
-        if mask is not None and mask.shape[1] != patch_pos.shape[1]:
+        if mask is not None and mask.shape[1] != coords.shape[0]:
             mask = None  # the last input had another grid (dynamic size): regress every stored position
-        backend = resolve_backend(state.sampler.backend, patch_pos.device)
-        pos = patch_pos.reshape(grid[0] * grid[1], patch_pos.shape[-1])
-        return dal_loss_unchecked(pos, state.dal_regressor, grid, mask, state.dal_normalize, backend)
+        backend = resolve_backend(state.sampler.backend, coords.device)
+        # The whole table: its prefix rows are skipped by the kernels, so nothing is sliced here.
+        return dal_loss_unchecked(self.pos_embed, state.dal_regressor, coords, mask, backend, _prefix_positions(self))
 
     def no_weight_decay(self) -> set[str]:
         return set(super().no_weight_decay()) | {"mjp.unk_embed"}

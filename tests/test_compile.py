@@ -54,11 +54,12 @@ def test_inductor_on_gpu():
 def _operator_samples(device="cpu"):
     images = torch.randn(2, 3, 8, 12, device=device)
     weight, bias = torch.randn(5, 3, 4, 4, device=device), torch.randn(5, device=device)
-    pos, unk = torch.randn(6, 5, device=device), torch.randn(5, device=device)
+    # the whole table of a model with a class token: its row 0 is the class token's (prefix_positions = 1)
+    pos, unk, prefix = (torch.randn(*shape, device=device) for shape in ((1, 7, 5), (5,), (1, 1, 5)))
     jigsaw = mjp_fast.sample_jigsaw(2, (2, 3), 0.5, seed=0, min_block=1, device=device)
-    for tensor in (images, weight, bias, pos, unk):
+    for tensor in (images, weight, bias, pos, unk, prefix):
         tensor.requires_grad_(True)
-    return images, weight, bias, pos, unk, jigsaw.perm, jigsaw.mask
+    return images, weight, bias, pos, unk, jigsaw.perm, jigsaw.mask, prefix, 1
 
 
 @pytest.mark.parametrize("backend", COMPILED_BACKENDS)

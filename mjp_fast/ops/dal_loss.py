@@ -65,14 +65,16 @@ if backend_module.triton_importable():
 class _FusedDAL(torch.autograd.Function):
     """The regressor and the weighted L1 in one operation forward and one backward.
 
-    pos ``[N, D]``; the regressor's layers ``w1 [H, D]``, ``b1 [H]`` (None for the linear regressor), ``w2 [2, H]``
-    (``[2, D]``), ``b2 [2]`` or None; coords float32 ``[N, 2]``; mask bool ``[B, N]`` or None. Computes in float32.
-    Eager Triton calls launch the kernels directly; under torch.compile they go through their operators.
+    pos: the position table, contiguous, its last two dims ``[skip_rows + N, D]`` (the model's whole table: its
+    first ``skip_rows`` rows, the prefix tokens', are not regressed, and get zero gradient); the regressor's layers
+    ``w1 [H, D]``, ``b1 [H]`` (None for the linear regressor), ``w2 [2, H]`` (``[2, D]``), ``b2 [2]`` or None;
+    coords float32 ``[N, 2]``; mask bool ``[B, N]`` or None. Computes in float32. Eager Triton calls launch the
+    kernels directly; under torch.compile they go through their operators.
     """
 
     @staticmethod
-    def forward(ctx, pos, w1, b1, w2, b2, coords, mask, scale, backend):  # type: ignore[override]
-        arguments = (pos, w1, b1, w2, b2, coords, mask, scale)
+    def forward(ctx, pos, skip_rows, w1, b1, w2, b2, coords, mask, scale, backend):  # type: ignore[override]
+        arguments = (pos, skip_rows, w1, b1, w2, b2, coords, mask, scale)
         if backend != "triton":
             outputs = torch.ops.mjp_fast.dal_loss_extension(*arguments)
         elif torch.compiler.is_compiling():
@@ -81,13 +83,18 @@ class _FusedDAL(torch.autograd.Function):
             outputs = _triton_kernels.dal_forward_launch(*arguments)
         loss, pred, hidden, weights = outputs
         ctx.save_for_backward(pos, w1, w2, coords, pred, hidden, weights)
-        ctx.scale, ctx.backend, ctx.has_bias = scale, backend, (b1 is not None, b2 is not None)
+        ctx.scale, ctx.skip_rows, ctx.backend, ctx.has_bias = (
+            scale,
+            skip_rows,
+            backend,
+            (b1 is not None, b2 is not None),
+        )
         return loss
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         pos, w1, w2, coords, pred, hidden, weights = ctx.saved_tensors
-        arguments = (grad.float(), pos, w1, w2, coords, pred, hidden, weights, ctx.scale, *ctx.has_bias)
+        arguments = (grad, pos, ctx.skip_rows, w1, w2, coords, pred, hidden, weights, ctx.scale, *ctx.has_bias)
         if ctx.backend != "triton":
             grads = torch.ops.mjp_fast.dal_loss_extension_backward(*arguments)
         elif torch.compiler.is_compiling():
@@ -98,6 +105,7 @@ class _FusedDAL(torch.autograd.Function):
         has_b1, has_b2 = ctx.has_bias
         return (
             grad_pos,
+            None,
             grad_w1 if w1 is not None else None,
             grad_b1 if has_b1 else None,
             grad_w2,
@@ -118,24 +126,24 @@ def _fused_layers(regressor: object) -> tuple[torch.Tensor | None, ...] | None:
 def dal_loss_unchecked(
     pos: torch.Tensor,
     regressor: nn.Module,
-    grid_size: tuple[int, int],
+    coords: torch.Tensor,
     mask: torch.Tensor | None,
-    normalize: bool,
     backend: str,
+    skip_rows: int = 0,
 ) -> torch.Tensor:
     """:func:`dal_loss` for callers that checked the arguments and resolved the backend (the models' per-step
-    path): ``pos`` ``[N, D]`` (a view is fine), ``mask`` bool ``[B, N]`` on its device or None."""
-    rows, cols = grid_size
+    path): ``pos`` the table, its last two dims ``[skip_rows + N, D]`` (a timm model's whole ``pos_embed``, with
+    ``skip_rows`` the prefix tokens' rows), ``coords`` float32 ``[N, 2]`` on its device (see :func:`grid_coordinates`),
+    ``mask`` bool ``[B, N]`` on its device or None."""
     layers = _fused_layers(regressor) if backend != "torch" else None
     if layers is not None and not (backend == "triton" and pos.dtype == torch.float64):
-        coords = _coordinates(rows, cols, normalize, str(pos.device))
-        return _FusedDAL.apply(pos, *layers, coords, mask, 1.0, backend)
-    prediction = regressor(pos)
-    if not isinstance(prediction, torch.Tensor) or tuple(prediction.shape) != (rows * cols, 2):
+        return _FusedDAL.apply(pos.contiguous(), skip_rows, *layers, coords, mask, 1.0, backend)
+    num_positions = coords.shape[0]
+    prediction = regressor(pos[..., skip_rows:, :].reshape(num_positions, pos.shape[-1]))
+    if not isinstance(prediction, torch.Tensor) or tuple(prediction.shape) != (num_positions, 2):
         shape = list(prediction.shape) if isinstance(prediction, torch.Tensor) else type(prediction).__name__
-        raise ValueError(f"regressor must map [N, D] to [N, 2] = [{rows * cols}, 2], got {shape}")
-    target = _coordinates(rows, cols, normalize, str(pos.device))
-    per_position = (prediction.float() - target).abs().sum(-1)
+        raise ValueError(f"regressor must map [N, D] to [N, 2] = [{num_positions}, 2], got {shape}")
+    per_position = (prediction.float() - coords).abs().sum(-1)
     if mask is None:
         return per_position.mean()
     # Weight of a position: how many samples keep it unmasked. Stays on the device: no host sync.
@@ -187,5 +195,5 @@ def dal_loss(
             raise ValueError(f"mask must be bool [B, {num_positions}], got {mask.dtype} {list(mask.shape)}")
         if mask.device != pos_embed.device:
             raise ValueError(f"mixed devices: pos_embed on {pos_embed.device}, mask on {mask.device}")
-    pos = pos_embed.reshape(num_positions, pos_embed.shape[-1])
-    return dal_loss_unchecked(pos, regressor, (rows, cols), mask, bool(normalize), chosen)
+    coords = _coordinates(rows, cols, bool(normalize), str(pos_embed.device))
+    return dal_loss_unchecked(pos_embed, regressor, coords, mask, chosen)

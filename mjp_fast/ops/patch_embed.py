@@ -155,107 +155,171 @@ def _mjp_patch_embed_torch(
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Compiled (cpu, cuda) and Triton backends: torch.library operators with registered autograd
+# Compiled (cpu, cuda) and Triton backends: torch.library operators, and one autograd node over them
 # ----------------------------------------------------------------------------------------------------------------
+#
+# Row layout of the kernels: the output is [B, P + N, D], P prefix tokens (class, registers: ``prefix``, P * D
+# elements, or None) then the N patch tokens. The position table is the model's whole table, its last two dims
+# [Q + N, D] with Q (``prefix_positions``) 0 or P: row t < Q is prefix token t's, row Q + n patch position n's.
+# ``out[b, t] = prefix[t] + (pos[t] if t < Q)``; ``out[b, P + n] = W @ patch(images[b], perm[b, n]) + bias +
+# (unk if mask[b, n] else pos[Q + n])``. Gradients come back in the shapes of their inputs.
 
 
-@torch.library.custom_op("mjp_fast::patch_embed_extension", mutates_args=())
-def _patch_embed_extension(
+def _register_autograd(forward_op, backward_op) -> None:
+    """Autograd for the operators themselves (a caller of ``torch.ops.mjp_fast.patch_embed_*`` gets gradients);
+    :func:`patch_embed_step` uses the lean :class:`_PatchEmbedKernels` instead.
+
+    Args:
+        forward_op: the forward operator: its qualified name (``"mjp_fast::patch_embed_extension"``, defined in
+            C++), an ``OpOverload``, or a ``torch.library.custom_op``.
+        backward_op: a callable taking the backward operator's arguments, returning its six gradients.
+    """
+
+    def setup_context(ctx, inputs, output):
+        images, weight, bias, pos_embed, unk_embed, perm, mask, *layout = inputs  # prefix, Q: defaults may be left out
+        prefix = layout[0] if layout else None
+        prefix_positions = layout[1] if len(layout) > 1 else 0
+        ctx.num_inputs = len(inputs)
+        ctx.save_for_backward(images, weight, perm, mask)
+        prefix_count = prefix.numel() // weight.shape[0] if prefix is not None else 0
+        prefix_shape = list(prefix.shape) if prefix is not None else [0]
+        ctx.layout = (prefix_count, prefix_positions, list(pos_embed.shape), prefix_shape)
+        ctx.present = (bias is not None, unk_embed is not None, prefix is not None)
+
+    def backward(ctx, grad_out):
+        images, weight, perm, mask = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        has_bias, has_unk, has_prefix = ctx.present
+        wanted = (needs[0], needs[1], needs[2] and has_bias, needs[3], needs[4] and has_unk, has_prefix and needs[7])
+        grads = backward_op(grad_out.contiguous(), images, weight, perm, mask, *wanted, *ctx.layout)
+        grads = [grad if want else None for grad, want in zip(grads, wanted)]
+        return (*grads[:5], None, None, grads[5], None)[: ctx.num_inputs]
+
+    torch.library.register_autograd(forward_op, backward, setup_context=setup_context)
+
+
+if backend_module.extension() is not None:
+    # mjp_fast._C defines the operators in C++ (schema, CPU, CUDA and Meta kernels); their autograd is Python's.
+    _register_autograd("mjp_fast::patch_embed_extension", torch.ops.mjp_fast.patch_embed_extension_backward)
+
+if backend_module.triton_importable():
+    from mjp_fast.triton import patch_embed as _triton_patch_embed
+
+    _register_autograd(_triton_patch_embed.patch_embed_forward_triton, _triton_patch_embed.patch_embed_backward_triton)
+
+
+class _PatchEmbedKernels(torch.autograd.Function):
+    """The ``cpu``, ``cuda`` and ``triton`` kernels as one autograd node, forward and backward each one call.
+
+    The compiled kernels run as their C++ operators, eager or compiled: one dispatcher call each way. The Triton
+    kernels run eagerly through their launchers (the Python operator wrappers cost host time a GPU step feels),
+    under torch.compile as their operators. The backward re-gathers the patches from the saved images: nothing of
+    size ``B*N*C*P*P`` is kept.
+    """
+
+    @staticmethod
+    def forward(
+        ctx, images, weight, bias, pos_embed, unk_embed, prefix, perm, mask, prefix_positions, out_dtype, backend
+    ):  # type: ignore[override]
+        ctx.save_for_backward(images, weight, perm, mask)
+        # The Triton kernels take the position terms and the prefix in their own dtype and write out_dtype: their
+        # gradients come back in those dtypes (a float32 table under autocast gets a float32 gradient, no cast).
+        ctx.dtypes = (
+            pos_embed.dtype,
+            unk_embed.dtype if unk_embed is not None else None,
+            prefix.dtype if prefix is not None else None,
+        )
+        prefix_count = prefix.numel() // weight.shape[0] if prefix is not None else 0
+        prefix_shape = list(prefix.shape) if prefix is not None else [0]
+        ctx.layout = (prefix_count, prefix_positions, list(pos_embed.shape), prefix_shape)
+        ctx.present = (bias is not None, unk_embed is not None, prefix is not None)
+        ctx.backend = backend
+        arguments = (images, weight, bias, pos_embed, unk_embed, perm, mask, prefix, prefix_positions)
+        compiling = torch.compiler.is_compiling()
+        if backend == "triton":
+            if compiling:
+                return torch.ops.mjp_fast.patch_embed_triton(*arguments, out_dtype)
+            return _triton_patch_embed.patch_embed_forward_launch(*arguments, out_dtype)
+        return torch.ops.mjp_fast.patch_embed_extension(*arguments)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        images, weight, perm, mask = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        has_bias, has_unk, has_prefix = ctx.present
+        wanted = (needs[0], needs[1], needs[2] and has_bias, needs[3], needs[4] and has_unk, needs[5] and has_prefix)
+        arguments = (grad.contiguous(), images, weight, perm, mask, *wanted, *ctx.layout)
+        compiling = torch.compiler.is_compiling()
+        if ctx.backend == "triton":
+            launch = torch.ops.mjp_fast.patch_embed_triton_backward if compiling else None
+            launch = launch or _triton_patch_embed.patch_embed_backward_launch
+            grads = launch(*arguments, *ctx.dtypes)
+        else:
+            grads = torch.ops.mjp_fast.patch_embed_extension_backward(*arguments)
+        return (*(grad if want else None for grad, want in zip(grads, wanted)), None, None, None, None, None)
+
+
+def patch_embed_step(
     images: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     pos_embed: torch.Tensor,
     unk_embed: torch.Tensor | None,
-    perm: torch.Tensor | None,
-    mask: torch.Tensor | None,
+    jigsaw: Jigsaw | None,
+    backend: str,
+    prefix: torch.Tensor | None = None,
+    prefix_positions: int = 0,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """The compiled kernels: gather fused into the patch extraction, GEMM, one epilogue pass."""
-    return backend_module.extension().patch_embed_forward(
-        images.contiguous(),
-        weight.contiguous(),
-        None if bias is None else bias.contiguous(),
-        pos_embed.contiguous(),
-        None if unk_embed is None else unk_embed.contiguous(),
-        perm,
-        mask,
-    )
+    """A ViT's patch embedding and whole position step in one operation each way, for callers that checked the
+    arguments and resolved the backend (the timm models' per-step path).
 
+    Args:
+        images: ``[B, C, H, W]``; weight ``[D, C, P, P]``; bias ``[D]`` or None.
+        pos_embed: the model's whole table, last two dims ``[Q + N, D]`` (``[1, Q + N, D]`` in timm); its first
+            Q = ``prefix_positions`` rows are the prefix tokens'.
+        unk_embed: ``[D]`` (None without a jigsaw). jigsaw: the batch's, or None.
+        prefix: the class and register tokens (``P * D`` elements, timm's ``cls_token``), or None.
+        out_dtype: the output's dtype (default the images'). The Triton kernels add the position terms and the prefix
+            in float32 from their own dtype and write it directly; the compiled ones take everything in the images'
+            dtype, and the result is cast.
 
-@torch.library.custom_op("mjp_fast::patch_embed_extension_backward", mutates_args=())
-def _patch_embed_extension_backward(
-    grad_out: torch.Tensor,
-    images: torch.Tensor,
-    weight: torch.Tensor,
-    perm: torch.Tensor | None,
-    mask: torch.Tensor | None,
-    need_images: bool,
-    need_weight: bool,
-    need_bias: bool,
-    need_pos: bool,
-    need_unk: bool,
-) -> list[torch.Tensor]:
-    """``[grad_images, grad_weight, grad_bias, grad_pos, grad_unk]``; an empty tensor where not asked for."""
-    grads = backend_module.extension().patch_embed_backward(
-        grad_out.contiguous(),
-        images.contiguous(),
-        weight.contiguous(),
-        perm,
-        mask,
-        need_images,
-        need_weight,
-        need_bias,
-        need_pos,
-        need_unk,
-    )
-    return [grad if grad is not None else grad_out.new_empty(0) for grad in grads]
-
-
-def _forward_fake(images, weight, bias, pos_embed, unk_embed, perm, mask):
-    batch, _, height, width = images.shape
-    dim, _, patch, _ = weight.shape
-    return images.new_empty(batch, (height // patch) * (width // patch), dim)
-
-
-def _backward_fake(grad_out, images, weight, perm, mask, need_images, need_weight, need_bias, need_pos, need_unk):
-    dim = weight.shape[0]
-    shapes = [images.shape, weight.shape, (dim,), (grad_out.shape[1], dim), (dim,)]
-    needs = [need_images, need_weight, need_bias, need_pos, need_unk]
-    return [images.new_empty(shape) if need else images.new_empty(0) for shape, need in zip(shapes, needs)]
-
-
-def _register_autograd(forward_op, backward_op) -> None:
-    """Autograd for a forward operator with the signature of ``mjp_patch_embed``'s kernels.
-
-    The backward re-gathers the patches from the saved images: nothing of size ``B*N*C*P*P`` is kept.
+    Returns:
+        ``[B, P + N, D]``.
     """
-
-    def setup_context(ctx, inputs, output):
-        images, weight, bias, pos_embed, unk_embed, perm, mask = inputs
-        ctx.save_for_backward(images, weight, perm, mask)
-        ctx.has_bias, ctx.has_unk = bias is not None, unk_embed is not None
-
-    def backward(ctx, grad_out):
-        images, weight, perm, mask = ctx.saved_tensors
-        needs = ctx.needs_input_grad
-        wanted = [needs[0], needs[1], needs[2] and ctx.has_bias, needs[3], needs[4] and ctx.has_unk]
-        grads = backward_op(grad_out, images, weight, perm, mask, *wanted)
-        return (*(grad if want else None for grad, want in zip(grads, wanted)), None, None)
-
-    forward_op.register_autograd(backward, setup_context=setup_context)
-
-
-_patch_embed_extension.register_fake(_forward_fake)
-_patch_embed_extension_backward.register_fake(_backward_fake)
-_register_autograd(_patch_embed_extension, _patch_embed_extension_backward)
-
-
-if backend_module.triton_importable():
-    from mjp_fast.triton.patch_embed import patch_embed_backward_triton, patch_embed_forward_triton
-
-    # Explicit shapes: triton_op traces kernel launches by itself on a GPU, not under the CPU interpreter.
-    patch_embed_forward_triton.register_fake(_forward_fake)
-    patch_embed_backward_triton.register_fake(_backward_fake)
-    _register_autograd(patch_embed_forward_triton, patch_embed_backward_triton)
+    dtype = images.dtype
+    out_dtype = out_dtype or dtype
+    perm, mask = (None, None) if jigsaw is None else (jigsaw.perm, jigsaw.mask)
+    if backend == "torch":
+        dim = weight.shape[0]
+        geometry = PatchGeometry(images.shape[0], images.shape[1], weight.shape[-1], 0, 0, dim)
+        patch_rows = pos_embed[..., prefix_positions:, :].reshape(-1, dim).to(dtype)
+        tokens = _mjp_patch_embed_torch(images, weight, bias, patch_rows, unk_embed, jigsaw, geometry).to(out_dtype)
+        if prefix is None:
+            return tokens
+        prefix = prefix.reshape(1, -1, dim).expand(tokens.shape[0], -1, -1)
+        if prefix_positions:
+            prefix = prefix + pos_embed[..., :prefix_positions, :].reshape(1, -1, dim)
+        return torch.cat((prefix.to(out_dtype), tokens), dim=1)
+    if backend == "triton":
+        pos_embed, prefix = pos_embed.contiguous(), prefix.contiguous() if prefix is not None else None
+        return _PatchEmbedKernels.apply(
+            images, weight, bias, pos_embed, unk_embed, prefix, perm, mask, prefix_positions, out_dtype, backend
+        )
+    tokens = _PatchEmbedKernels.apply(
+        images,
+        weight,
+        bias,
+        pos_embed.to(dtype).contiguous(),
+        unk_embed.to(dtype) if unk_embed is not None else None,
+        prefix.to(dtype).contiguous() if prefix is not None else None,
+        perm,
+        mask,
+        prefix_positions,
+        None,
+        backend,
+    )
+    return tokens.to(out_dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -301,9 +365,8 @@ def mjp_patch_embed(
     chosen = backend_module.resolve_backend(backend, images.device)
     if chosen == "torch":
         return _mjp_patch_embed_torch(images, weight, bias, pos_embed, unk_embed, jigsaw, geometry)
-    perm, mask = (None, None) if jigsaw is None else (jigsaw.perm.contiguous(), jigsaw.mask.contiguous())
-    if chosen == "triton":
-        if images.dtype == torch.float64:
-            raise TypeError("images: the triton backend supports float32, float16 and bfloat16, got float64")
-        return patch_embed_forward_triton(images, weight, bias, pos_embed.contiguous(), unk_embed, perm, mask)
-    return _patch_embed_extension(images, weight, bias, pos_embed, unk_embed, perm, mask)
+    if chosen == "triton" and images.dtype == torch.float64:
+        raise TypeError("images: the triton backend supports float32, float16 and bfloat16, got float64")
+    if jigsaw is not None:
+        jigsaw = Jigsaw(jigsaw.mask.contiguous(), jigsaw.perm.contiguous())
+    return patch_embed_step(images, weight, bias, pos_embed, unk_embed, jigsaw, chosen)

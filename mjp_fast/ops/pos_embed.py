@@ -146,25 +146,8 @@ class _MJPPosEmbed(torch.autograd.Function):
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _triton_forward_fake(tokens, perm, mask, pos_embed, unk_embed):
-    return tokens.new_empty(tokens.shape, dtype=pos_embed.dtype)
-
-
-def _triton_backward_fake(grad_out, perm, mask, tokens_dtype, pos_dtype, unk_dtype):
-    batch, num_positions, dim = grad_out.shape
-    return [
-        grad_out.new_empty((batch, num_positions, dim), dtype=tokens_dtype),
-        grad_out.new_empty((num_positions, dim), dtype=pos_dtype),
-        grad_out.new_empty((dim,), dtype=unk_dtype),
-    ]
-
-
 if backend_module.triton_importable():
     from mjp_fast.triton import pos_embed as _triton_kernels
-
-    # Explicit shapes: triton_op traces kernel launches by itself on a GPU, not under the CPU interpreter.
-    _triton_kernels.pos_embed_forward_triton.register_fake(_triton_forward_fake)
-    _triton_kernels.pos_embed_backward_triton.register_fake(_triton_backward_fake)
 
 
 class _PosEmbedKernels(torch.autograd.Function):
@@ -174,36 +157,43 @@ class _PosEmbedKernels(torch.autograd.Function):
     on a GPU); under torch.compile the same kernels are called through their operators, which Inductor sees. The
     extension's operators are registered with the dispatcher in C++, cheap to call in both modes.
 
-    tokens ``[B, N, D]``, perm int64 and mask bool ``[B, N]`` (contiguous), pos_embed ``[N, D]`` and unk_embed
-    ``[D]`` already in the output dtype.
+    tokens ``[B, N, D]``, perm int64 and mask bool ``[B, N]`` (contiguous); pos_embed: the table, contiguous, its
+    last two dims ``[Q + N, D]`` (the model's whole table: no slicing); unk_embed ``[D]``; prefix: the class and
+    register tokens (numel ``P * D``) or None; Q (``prefix_positions``) is 0 or P. All in the output dtype. The
+    output is ``[B, P + N, D]``: the prefix tokens (plus their rows of the table), then the patch tokens.
     """
 
     @staticmethod
-    def forward(ctx, tokens, perm, mask, pos_embed, unk_embed, backend):  # type: ignore[override]
+    def forward(ctx, tokens, perm, mask, pos_embed, unk_embed, prefix, prefix_positions, backend):  # type: ignore[override]
         ctx.save_for_backward(perm, mask)
-        ctx.dtypes = (tokens.dtype, pos_embed.dtype, unk_embed.dtype)
+        prefix_shape = list(prefix.shape) if prefix is not None else [0]
+        prefix_count = prefix.numel() // tokens.shape[2] if prefix is not None else 0
+        ctx.layout = (prefix_count, prefix_positions, list(pos_embed.shape), prefix_shape)
+        prefix_dtype = prefix.dtype if prefix is not None else pos_embed.dtype
+        ctx.dtypes = (tokens.dtype, pos_embed.dtype, unk_embed.dtype, prefix_dtype)
         ctx.backend = backend
+        arguments = (tokens, perm, mask, pos_embed, unk_embed, prefix, prefix_positions)
         if backend == "cpu":
-            return torch.ops.mjp_fast.pos_embed_extension(tokens, perm, mask, pos_embed, unk_embed)
+            return torch.ops.mjp_fast.pos_embed_extension(*arguments)
         if torch.compiler.is_compiling():
-            return torch.ops.mjp_fast.pos_embed_triton(tokens, perm, mask, pos_embed, unk_embed)
-        return _triton_kernels.pos_embed_forward_launch(tokens, perm, mask, pos_embed, unk_embed)
+            return torch.ops.mjp_fast.pos_embed_triton(*arguments)
+        return _triton_kernels.pos_embed_forward_launch(*arguments)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         perm, mask = ctx.saved_tensors
-        grad = grad.contiguous()
+        arguments = (grad.contiguous(), perm, mask, *ctx.layout, *ctx.dtypes)
         if ctx.backend == "cpu":
-            grads = torch.ops.mjp_fast.pos_embed_extension_backward(grad, perm, mask, *ctx.dtypes)
+            grads = torch.ops.mjp_fast.pos_embed_extension_backward(*arguments)
         elif torch.compiler.is_compiling():
-            grads = torch.ops.mjp_fast.pos_embed_triton_backward(grad, perm, mask, *ctx.dtypes)
+            grads = torch.ops.mjp_fast.pos_embed_triton_backward(*arguments)
         else:
-            grads = _triton_kernels.pos_embed_backward_launch(grad, perm, mask, *ctx.dtypes)
-        grad_tokens, grad_pos, grad_unk = grads
-        return grad_tokens, None, None, grad_pos, grad_unk, None
+            grads = _triton_kernels.pos_embed_backward_launch(*arguments)
+        grad_tokens, grad_pos, grad_unk, grad_prefix = grads
+        return grad_tokens, None, None, grad_pos, grad_unk, grad_prefix if ctx.layout[0] else None, None, None
 
 
-def _has_kernels(backend: str, dtype: torch.dtype) -> bool:
+def has_kernels(backend: str, dtype: torch.dtype) -> bool:
     """Whether ``backend`` has kernels of its own for this operation in ``dtype`` (else the torch node runs)."""
     if backend == "triton":
         return dtype != torch.float64
@@ -221,24 +211,52 @@ def _promoted(first: torch.dtype, second: torch.dtype) -> torch.dtype:
     return _PROMOTED[key]
 
 
-def mjp_pos_embed_unchecked(
-    tokens: torch.Tensor, pos_embed: torch.Tensor, unk_embed: torch.Tensor, jigsaw: Jigsaw, backend: str
+def mjp_position_step(
+    tokens: torch.Tensor,
+    pos_embed: torch.Tensor,
+    unk_embed: torch.Tensor,
+    jigsaw: Jigsaw,
+    backend: str,
+    prefix: torch.Tensor | None = None,
+    prefix_positions: int = 0,
 ) -> torch.Tensor:
-    """:func:`mjp_pos_embed` with a jigsaw, for callers that checked the arguments and resolved the backend once
-    (the timm models' per-step path): ``pos_embed`` ``[N, D]`` or ``[1, N, D]``, ``unk_embed`` ``[D]``."""
-    num_positions, dim = tokens.shape[1], tokens.shape[2]
+    """A ViT's whole position step with MJP, for callers that checked the arguments and resolved the backend (the
+    timm models' per-step path): the class and register tokens in front, then the moved patch tokens, each plus its
+    position term, in one operation forward and one backward.
+
+    Args:
+        tokens: the patch tokens ``[B, N, D]``.
+        pos_embed: the model's whole position table, ``[1, Q + N, D]`` (or ``[Q + N, D]``): its first Q rows are
+            the prefix tokens' (``prefix_positions``: 0 or P), the rest the patch positions'.
+        unk_embed: ``[D]``. jigsaw: the batch's jigsaw, ``[B, N]`` each.
+        prefix: the P prefix tokens (timm's ``cls_token`` ``[1, 1, D]``, or the class and register tokens
+            concatenated), or None.
+        backend: a resolved backend; ``cpu`` and ``triton`` have kernels for this, the others run torch operations.
+
+    Returns:
+        ``[B, P + N, D]`` in the dtype ``tokens + pos_embed`` promotes to (timm's add under autocast: float32).
+    """
+    dim = tokens.shape[2]
     dtype = _promoted(tokens.dtype, pos_embed.dtype)  # as timm's own add (autocast: bfloat16 + float32 table)
-    if not _has_kernels(backend, dtype):
-        return _MJPPosEmbed.apply(tokens, jigsaw.perm, jigsaw.mask, pos_embed.reshape(num_positions, dim), unk_embed)
-    # The table and unk_embed rounded to the output dtype here, as the oracle rounds them (autograd casts their
-    # gradients back); no copy at all in the usual case (float32 table and unk_embed).
-    unk_embed = unk_embed.to(pos_embed.dtype).to(dtype)
+    if not has_kernels(backend, dtype):
+        patch_rows = pos_embed[..., prefix_positions:, :].reshape(-1, dim)
+        moved = _MJPPosEmbed.apply(tokens, jigsaw.perm, jigsaw.mask, patch_rows, unk_embed)
+        if prefix is None:
+            return moved
+        prefix = prefix.reshape(1, -1, dim).expand(tokens.shape[0], -1, -1)
+        if prefix_positions:
+            prefix = prefix + pos_embed[..., :prefix_positions, :].reshape(1, -1, dim)
+        return torch.cat((prefix.to(moved.dtype), moved), dim=1)
+    # The table, unk_embed and the prefix rounded to the output dtype here, as the oracle rounds them (autograd casts
+    # their gradients back): no copy at all in the usual case (float32 parameters).
     return _PosEmbedKernels.apply(
         tokens.contiguous(),
         jigsaw.perm,
         jigsaw.mask,
-        pos_embed.reshape(num_positions, dim).to(dtype).contiguous(),
-        unk_embed.contiguous(),
+        pos_embed.to(dtype).contiguous(),
+        unk_embed.to(pos_embed.dtype).to(dtype).contiguous(),
+        prefix.to(dtype).contiguous() if prefix is not None else None,
+        prefix_positions,
         backend,
     )
 
@@ -288,4 +306,4 @@ def mjp_pos_embed(
     if chosen == "triton" and dtype == torch.float64:
         raise TypeError("tokens: the triton backend supports float32, float16 and bfloat16, got float64")
     perm, mask = jigsaw.perm.contiguous(), jigsaw.mask.contiguous()
-    return mjp_pos_embed_unchecked(tokens, pos_embed, unk_embed, Jigsaw(mask, perm), chosen)
+    return mjp_position_step(tokens, pos_embed, unk_embed, Jigsaw(mask, perm), chosen)

@@ -8,6 +8,21 @@ from collections.abc import Callable
 import torch
 
 
+def interpreting() -> bool:
+    """Whether Triton kernels run in the interpreter (``TRITON_INTERPRET=1``, read when they are defined)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def launcher(kernel, grid, traced: bool):
+    """``kernel[grid]``, through ``torch.library.wrap_triton`` only when a ``triton_op`` traces the launch (so
+    torch.compile sees the kernel itself). In eager mode that wrapper is host time for nothing, and under the
+    interpreter the operators are plain custom ops (see :func:`operator`), whose kernels torch 2.11's
+    ``wrap_triton`` refuses."""
+    if traced and not interpreting():
+        return torch.library.wrap_triton(kernel)[grid]
+    return kernel[grid]
+
+
 def operator(name: str, *, mutates_args: tuple[str, ...] = ()) -> Callable:
     """Registers a function that launches Triton kernels as a torch operator.
 
@@ -15,6 +30,6 @@ def operator(name: str, *, mutates_args: tuple[str, ...] = ()) -> Callable:
     Under the CPU interpreter (``TRITON_INTERPRET=1``): an opaque ``custom_op``, since compiled graphs cannot
     run interpreted kernels; forward, backward and torch.compile tracing behave the same.
     """
-    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+    if interpreting():
         return torch.library.custom_op(name, mutates_args=mutates_args)
     return torch.library.triton_op(name, mutates_args=mutates_args)

@@ -16,21 +16,28 @@ Forward, two launches:
 2. ``_forward_finish_kernel``, one program: sums the partials over the splits in a fixed order, adds ``b2``, writes
    ``pred`` and ``weights``, and reduces the loss in a fixed order.
 
+``pos`` may be the model's full table ``[skip_rows + N, D]`` (any leading dims of 1, e.g. ``[1, 1 + N, D]`` with a
+class token's row first): the kernels read its rows ``skip_rows..``, and the backward writes ``grad_pos`` in the
+table's full shape, zeros in the skipped rows, so nothing is sliced before nor padded after.
+
 Backward, one launch (``_backward_kernel``), each gradient element owned by exactly one program, so no atomics
 and no partials: the first programs own a tile of ``(H, D)``, loop over all positions and accumulate ``grad_w1``
 (and, in the tiles of the first D block, ``grad_b1`` and ``grad_w2``; ``grad_b2`` in program 0); the others own a
-tile of ``(N, D)`` of ``grad_pos`` and loop over H. Both recompute ``d_pred`` (cheap: it is elementwise in the
-saved ``pred``) and ``dh = (d_pred @ w2) * (hidden > 0)`` where they need it, so nothing passes between programs.
+tile of ``(skip_rows + N, D)`` of ``grad_pos`` (zeros in the skipped rows) and loop over H. Both recompute
+``d_pred`` (cheap: it is elementwise in the saved ``pred``) and ``dh = (d_pred @ w2) * (hidden > 0)`` where they need
+it, so nothing passes between programs.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import triton
 import triton.language as tl
 
+from mjp_fast.triton import launcher
 from mjp_fast.triton import operator as _operator
 from mjp_fast.triton.patch_embed import _interpreting
 
@@ -40,7 +47,7 @@ COORD_PAD = tl.constexpr(16)
 
 @triton.jit
 def _forward_partial_kernel(
-    pos_ptr,  # [N, D], pos's dtype
+    pos_ptr,  # [skip_rows + N, D], pos's dtype: rows skip_rows.. are read
     w1_ptr,  # [H, D] (NONLINEAR)
     b1_ptr,  # [H] (NONLINEAR and HAS_B1)
     w2_ptr,  # [2, K]
@@ -49,6 +56,7 @@ def _forward_partial_kernel(
     partial_pred_ptr,  # float32 [splits, N, 2], written
     partial_kept_ptr,  # int32 [splits, N], written (HAS_MASK)
     N,
+    skip_rows,  # rows of pos before the N positions' (a class token's)
     D,
     K,  # the reduction axis of the last Linear: H (NONLINEAR) or D
     B,
@@ -64,6 +72,7 @@ def _forward_partial_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_B: tl.constexpr,
 ):
+    pos_ptr += skip_rows * D
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(1)
     row_ok = rows < N
@@ -192,9 +201,10 @@ def _forward_finish_kernel(
 
 @triton.jit
 def _grad_prediction(grad_ptr, pred_ptr, coords_ptr, weights_ptr, rows, N, scale, COORDS: tl.constexpr):
-    """``grad * scale * weights[n] * sign(pred - coords)``, ``[BLOCK_N, COORDS]``, zero past the 2 coordinates."""
+    """``grad * scale * weights[n] * sign(pred - coords)``, ``[BLOCK_N, COORDS]``, zero past the 2 coordinates and
+    on rows outside ``[0, N)``."""
     coord = tl.arange(0, COORDS)
-    row_ok = rows < N
+    row_ok = (rows >= 0) & (rows < N)
     ok = row_ok[:, None] & (coord[None, :] < 2)
     offsets = rows.to(tl.int64)[:, None] * 2 + coord[None, :]
     difference = tl.load(pred_ptr + offsets, mask=ok, other=0.0) - tl.load(coords_ptr + offsets, mask=ok, other=0.0)
@@ -206,19 +216,20 @@ def _grad_prediction(grad_ptr, pred_ptr, coords_ptr, weights_ptr, rows, N, scale
 @triton.jit
 def _backward_kernel(
     grad_ptr,  # float32 [], the loss's gradient
-    pos_ptr,  # [N, D]
+    pos_ptr,  # [skip_rows + N, D]: rows skip_rows.. are read
     w1_ptr,  # [H, D] (NONLINEAR)
     w2_ptr,  # [2, H] or [2, D]
     coords_ptr,  # float32 [N, 2]
     pred_ptr,  # float32 [N, 2]
     hidden_ptr,  # float32 [N, H] (NONLINEAR)
     weights_ptr,  # float32 [N]
-    grad_pos_ptr,  # [N, D], written
+    grad_pos_ptr,  # [skip_rows + N, D], written: zeros in the skipped rows
     grad_w1_ptr,  # [H, D], written (NONLINEAR)
     grad_b1_ptr,  # [H], written (NONLINEAR and HAS_B1)
     grad_w2_ptr,  # like w2, written
     grad_b2_ptr,  # [2], written (HAS_B2)
     N,
+    skip_rows,
     D,
     H,
     scale,  # float
@@ -232,6 +243,7 @@ def _backward_kernel(
 ):
     program = tl.program_id(0)
     d_tiles = tl.cdiv(D, BLOCK_D)
+    positions_ptr = pos_ptr + skip_rows * D  # row n of the positions
     coord = tl.arange(0, COORD_PAD)
     coord_ok = coord < 2
     if program < weight_programs:
@@ -261,7 +273,7 @@ def _backward_kernel(
                 )
                 d_hidden = tl.where(hidden > 0, tl.dot(d_pred, w2, input_precision="ieee"), 0.0)
                 pos = tl.load(
-                    pos_ptr + rows.to(tl.int64)[:, None] * D + channels[None, :],
+                    positions_ptr + rows.to(tl.int64)[:, None] * D + channels[None, :],
                     mask=row_ok[:, None] & channel_ok[None, :],
                     other=0.0,
                 ).to(tl.float32)
@@ -289,7 +301,7 @@ def _backward_kernel(
                 rows = start + tl.arange(0, BLOCK_N)
                 d_pred = _grad_prediction(grad_ptr, pred_ptr, coords_ptr, weights_ptr, rows, N, scale, COORD_PAD)
                 pos = tl.load(
-                    pos_ptr + rows.to(tl.int64)[:, None] * D + channels[None, :],
+                    positions_ptr + rows.to(tl.int64)[:, None] * D + channels[None, :],
                     mask=(rows[:, None] < N) & channel_ok[None, :],
                     other=0.0,
                 ).to(tl.float32)
@@ -304,11 +316,13 @@ def _backward_kernel(
             if program == 0:
                 tl.store(grad_b2_ptr + coord, grad_b2.to(grad_b2_ptr.dtype.element_ty), mask=coord_ok)
     else:
-        # A tile of grad_pos: loop over H (nonlinear), or one product (linear).
+        # A tile of grad_pos, rows of the full table: loop over H (nonlinear), or one product (linear). In the
+        # skipped rows every load is masked off (d_pred, hidden: zeros), so they come out zero.
         tile = program - weight_programs
-        rows = (tile // d_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+        table_rows = (tile // d_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows = table_rows - skip_rows
         channels = (tile % d_tiles) * BLOCK_D + tl.arange(0, BLOCK_D)
-        row_ok = rows < N
+        row_ok = (rows >= 0) & (rows < N)
         channel_ok = channels < D
         d_pred = _grad_prediction(grad_ptr, pred_ptr, coords_ptr, weights_ptr, rows, N, scale, COORD_PAD)
         if NONLINEAR:
@@ -337,9 +351,9 @@ def _backward_kernel(
             ).to(tl.float32)
             grad_pos = tl.dot(d_pred, w2, input_precision="ieee")
         tl.store(
-            grad_pos_ptr + rows.to(tl.int64)[:, None] * D + channels[None, :],
+            grad_pos_ptr + table_rows.to(tl.int64)[:, None] * D + channels[None, :],
             grad_pos.to(grad_pos_ptr.dtype.element_ty),
-            mask=row_ok[:, None] & channel_ok[None, :],
+            mask=(table_rows[:, None] < skip_rows + N) & channel_ok[None, :],
         )
 
 
@@ -353,11 +367,6 @@ FORWARD_WARPS = 2
 FINISH_WARPS = 4
 BACKWARD_TILES = {"BLOCK_N": 16, "BLOCK_H": 32, "BLOCK_D": 64}
 BACKWARD_WARPS = 4
-
-
-def _launcher(kernel, traced: bool):
-    # traced: through wrap_triton, so torch.compile sees the kernel (the operators); else a lean eager launch.
-    return torch.library.wrap_triton(kernel) if traced else kernel
 
 
 @functools.cache
@@ -378,8 +387,25 @@ def _check(name: str, tensor: torch.Tensor, shape: tuple[int, ...]) -> None:
         raise ValueError(f"{name} must have shape {list(shape)}, got {list(tensor.shape)}")
 
 
+def _table_sizes(pos: torch.Tensor, skip_rows: int, coords: torch.Tensor) -> tuple[int, int]:
+    """``(N, D)`` of the positions that ``pos`` holds after its ``skip_rows`` rows (``N``: coords' rows)."""
+    if coords.dim() != 2 or coords.shape[1] != 2:
+        raise ValueError(f"coords must have shape [N, 2], got {list(coords.shape)}")
+    num_positions = coords.shape[0]
+    if skip_rows < 0:
+        raise ValueError(f"skip_rows must be >= 0, got {skip_rows}")
+    rows = skip_rows + num_positions
+    if pos.dim() < 2 or pos.shape[-2] != rows or math.prod(pos.shape[:-2]) != 1:
+        raise ValueError(
+            f"pos must be [skip_rows + N, D] (or [1, skip_rows + N, D]) with skip_rows + N = {skip_rows} + "
+            f"{num_positions}, got shape {list(pos.shape)}"
+        )
+    return num_positions, pos.shape[-1]
+
+
 def dal_forward_launch(
     pos: torch.Tensor,
+    skip_rows: int,
     w1: torch.Tensor | None,
     b1: torch.Tensor | None,
     w2: torch.Tensor,
@@ -393,7 +419,9 @@ def dal_forward_launch(
     """The DAL loss and what its backward needs, in two launches.
 
     Args:
-        pos: ``[N, D]`` float32, bfloat16 or float16.
+        pos: ``[skip_rows + N, D]`` (any leading dims of 1: the model's full table) float32, bfloat16 or float16;
+            the regressor reads its rows ``skip_rows..``.
+        skip_rows: the table's rows before the N positions (a class token's), not regressed.
         w1, b1: ``[H, D]`` and ``[H]`` (b1 may be None), the nonlinear regressor's first Linear; None for the linear.
         w2, b2: ``[2, H]`` (``[2, D]`` when w1 is None) and ``[2]`` or None.
         coords: float32 ``[N, 2]``, the targets.
@@ -404,7 +432,7 @@ def dal_forward_launch(
     Returns:
         ``(loss [], pred [N, 2], hidden [N, H] ([N, 0] for the linear regressor), weights [N])``, all float32.
     """
-    num_positions, dim = pos.shape
+    num_positions, dim = _table_sizes(pos, skip_rows, coords)
     nonlinear = w1 is not None
     hidden_dim = w1.shape[0] if nonlinear else 0
     reduced = hidden_dim if nonlinear else dim  # the reduction axis of the last Linear
@@ -447,7 +475,7 @@ def dal_forward_launch(
     # through is passed twice (torch.compile's analysis of which arguments a kernel mutates stays simple).
     dummy = coords
     if position_blocks and reduced_tiles:
-        _launcher(_forward_partial_kernel, traced)[(position_blocks, splits)](
+        launcher(_forward_partial_kernel, (position_blocks, splits), traced)(
             pos,
             w1 if nonlinear else dummy,
             b1 if b1 is not None else dummy,
@@ -457,6 +485,7 @@ def dal_forward_launch(
             partial_pred,
             partial_kept if partial_kept is not None else dummy,
             num_positions,
+            skip_rows,
             dim,
             reduced,
             batch,
@@ -471,7 +500,7 @@ def dal_forward_launch(
             num_warps=1 if interpreting else FORWARD_WARPS,
         )
     block = 16 if interpreting else min(1024, max(32, triton.next_power_of_2(num_positions)))
-    _launcher(_forward_finish_kernel, traced)[(1,)](
+    launcher(_forward_finish_kernel, (1,), traced)(
         partial_pred,
         partial_kept if partial_kept is not None else dummy,
         b2 if b2 is not None else dummy,
@@ -493,6 +522,7 @@ def dal_forward_launch(
 def dal_backward_launch(
     grad: torch.Tensor,
     pos: torch.Tensor,
+    skip_rows: int,
     w1: torch.Tensor | None,
     w2: torch.Tensor,
     coords: torch.Tensor,
@@ -509,7 +539,7 @@ def dal_backward_launch(
 
     Args:
         grad: float32 ``[]``, the loss's gradient.
-        pos, w1, w2, coords: the forward's inputs (w1 None for the linear regressor).
+        pos, skip_rows, w1, w2, coords: the forward's inputs (w1 None for the linear regressor).
         pred, hidden, weights: the forward's float32 outputs.
         scale: the forward's factor.
         has_b1, has_b2: whether the Linears have biases (their gradients are computed only then).
@@ -517,9 +547,10 @@ def dal_backward_launch(
 
     Returns:
         ``(grad_pos, grad_w1, grad_b1, grad_w2, grad_b2)``, each in the dtype of its tensor (grad_b1 in w1's,
-        grad_b2 in w2's); an empty ``[0]`` tensor for each absent one (in pos's dtype when w1 is None).
+        grad_b2 in w2's); an empty ``[0]`` tensor for each absent one (in pos's dtype when w1 is None). grad_pos
+        has pos's full shape, zeros in the ``skip_rows`` rows, all written by the kernel.
     """
-    num_positions, dim = pos.shape
+    num_positions, dim = _table_sizes(pos, skip_rows, coords)
     nonlinear = w1 is not None
     hidden_dim = w1.shape[0] if nonlinear else 0
     _check("w2", w2, (2, hidden_dim if nonlinear else dim))
@@ -533,7 +564,7 @@ def dal_backward_launch(
     pos, w2, coords, pred, weights = (t.contiguous() for t in (pos, w2, coords, pred, weights))
     device = pos.device
     first_dtype = w1.dtype if nonlinear else pos.dtype
-    grad_pos = torch.empty(num_positions, dim, dtype=pos.dtype, device=device)
+    grad_pos = torch.empty(pos.shape, dtype=pos.dtype, device=device)
     grad_w1 = torch.empty((hidden_dim, dim) if nonlinear else (0,), dtype=first_dtype, device=device)
     grad_b1 = torch.empty(hidden_dim if nonlinear and has_b1 else 0, dtype=first_dtype, device=device)
     grad_w2 = torch.empty(w2.shape, dtype=w2.dtype, device=device)
@@ -543,10 +574,10 @@ def dal_backward_launch(
     tiles = {name: 16 for name in BACKWARD_TILES} if interpreting else BACKWARD_TILES
     d_tiles = triton.cdiv(dim, tiles["BLOCK_D"])
     weight_programs = d_tiles * (triton.cdiv(hidden_dim, tiles["BLOCK_H"]) if nonlinear else 1)
-    position_programs = triton.cdiv(num_positions, tiles["BLOCK_N"]) * d_tiles
+    position_programs = triton.cdiv(skip_rows + num_positions, tiles["BLOCK_N"]) * d_tiles
     dummy = coords  # for absent tensors, as in the forward
     if weight_programs + position_programs:
-        _launcher(_backward_kernel, traced)[(weight_programs + position_programs,)](
+        launcher(_backward_kernel, (weight_programs + position_programs,), traced)(
             grad,
             pos,
             w1 if nonlinear else dummy,
@@ -561,6 +592,7 @@ def dal_backward_launch(
             grad_w2,
             grad_b2 if has_b2 else dummy,
             num_positions,
+            skip_rows,
             dim,
             hidden_dim,
             float(scale),
@@ -582,6 +614,7 @@ def dal_backward_launch(
 @_operator("mjp_fast::dal_loss_triton", mutates_args=())
 def dal_loss_triton(
     pos: torch.Tensor,
+    skip_rows: int,
     w1: torch.Tensor | None,
     b1: torch.Tensor | None,
     w2: torch.Tensor,
@@ -591,12 +624,12 @@ def dal_loss_triton(
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(loss [], pred [N, 2], hidden [N, H], weights [N])``, float32: :func:`dal_forward_launch`."""
-    return dal_forward_launch(pos, w1, b1, w2, b2, coords, mask, scale, traced=True)
+    return dal_forward_launch(pos, skip_rows, w1, b1, w2, b2, coords, mask, scale, traced=True)
 
 
 @dal_loss_triton.register_fake
-def _dal_loss_triton_fake(pos, w1, b1, w2, b2, coords, mask, scale):
-    num_positions = pos.shape[0]
+def _dal_loss_triton_fake(pos, skip_rows, w1, b1, w2, b2, coords, mask, scale):
+    num_positions = coords.shape[0]
     hidden_dim = w1.shape[0] if w1 is not None else 0
     return (
         pos.new_empty((), dtype=torch.float32),
@@ -610,6 +643,7 @@ def _dal_loss_triton_fake(pos, w1, b1, w2, b2, coords, mask, scale):
 def dal_loss_triton_backward(
     grad: torch.Tensor,
     pos: torch.Tensor,
+    skip_rows: int,
     w1: torch.Tensor | None,
     w2: torch.Tensor,
     coords: torch.Tensor,
@@ -621,16 +655,20 @@ def dal_loss_triton_backward(
     has_b2: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(grad_pos, grad_w1, grad_b1, grad_w2, grad_b2)``: :func:`dal_backward_launch`."""
-    return dal_backward_launch(grad, pos, w1, w2, coords, pred, hidden, weights, scale, has_b1, has_b2, traced=True)
+    return dal_backward_launch(
+        grad, pos, skip_rows, w1, w2, coords, pred, hidden, weights, scale, has_b1, has_b2, traced=True
+    )
 
 
 @dal_loss_triton_backward.register_fake
-def _dal_loss_triton_backward_fake(grad, pos, w1, w2, coords, pred, hidden, weights, scale, has_b1, has_b2):
-    num_positions, dim = pos.shape
+def _dal_loss_triton_backward_fake(
+    grad, pos, skip_rows, w1, w2, coords, pred, hidden, weights, scale, has_b1, has_b2
+):  # fmt: skip
+    dim = pos.shape[-1]
     first_dtype = w1.dtype if w1 is not None else pos.dtype
     hidden_dim = w1.shape[0] if w1 is not None else 0
     return (
-        pos.new_empty((num_positions, dim)),
+        pos.new_empty(tuple(pos.shape)),
         pos.new_empty((hidden_dim, dim) if w1 is not None else (0,), dtype=first_dtype),
         pos.new_empty((hidden_dim,) if w1 is not None and has_b1 else (0,), dtype=first_dtype),
         pos.new_empty(tuple(w2.shape), dtype=w2.dtype),

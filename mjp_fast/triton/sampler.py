@@ -13,6 +13,7 @@ import triton.language as tl
 
 from mjp_fast.ops import sample_jigsaw as _spec
 from mjp_fast.ops.sample_jigsaw import _empty_jigsaw
+from mjp_fast.triton import launcher
 from mjp_fast.triton import operator as _operator
 
 # The sampler's constants as the compiler takes globals inside a kernel: constexpr. (The interpreter also reads
@@ -146,8 +147,7 @@ def sample_jigsaw_launch(
     mask, perm = _empty_jigsaw(batch_size, rows * cols, h_thresholds.device)
     if batch_size == 0:
         return mask, perm
-    kernel = torch.library.wrap_triton(_sample_jigsaw_kernel) if traced else _sample_jigsaw_kernel
-    kernel[(batch_size,)](
+    launcher(_sample_jigsaw_kernel, (batch_size,), traced)(
         mask,
         perm,
         h_thresholds,

@@ -87,6 +87,7 @@ CASE_ROW_KEYS = {
     "sampler": {"batch", "ratio", "per_mask_median_s", "speedup_vs_python", "mean_masked", "matches_oracle"},
     "patch_embed": {"mode", "backend", "ratio_vs_timm", "images_per_s", "max_abs_error_vs_ref"},
     "jigsaw_apply": {"ratio", "output", "backend", "jigsaw_cost_s", "jigsaw_cost_vs_plain_embedding", "check"},
+    "host_cost": {"baseline", "ops", "op_counts", "triton_launches", "ratio"},
     "train_step": {
         "model",
         "batch",
@@ -132,12 +133,13 @@ def test_mjp_bench_smoke_runs_every_case_into_one_json(tmp_path, capsys):
     checks = [row["check"] for row in payload["cases"]["jigsaw_apply"]["results"] if row["check"] is not None]
     assert checks and all(check is True or check < 1e-4 for check in checks)  # the pipelines compute the same
     variants = {row["implementation"] for row in payload["cases"]["train_step"]["results"]}
-    assert variants == {"plain", "mjp prob=0.5", "mjp prob=1"}
-    assert {aim["case"] for aim in payload["aims"]} == {"sampler", "patch_embed", "train_step"}
+    assert variants == {"plain", "plain + fast patch embed", "mjp prob=0.5", "mjp prob=1"}
+    assert {aim["case"] for aim in payload["aims"]} == {"sampler", "patch_embed", "host_cost", "train_step"}
     for aim in payload["aims"]:
         assert aim["verdict"] == "NOT JUDGED"  # a smoke run judges nothing
 
-    for title in ("## Jigsaw sampler", "## Patch embedding", "## Applying the jigsaw", "## Training step", "## Aims"):
+    titles = ("## Jigsaw sampler", "## Patch embedding", "## Applying the jigsaw", "## Host cost", "## Training step")
+    for title in (*titles, "## Aims"):
         assert title in printed
     assert f"results: {files[0]}" in printed
 
@@ -195,7 +197,7 @@ def test_mjp_bench_rejects_unknown_cases(tmp_path, capsys):
     from mjp_fast.cli import main
 
     assert main(["bench", "--smoke", "--cases", "sampler,nope", "--out", str(tmp_path)]) == 2
-    assert "cases must be a comma-separated subset of sampler,patch_embed,jigsaw_apply,train_step" in (
+    assert "cases must be a comma-separated subset of sampler,patch_embed,jigsaw_apply,host_cost,train_step" in (
         capsys.readouterr().err
     )
     assert not list(tmp_path.iterdir())

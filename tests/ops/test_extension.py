@@ -1,8 +1,9 @@
 """Tests of the compiled extension ``mjp_fast._C`` called directly (the public ops are tested in their own files).
 
-The sampler must equal the PyTorch oracle bit for bit; the patch embedding is compared with a plain
-unfold + gather + matmul written here: float32 and float64 tightly, float16 / bfloat16 with the error budget of
-STYLE.md (at most twice the error of the same torch computation run in that dtype).
+The sampler must equal the PyTorch oracle bit for bit; the patch embedding (with the prefix tokens in front of the
+patch tokens, and the model's whole position table) is compared with a plain unfold + gather + matmul written here:
+float32 and float64 tightly, float16 / bfloat16 with the error budget of STYLE.md (at most twice the error of the same
+torch computation run in that dtype).
 """
 
 from __future__ import annotations
@@ -161,8 +162,10 @@ def test_sample_jigsaw_rejects_bad_arguments():
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _reference_tokens(images, weight, bias, pos_embed, unk_embed, perm, mask):
-    """tokens [B, N, D] by unfold + gather + matmul, in the inputs' dtype."""
+def _reference_tokens(images, weight, bias, pos_embed, unk_embed, perm, mask, prefix=None, prefix_positions=0):
+    """[B, P + N, D] in the inputs' dtype: the P prefix rows ``prefix[t] + (pos_embed[t] if t < Q)`` (prefix: P * D
+    elements, Q = prefix_positions), then the tokens by unfold + gather + matmul plus pos_embed[Q + n] (or unk_embed
+    where masked). pos_embed: the whole table, last two dims [Q + N, D]."""
     dim, _, patch, _ = weight.shape
     rows, cols = images.shape[2] // patch, images.shape[3] // patch
     patches = F.unfold(images[:, :, : rows * patch, : cols * patch], patch, stride=patch).transpose(1, 2)
@@ -171,9 +174,17 @@ def _reference_tokens(images, weight, bias, pos_embed, unk_embed, perm, mask):
     tokens = patches @ weight.reshape(dim, -1).t()
     if bias is not None:
         tokens = tokens + bias
+    table = pos_embed.reshape(-1, dim)
+    patch_rows = table[prefix_positions:]
     if mask is not None:
-        return tokens + torch.where(mask[..., None], unk_embed, pos_embed)
-    return tokens + pos_embed
+        tokens = tokens + torch.where(mask[..., None], unk_embed, patch_rows)
+    else:
+        tokens = tokens + patch_rows
+    if prefix is None:
+        return tokens
+    prefix_rows = prefix.reshape(-1, dim)
+    head = prefix_rows + F.pad(table[:prefix_positions], (0, 0, 0, prefix_rows.shape[0] - prefix_positions))
+    return torch.cat((head.expand(tokens.shape[0], -1, -1), tokens), 1)
 
 
 def _random_jigsaw(batch, positions, generator, device):
@@ -249,7 +260,7 @@ def test_patch_embed_float32_matches_reference(shape, jigsaw, device):
     assert tokens.dtype == torch.float32 and tokens.shape == (shape[0], case.positions, shape[5])
     torch.testing.assert_close(tokens.double(), expected, rtol=1e-5, atol=1e-5)
     grads = case.backward(torch.float32)
-    assert len(grads) == 5
+    assert len(grads) == 6 and grads[5] is None  # no grad_prefix asked for
     names = ["grad_images", "grad_weight", "grad_bias", "grad_pos", "grad_unk"]
     for name, grad, want in zip(names, grads, expected_grads):
         assert grad is not None and grad.dtype == torch.float32, name
@@ -263,7 +274,7 @@ def test_patch_embed_float64_matches_reference(shape, device):
     case = Case(*shape, seed=5, device=device)
     expected, expected_grads = case.reference(torch.float64)
     torch.testing.assert_close(case.forward(torch.float64), expected, rtol=1e-12, atol=1e-12)
-    for grad, want in zip(case.backward(torch.float64), expected_grads):
+    for grad, want in zip(case.backward(torch.float64), expected_grads, strict=False):
         assert grad.dtype == torch.float64
         torch.testing.assert_close(grad, want, rtol=1e-12, atol=1e-12)
 
@@ -275,7 +286,7 @@ def test_patch_embed_low_precision_within_twice_torch_error(shape, dtype, device
     case = Case(*shape, seed=7, device=device)
     exact, exact_grads = case.reference(torch.float64)
     in_dtype, in_dtype_grads = case.reference(dtype)
-    tokens, grads = case.forward(dtype), case.backward(dtype)
+    tokens, grads = case.forward(dtype), case.backward(dtype)[:5]
     assert tokens.dtype == dtype and all(g.dtype == dtype for g in grads)
 
     def error(value, want):
@@ -309,7 +320,7 @@ def test_patch_embed_optional_inputs_and_requested_grads(device):
     # Only what is asked for comes back.
     for needs in [(False,) * 5, (True, False, False, False, False), (False, False, True, False, True)]:
         grads = case.backward(torch.float32, needs)
-        assert [g is not None for g in grads] == list(needs)
+        assert [g is not None for g in grads] == [*needs, False]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -345,7 +356,7 @@ def test_patch_embed_gradient_sums_are_deterministic():
         again = case.backward(torch.float32, (False, False, True, True, True))
     finally:
         torch.set_num_threads(threads)
-    for a, b, c in zip(one[2:], many[2:], again[2:]):
+    for a, b, c in zip(one[2:5], many[2:5], again[2:5]):
         assert torch.equal(a, b) and torch.equal(b, c)
 
 
@@ -387,6 +398,260 @@ def test_patch_embed_rejects_bad_arguments():
         _C.patch_embed_backward(grad[:, :-1], x, w, case.perm, case.mask, True, True, True, True, True)
     with pytest.raises(RuntimeError):
         _C.patch_embed_backward(grad, x, w, case.perm + 100, case.mask, True, False, False, False, False)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Patch embedding with prefix tokens
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class PrefixCase(Case):
+    """A patch-embedding problem with P prefix (class, register) tokens written in front of each sample's patch
+    tokens, Q of them (0 or P) with rows of their own in front of the position table: the prefix shaped [1, P, D]
+    (``3d``, timm's cls_token) or [P, D], the table [1, Q + N, D] or [Q + N, D]. mask_kind: ``none`` (no jigsaw),
+    ``some`` (a random jigsaw) or ``all`` (every position masked, all shuffled)."""
+
+    def __init__(
+        self,
+        *shape,
+        prefix_count,
+        prefix_positions,
+        prefix_shape="3d",
+        table="3d",
+        mask_kind="some",
+        seed=0,
+        device="cpu",
+    ):
+        super().__init__(*shape, jigsaw=mask_kind != "none", seed=seed, device=device)
+        batch, dim = shape[0], shape[5]
+        g = torch.Generator().manual_seed(seed + 1)
+        self.prefix_count, self.prefix_positions = prefix_count, prefix_positions
+        self.table = torch.cat(
+            (torch.randn(prefix_positions, dim, generator=g, dtype=torch.float64).to(device), self.pos)
+        )
+        self.table = self.table[None] if table == "3d" else self.table
+        self.prefix = None
+        if prefix_count:
+            self.prefix = torch.randn(prefix_count, dim, generator=g, dtype=torch.float64).to(device)
+            self.prefix = self.prefix[None] if prefix_shape == "3d" else self.prefix
+        if mask_kind == "all":
+            self.mask = torch.ones(batch, self.positions, dtype=torch.bool, device=device)
+            self.perm = torch.rand(batch, self.positions, generator=g).argsort(1).to(device)
+        self.grad = torch.randn(batch, prefix_count + self.positions, dim, generator=g, dtype=torch.float64).to(device)
+
+    def inputs(self, dtype):
+        """images, weight, bias, the whole table, unk_embed, prefix (or None), in ``dtype``."""
+        cast = lambda t: None if t is None else t.to(dtype)  # noqa: E731
+        return tuple(cast(t) for t in (self.images, self.weight, self.bias, self.table, self.unk, self.prefix))
+
+    def forward(self, dtype):
+        x, w, b, table, u, prefix = self.inputs(dtype)
+        return _C.patch_embed_forward(x, w, b, table, u, self.perm, self.mask, prefix, self.prefix_positions)
+
+    def backward(self, dtype, needs=(True,) * 6, shapes=True):
+        x, w, *_ = self.inputs(dtype)
+        pos_shape = list(self.table.shape) if shapes else None
+        prefix_shape = list(self.prefix.shape) if shapes and self.prefix is not None else None
+        return _C.patch_embed_backward(
+            self.grad.to(dtype),
+            x,
+            w,
+            self.perm,
+            self.mask,
+            *needs,
+            self.prefix_count,
+            self.prefix_positions,
+            pos_shape,
+            prefix_shape,
+        )
+
+    def reference(self, dtype):
+        """(out, [grad_images, grad_weight, grad_bias, grad_pos, grad_unk, grad_prefix]) by autograd in ``dtype``."""
+        leaves = [None if t is None else t.detach().clone().requires_grad_() for t in self.inputs(dtype)]
+        x, w, b, table, u, prefix = leaves
+        out = _reference_tokens(x, w, b, table, u, self.perm, self.mask, prefix, self.prefix_positions)
+        out.backward(self.grad.to(dtype))
+        grads = [None if t is None else t.grad for t in leaves]
+        if grads[4] is None and self.unk is not None:
+            grads[4] = torch.zeros_like(leaves[4])
+        return out.detach(), grads
+
+
+# (P, Q, prefix shape, table shape)
+PREFIX_LAYOUTS = [(0, 0, None, table) for table in ("3d", "2d")] + [
+    (prefix, positions, prefix_shape, table)
+    for prefix in (1, 3)
+    for positions in (0, prefix)
+    for prefix_shape in ("3d", "2d")
+    for table in ("3d", "2d")
+]
+# batch, channels, height, width, patch, dim: odd N (3x5, 1x3) and D
+PREFIX_SHAPES = {1: (1, 2, 9, 15, 3, 7), 3: (3, 3, 3, 9, 3, 5)}
+
+
+def _layout_id(layout):
+    prefix, positions, prefix_shape, table = layout
+    return f"P{prefix}-Q{positions}-prefix{prefix_shape}-table{table}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("mask_kind", ["none", "some", "all"])
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("layout", PREFIX_LAYOUTS, ids=_layout_id)
+def test_patch_embed_with_prefix_matches_reference(layout, batch, mask_kind, dtype, device):
+    prefix_count, positions, prefix_shape, table = layout
+    case = PrefixCase(
+        *PREFIX_SHAPES[batch],
+        prefix_count=prefix_count,
+        prefix_positions=positions,
+        prefix_shape=prefix_shape,
+        table=table,
+        mask_kind=mask_kind,
+        seed=batch,
+        device=device,
+    )
+    exact, exact_grads = case.reference(torch.float64)
+    out, grads = case.forward(dtype), case.backward(dtype)
+    assert out.dtype == dtype and out.shape == (batch, prefix_count + case.positions, case.dim)
+    if prefix_count == 0:
+        assert grads[5].shape == (0,)
+        grads, exact_grads = grads[:5], exact_grads[:5]
+    names = ["images", "weight", "bias", "pos", "unk", "prefix"]
+    for name, grad, want in zip(names, grads, exact_grads):
+        # The gradients come in the inputs' own shapes (the whole table, the prefix as given) and dtype.
+        assert grad.dtype == dtype and grad.shape == want.shape, name
+    if dtype == torch.float64:
+        torch.testing.assert_close(out, exact, rtol=1e-12, atol=1e-12)
+        for name, grad, want in zip(names, grads, exact_grads):
+            torch.testing.assert_close(grad, want, rtol=1e-12, atol=1e-12, msg=f"grad_{name}")
+    elif dtype == torch.float32:
+        torch.testing.assert_close(out.double(), exact, rtol=1e-5, atol=1e-5)
+        for name, grad, want in zip(names, grads, exact_grads):
+            torch.testing.assert_close(grad.double(), want, rtol=1e-5, atol=1e-4, msg=f"grad_{name}")
+    else:
+        in_dtype, in_dtype_grads = case.reference(dtype)
+        ulp = torch.finfo(dtype).eps
+
+        def within_budget(value, torch_value, want):
+            error = lambda v: (v.double() - want).abs().max().item() if want.numel() else 0.0  # noqa: E731
+            return error(value) <= 2 * error(torch_value) + ulp * (want.abs().max().item() if want.numel() else 0.0)
+
+        assert within_budget(out, in_dtype, exact)
+        for name, grad, torch_grad, want in zip(names, grads, in_dtype_grads, exact_grads):
+            assert within_budget(grad, torch_grad, want), f"grad_{name}"
+    # The prefix rows are the prefix plus its position rows (exact), the same in every sample.
+    if prefix_count:
+        head = case.prefix.reshape(prefix_count, -1).to(dtype)
+        head = head + F.pad(case.table.reshape(-1, case.dim)[:positions].to(dtype), (0, 0, 0, prefix_count - positions))
+        assert torch.equal(out[:, :prefix_count], head.expand(batch, -1, -1))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_patch_embed_prefix_requested_grads_and_default_shapes(device):
+    case = PrefixCase(3, 3, 9, 6, 3, 5, prefix_count=3, prefix_positions=3, device=device, seed=4)
+    full = case.backward(torch.float64)
+    # Only what is asked for comes back, and each part alone equals the same part of the full backward.
+    for index in range(6):
+        needs = [index == other for other in range(6)]
+        grads = case.backward(torch.float64, needs)
+        assert [g is not None for g in grads] == needs
+        torch.testing.assert_close(grads[index], full[index], rtol=1e-12, atol=1e-12)
+    # Without the shapes: grad_pos [Q + N, D], grad_prefix [P, D].
+    grads = case.backward(torch.float64, shapes=False)
+    assert grads[3].shape == (3 + case.positions, case.dim) and grads[5].shape == (3, case.dim)
+    torch.testing.assert_close(grads[3], full[3][0])
+    torch.testing.assert_close(grads[5], full[5][0])
+    # The old calls (no prefix arguments) keep working, and a prefix gradient asked for without prefix tokens is empty.
+    plain = Case(3, 3, 9, 6, 3, 5, seed=4, device=device)
+    x, w, b, p, u = plain.inputs(torch.float32)
+    assert _C.patch_embed_forward(x, w, b, p, u, plain.perm, plain.mask).shape == (3, plain.positions, 5)
+    grads = _C.patch_embed_backward(
+        plain.grad.float(), x, w, plain.perm, plain.mask, True, True, True, True, True, True
+    )
+    assert len(grads) == 6 and grads[5].shape == (0,)
+
+
+def test_patch_embed_prefix_gradient_sums_are_deterministic():
+    case = PrefixCase(16, 3, 32, 32, 4, 40, prefix_count=5, prefix_positions=5, seed=3)
+    needs = (False, False, True, True, True, True)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = case.backward(torch.float32, needs)
+        torch.set_num_threads(max(2, threads))
+        many = case.backward(torch.float32, needs)
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(one[2:], many[2:]):
+        assert torch.equal(a, b)
+
+
+def test_patch_embed_rejects_bad_prefix_arguments():
+    case = PrefixCase(2, 3, 12, 9, 3, 7, prefix_count=2, prefix_positions=2)
+    x, w, b, table, u, prefix = case.inputs(torch.float32)
+    good = dict(
+        images=x,
+        weight=w,
+        bias=b,
+        pos_embed=table,
+        unk_embed=u,
+        perm=case.perm,
+        mask=case.mask,
+        prefix=prefix,
+        prefix_positions=2,
+    )
+    _C.patch_embed_forward(**good)
+    _C.patch_embed_forward(**{**good, "pos_embed": table[:, 2:], "prefix_positions": 0})
+    bad_cases = {
+        "prefix numel not a multiple of D": dict(prefix=torch.randn(1, 2, 6)),
+        "prefix dtype": dict(prefix=prefix.double()),
+        "Q not in {0, P}": dict(prefix_positions=1),
+        "Q > P": dict(prefix_positions=3),
+        "Q without prefix": dict(prefix=None),
+        "table rows Q + N - 1": dict(pos_embed=table[:, 1:]),
+        "table rows Q + N + 1": dict(pos_embed=torch.randn(1, 15, 7)),
+        "table rows N with Q = P": dict(pos_embed=table[:, 2:]),
+        "two tables": dict(pos_embed=torch.cat((table, table))),
+        "flat table": dict(pos_embed=table.flatten()),
+    }
+    for name, bad in bad_cases.items():
+        with pytest.raises(RuntimeError):
+            _C.patch_embed_forward(**{**good, **bad})
+            pytest.fail(name)
+    grad = case.grad.float()
+    good = dict(
+        grad_out=grad,
+        images=x,
+        weight=w,
+        perm=case.perm,
+        mask=case.mask,
+        need_images=True,
+        need_weight=True,
+        need_bias=True,
+        need_pos=True,
+        need_unk=True,
+        need_prefix=True,
+        prefix_count=2,
+        prefix_positions=2,
+        pos_shape=list(table.shape),
+        prefix_shape=list(prefix.shape),
+    )
+    _C.patch_embed_backward(**good)
+    bad_cases = {
+        "grad_out without prefix rows": dict(grad_out=grad[:, 2:]),
+        "prefix_count": dict(prefix_count=3),
+        "negative prefix_count": dict(prefix_count=-1),
+        "Q not in {0, P}": dict(prefix_positions=1),
+        "pos_shape rows": dict(pos_shape=[1, 13, 7]),
+        "pos_shape 1-d": dict(pos_shape=[14 * 7]),
+        "pos_shape two tables": dict(pos_shape=[2, 14, 7]),
+        "prefix_shape": dict(prefix_shape=[1, 3, 7]),
+    }
+    for name, bad in bad_cases.items():
+        with pytest.raises(RuntimeError):
+            _C.patch_embed_backward(**{**good, **bad})
+            pytest.fail(name)
 
 
 def test_has_cuda_reports_a_bool():

@@ -3,9 +3,15 @@
 ``torch.ops.mjp_fast.pos_embed_extension`` / ``pos_embed_extension_backward`` (CPU and Meta kernels) and
 ``torch.ops.mjp_fast.dal_loss_extension`` / ``dal_loss_extension_backward`` (CompositeExplicitAutograd and Meta),
 each against the straightforward torch formula written here (autograd of it gives the reference gradients) and
-against the package's oracles, ``mjp_pos_embed_ref`` and ``dal_loss_ref``. The position term is exact in every
+against the package's oracles, ``mjp_pos_embed_ref`` and ``dal_loss_ref``. The position operator writes the prefix
+(class and register) tokens in front of the patch tokens and reads the model's whole position table; the DAL operator
+reads the whole table too and skips its prefix rows. The position term is exact in every
 dtype (each element is one add, rounded once); sums are float32-tight, and in float16 / bfloat16 at most twice the
 error of the same torch computation run in that dtype (STYLE.md), both measured against float64.
+
+``torch.ops.mjp_fast.patch_embed_extension`` / ``patch_embed_extension_backward`` (CPU, CUDA when compiled, and
+Meta kernels; autograd registered from Python) run the kernels that test_extension.py checks through the bindings:
+here, that the operators equal the bindings, and their opcheck, Meta kernels, autograd and torch.compile.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._dynamo.testing import CompileCounter
 
 _C = pytest.importorskip("mjp_fast._C", reason="the compiled extension mjp_fast._C is not built")
 
@@ -55,10 +62,23 @@ def _assert_matches(actual, expected, expected_float64):
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _pos_embed_formula(tokens, perm, mask, pos_embed, unk_embed, out_dtype):
-    """out[b, n] = tokens[b, perm[b, n]] + (unk_embed if mask[b, n] else pos_embed[n]), in out_dtype."""
+def _pos_embed_formula(tokens, perm, mask, pos_embed, unk_embed, out_dtype, prefix=None, prefix_positions=0):
+    """The operator's output by torch operations: ``cat`` of the prefix rows (plus their position rows) and the moved
+    tokens plus their position terms. pos_embed is the whole table (last two dims [Q + N, D]), prefix P * D elements.
+
+    out[b, t] = prefix[t] + (pos_embed[t] if t < Q else 0) for t < P, summed in float32 (float64) and rounded once;
+    out[b, P + n] = tokens[b, perm[b, n]] + (unk_embed if mask[b, n] else pos_embed[Q + n]), in out_dtype.
+    """
+    batch, _, dim = tokens.shape
+    table = pos_embed.reshape(-1, dim)
     moved = tokens.gather(1, perm[..., None].expand_as(tokens)).to(out_dtype)
-    return moved + torch.where(mask[..., None], unk_embed.to(out_dtype), pos_embed.to(out_dtype))
+    patches = moved + torch.where(mask[..., None], unk_embed.to(out_dtype), table[prefix_positions:].to(out_dtype))
+    if prefix is None:
+        return patches
+    rows = prefix.reshape(-1, dim)
+    acc = torch.float64 if torch.float64 in (rows.dtype, table.dtype) else torch.float32
+    head = rows.to(acc) + F.pad(table[:prefix_positions].to(acc), (0, 0, 0, rows.shape[0] - prefix_positions))
+    return torch.cat((head.to(out_dtype).expand(batch, -1, -1), patches), 1)
 
 
 def _pos_embed_inputs(batch, rows, cols, dim, kind, tokens_dtype, out_dtype, seed=0):
@@ -70,6 +90,22 @@ def _pos_embed_inputs(batch, rows, cols, dim, kind, tokens_dtype, out_dtype, see
     unk_embed = torch.randn(dim, generator=generator, dtype=torch.float64)
     grad = torch.randn(batch, positions, dim, generator=generator, dtype=torch.float64)
     return tokens.to(tokens_dtype), perm, mask, pos_embed.to(out_dtype), unk_embed.to(out_dtype), grad.to(out_dtype)
+
+
+def _forward(tokens, perm, mask, pos_embed, unk_embed, prefix=None, prefix_positions=0):
+    return ops.pos_embed_extension(tokens, perm, mask, pos_embed, unk_embed, prefix, prefix_positions)
+
+
+def _backward(grad, perm, mask, tokens_dtype, pos_dtype, unk_dtype, *, pos_shape=None, prefix=None, prefix_positions=0):
+    """The backward operator, without a prefix unless one (a tensor, for its shape and dtype) is given."""
+    pos_shape = list(grad.shape[1:]) if pos_shape is None else list(pos_shape)
+    prefix_count = 0 if prefix is None else prefix.numel() // grad.shape[-1]
+    prefix_shape = [] if prefix is None else list(prefix.shape)
+    prefix_dtype = pos_dtype if prefix is None else prefix.dtype
+    return ops.pos_embed_extension_backward(
+        grad, perm, mask, prefix_count, prefix_positions, pos_shape, prefix_shape, tokens_dtype, pos_dtype, unk_dtype,
+        prefix_dtype,
+    )  # fmt: skip
 
 
 SHAPES = [(1, 1, 1, 1), (1, 3, 5, 7), (4, 4, 4, 33), (3, 7, 3, 1), (6, 6, 6, 48), (2, 1, 9, 16), (0, 2, 3, 5)]
@@ -91,14 +127,13 @@ DTYPE_PAIRS = [
 def test_pos_embed_equals_formula(shape, kind, dtypes):
     tokens_dtype, out_dtype = dtypes
     tokens, perm, mask, pos_embed, unk_embed, grad = _pos_embed_inputs(*shape, kind, tokens_dtype, out_dtype)
-    out = ops.pos_embed_extension(tokens, perm, mask, pos_embed, unk_embed)
+    out = _forward(tokens, perm, mask, pos_embed, unk_embed)
     assert out.dtype == out_dtype and out.shape == tokens.shape
     # One add per element, in float32 (float64), rounded once: exactly torch's add.
     assert torch.equal(out, _pos_embed_formula(tokens, perm, mask, pos_embed, unk_embed, out_dtype))
 
-    grad_tokens, grad_pos, grad_unk = ops.pos_embed_extension_backward(
-        grad, perm, mask, tokens_dtype, out_dtype, out_dtype
-    )
+    grad_tokens, grad_pos, grad_unk, grad_prefix = _backward(grad, perm, mask, tokens_dtype, out_dtype, out_dtype)
+    assert grad_prefix.shape == (0,)
     leaves = [t.detach().requires_grad_() for t in (tokens, pos_embed, unk_embed)]
     expected = torch.autograd.grad(_pos_embed_formula(leaves[0], perm, mask, *leaves[1:], out_dtype), leaves, grad)
     leaves64 = [t.detach().double().requires_grad_() for t in (tokens, pos_embed, unk_embed)]
@@ -121,9 +156,7 @@ def test_pos_embed_equals_formula(shape, kind, dtypes):
 def test_pos_embed_backward_to_other_dtypes(dtypes):
     tokens_dtype, pos_dtype, unk_dtype = dtypes
     tokens, perm, mask, _, _, grad = _pos_embed_inputs(5, 4, 6, 24, "random", tokens_dtype, torch.float32, seed=3)
-    grad_tokens, grad_pos, grad_unk = ops.pos_embed_extension_backward(
-        grad, perm, mask, tokens_dtype, pos_dtype, unk_dtype
-    )
+    grad_tokens, grad_pos, grad_unk, _ = _backward(grad, perm, mask, tokens_dtype, pos_dtype, unk_dtype)
     assert (grad_tokens.dtype, grad_pos.dtype, grad_unk.dtype) == dtypes
     expected_tokens = torch.zeros_like(grad).scatter_(1, perm[..., None].expand_as(grad), grad).to(tokens_dtype)
     assert torch.equal(grad_tokens, expected_tokens)
@@ -145,14 +178,12 @@ def test_pos_embed_equals_package_oracle(kind, dtype):
     leaves = [t.detach().requires_grad_() for t in (tokens, pos_embed, unk_embed)]
     expected = mjp_pos_embed_ref(*leaves, jigsaw)
     out_dtype = expected.dtype
-    out = ops.pos_embed_extension(tokens, perm, mask, pos_embed.to(out_dtype), unk_embed.to(out_dtype))
+    out = _forward(tokens, perm, mask, pos_embed.to(out_dtype), unk_embed.to(out_dtype))
     assert torch.equal(out, expected.detach())
-    grads = ops.pos_embed_extension_backward(
-        grad.to(out_dtype), perm, mask, tokens.dtype, pos_embed.dtype, unk_embed.dtype
-    )
+    grads = _backward(grad.to(out_dtype), perm, mask, tokens.dtype, pos_embed.dtype, unk_embed.dtype)
     expected_grads = torch.autograd.grad(expected, leaves, grad.to(out_dtype))
     assert torch.equal(grads[0], expected_grads[0])
-    for actual, reference in zip(grads[1:], expected_grads[1:]):
+    for actual, reference in zip(grads[1:3], expected_grads[1:], strict=True):
         torch.testing.assert_close(actual, reference)
 
 
@@ -164,15 +195,23 @@ def test_pos_embed_non_contiguous_inputs():
     strided_unk = torch.stack((unk_embed, unk_embed), 1)[:, 0]
     strided_perm, strided_mask = perm.t().contiguous().t(), mask.t().contiguous().t()
     assert not strided_tokens.is_contiguous() and not strided_pos.is_contiguous() and not strided_perm.is_contiguous()
-    out = ops.pos_embed_extension(strided_tokens, strided_perm, strided_mask, strided_pos, strided_unk)
-    assert torch.equal(out, ops.pos_embed_extension(tokens, perm, mask, pos_embed, unk_embed))
+    out = _forward(strided_tokens, strided_perm, strided_mask, strided_pos, strided_unk)
+    assert torch.equal(out, _forward(tokens, perm, mask, pos_embed, unk_embed))
     strided_grad = grad.transpose(0, 1).contiguous().transpose(0, 1)
     dtypes = (torch.float32, torch.float32, torch.float32)
     for actual, expected in zip(
-        ops.pos_embed_extension_backward(strided_grad, strided_perm, strided_mask, *dtypes),
-        ops.pos_embed_extension_backward(grad, perm, mask, *dtypes),
+        _backward(strided_grad, strided_perm, strided_mask, *dtypes), _backward(grad, perm, mask, *dtypes), strict=True
     ):
         assert torch.equal(actual, expected)
+    # A strided prefix and table (3 prefix tokens, with position rows).
+    table = torch.cat((torch.randn(3, 12), pos_embed))
+    strided_prefix = torch.randn(12, 3).t()[None]
+    strided_table = table.t().contiguous().t()
+    assert not strided_prefix.is_contiguous() and not strided_table.is_contiguous()
+    assert torch.equal(
+        _forward(tokens, perm, mask, strided_table, unk_embed, strided_prefix, 3),
+        _forward(tokens, perm, mask, table, unk_embed, strided_prefix.contiguous(), 3),
+    )
 
 
 def test_pos_embed_is_deterministic_across_runs_and_thread_counts():
@@ -180,25 +219,141 @@ def test_pos_embed_is_deterministic_across_runs_and_thread_counts():
         16, 14, 14, 64, "random", torch.bfloat16, torch.float32, seed=7
     )
     dtypes = (torch.bfloat16, torch.bfloat16, torch.bfloat16)
+    prefix = torch.randn(1, 5, 64)  # a class token and four registers, with position rows
+    table = torch.cat((torch.randn(5, 64), pos_embed))[None]
+    prefix_grad = torch.randn(16, 5, 64)
     threads = torch.get_num_threads()
     results = []
     try:
         for count in (max(2, threads), max(2, threads), 1):
             torch.set_num_threads(count)
-            out = ops.pos_embed_extension(tokens, perm, mask, pos_embed, unk_embed)
-            results.append((out, *ops.pos_embed_extension_backward(grad.bfloat16(), perm, mask, *dtypes)))
+            out = _forward(tokens, perm, mask, pos_embed, unk_embed)
+            results.append((out, *_backward(grad.bfloat16(), perm, mask, *dtypes)))
+            out = _forward(tokens, perm, mask, table, unk_embed, prefix, 5)
+            full_grad = torch.cat((prefix_grad, grad), 1)
+            options = dict(pos_shape=table.shape, prefix=prefix, prefix_positions=5)
+            results.append((out, *_backward(full_grad, perm, mask, *dtypes, **options)))
     finally:
         torch.set_num_threads(threads)
-    for other in results[1:]:
-        for first, second in zip(results[0], other):
+    for index, outputs in enumerate(results[2:]):
+        for first, second in zip(results[index % 2], outputs, strict=True):
             assert torch.equal(first, second)
+
+
+# Prefix layouts: (P, Q, prefix shape, table shape) with P prefix tokens, Q of them with position rows, the shapes
+# as timm holds them ([1, P, D] cls_token, [1, Q + N, D] pos_embed) or flat ([P, D], [Q + N, D]).
+PREFIX_LAYOUTS = [(0, 0, None, table) for table in ("3d", "2d")] + [
+    (prefix, positions, prefix_shape, table)
+    for prefix in (1, 3)
+    for positions in (0, prefix)
+    for prefix_shape in ("3d", "2d")
+    for table in ("3d", "2d")
+]
+
+
+def _layout_id(layout):
+    prefix, positions, prefix_shape, table = layout
+    return f"P{prefix}-Q{positions}-prefix{prefix_shape}-table{table}"
+
+
+def _prefix_inputs(tokens, pos_embed, layout, seed=0):
+    """(prefix or None, the whole table) for a layout: Q random position rows in front of pos_embed [N, D]."""
+    prefix_count, positions, prefix_shape, table_shape = layout
+    generator = torch.Generator().manual_seed(seed + 100)
+    dim = tokens.shape[-1]
+    rows = torch.randn(positions, dim, generator=generator, dtype=torch.float64).to(pos_embed.dtype)
+    table = torch.cat((rows, pos_embed))
+    table = table[None] if table_shape == "3d" else table
+    if prefix_count == 0:
+        return None, table
+    prefix = torch.randn(prefix_count, dim, generator=generator, dtype=torch.float64).to(pos_embed.dtype)
+    return (prefix[None] if prefix_shape == "3d" else prefix), table
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("layout", PREFIX_LAYOUTS, ids=_layout_id)
+def test_pos_embed_with_prefix_equals_formula(layout, batch, kind, dtype):
+    # Odd N (3 x 5) and D (7).
+    tokens, perm, mask, pos_embed, unk_embed, _ = _pos_embed_inputs(batch, 3, 5, 7, kind, dtype, dtype, seed=batch)
+    prefix, table = _prefix_inputs(tokens, pos_embed, layout, seed=batch)
+    prefix_count, positions = layout[0], layout[1]
+    out = _forward(tokens, perm, mask, table, unk_embed, prefix, positions)
+    assert out.dtype == dtype and out.shape == (batch, prefix_count + 15, 7)
+    expected = _pos_embed_formula(tokens, perm, mask, table, unk_embed, dtype, prefix, positions)
+    assert torch.equal(out, expected)  # one add per element, rounded once: exact
+
+    generator = torch.Generator().manual_seed(7)
+    grad = torch.randn(out.shape, generator=generator, dtype=torch.float64).to(dtype)
+    grads = _backward(
+        grad, perm, mask, dtype, dtype, dtype, pos_shape=table.shape, prefix=prefix, prefix_positions=positions
+    )
+    inputs = [t for t in (tokens, table, unk_embed, prefix) if t is not None]
+    leaves = [t.detach().requires_grad_() for t in inputs]
+    leaves64 = [t.detach().double().requires_grad_() for t in inputs]
+
+    def formula(tokens, table, unk, prefix=None, out_dtype=dtype):
+        return _pos_embed_formula(tokens, perm, mask, table, unk, out_dtype, prefix, positions)
+
+    expected = torch.autograd.grad(formula(*leaves), leaves, grad)
+    expected64 = torch.autograd.grad(formula(*leaves64, out_dtype=torch.float64), leaves64, grad.double())
+    if prefix is None:
+        assert grads[3].shape == (0,)
+    assert torch.equal(grads[0], expected[0])  # the inverse move: exact
+    for actual, reference, reference64 in zip(grads[1:], expected[1:], expected64[1:]):
+        _assert_matches(actual, reference, reference64)  # in the shapes and dtypes of the inputs
+
+
+@pytest.mark.parametrize(
+    "dtypes",
+    [
+        (torch.bfloat16, torch.float32, torch.float32),  # autocast: bfloat16 tokens, float32 table and prefix
+        (torch.bfloat16, torch.float32, torch.bfloat16),
+        (torch.bfloat16, torch.bfloat16, torch.float32),  # a float32 prefix rounded once into a bfloat16 output
+        (torch.float32, torch.float32, torch.float64),
+    ],
+    ids=str,
+)
+def test_pos_embed_prefix_in_another_dtype(dtypes):
+    tokens_dtype, table_dtype, prefix_dtype = dtypes
+    tokens, perm, mask, pos_embed, unk_embed, _ = _pos_embed_inputs(3, 3, 3, 9, "random", tokens_dtype, table_dtype)
+    prefix, table = _prefix_inputs(tokens, pos_embed.double(), (2, 2, "3d", "3d"))
+    prefix, table = prefix.to(prefix_dtype), table.to(table_dtype)
+    out = _forward(tokens, perm, mask, table, unk_embed, prefix, 2)
+    assert out.dtype == table_dtype
+    assert torch.equal(out, _pos_embed_formula(tokens, perm, mask, table, unk_embed, table_dtype, prefix, 2))
+    grad = torch.randn(out.shape, dtype=torch.float64).to(table_dtype)
+    _, grad_pos, _, grad_prefix = _backward(
+        grad,
+        perm,
+        mask,
+        tokens_dtype,
+        table_dtype,
+        table_dtype,
+        pos_shape=table.shape,
+        prefix=prefix,
+        prefix_positions=2,
+    )
+    assert grad_prefix.dtype == prefix_dtype and grad_prefix.shape == prefix.shape
+    assert grad_pos.dtype == table_dtype and grad_pos.shape == table.shape
+    # Summed in float32 (float64 when a dtype is float64), rounded once to each input's dtype.
+    sums = grad.double()[:, :2].sum(0)
+    torch.testing.assert_close(grad_prefix.double(), sums.to(prefix_dtype).double()[None], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grad_pos[0, :2].double(), sums.to(table_dtype).double(), atol=1e-5, rtol=1e-5)
 
 
 def test_pos_embed_rejects_bad_arguments():
     inputs = _pos_embed_inputs(2, 3, 4, 5, "random", torch.float32, torch.float32)
     tokens, perm, mask, pos_embed, unk_embed, grad = inputs
-    good = dict(tokens=tokens, perm=perm, mask=mask, pos_embed=pos_embed, unk_embed=unk_embed)
+    good = dict(
+        tokens=tokens, perm=perm, mask=mask, pos_embed=pos_embed, unk_embed=unk_embed, prefix=None, prefix_positions=0
+    )
     ops.pos_embed_extension(**good)
+    prefix, table = torch.randn(1, 2, 5), torch.randn(1, 14, 5)  # P = Q = 2
+    with_prefix = {**good, "prefix": prefix, "pos_embed": table, "prefix_positions": 2}
+    ops.pos_embed_extension(**with_prefix)
+    ops.pos_embed_extension(**{**with_prefix, "pos_embed": pos_embed, "prefix_positions": 0})
     out_of_range, negative = perm.clone(), perm.clone()
     out_of_range[1, 3] = 12
     negative[0, 0] = -1
@@ -207,24 +362,57 @@ def test_pos_embed_rejects_bad_arguments():
         dict(tokens=tokens[:, :-1]),
         dict(tokens=tokens.int()),
         dict(pos_embed=pos_embed[:-1]),
-        dict(pos_embed=pos_embed[None]),
+        dict(pos_embed=pos_embed[0]),  # not a table
+        dict(pos_embed=torch.randn(2, 12, 5)),  # rows beyond [N, D]
         dict(unk_embed=unk_embed[:-1]),
         dict(unk_embed=unk_embed.double()),  # not the table's dtype
         dict(perm=perm.int()),
         dict(perm=perm[:1]),
         dict(mask=mask.to(torch.uint8)),
         dict(mask=mask[:, :-1]),
+        dict(prefix_positions=1),  # Q not in {0, P} (P = 0)
+        dict(prefix=torch.randn(7)),  # numel not a multiple of D
+        dict(prefix=prefix.int()),
+        {**with_prefix, "prefix_positions": 1},  # Q not in {0, P}
+        {**with_prefix, "prefix_positions": 3},
+        {**with_prefix, "pos_embed": table[:, 1:]},  # Q + N - 1 rows
+        {**with_prefix, "pos_embed": torch.randn(1, 15, 5)},  # Q + N + 1 rows
+        {**with_prefix, "prefix_positions": 0},  # then the table must have N rows
+        {**with_prefix, "pos_embed": pos_embed},  # ... and with Q = 2, Q + N
+        {**with_prefix, "prefix": torch.randn(1, 2, 4)},
     ]
     for bad in [*shape_and_dtype_cases, dict(perm=out_of_range), dict(perm=negative)]:
         with pytest.raises(RuntimeError):
             ops.pos_embed_extension(**{**good, **bad})
+    to_meta = lambda value: value.to("meta") if isinstance(value, torch.Tensor) else value  # noqa: E731
     for bad in shape_and_dtype_cases:  # the Meta kernel (FakeTensor, torch.compile) checks them too
         with pytest.raises(RuntimeError):
-            ops.pos_embed_extension(**{name: value.to("meta") for name, value in {**good, **bad}.items()})
+            ops.pos_embed_extension(**{name: to_meta(value) for name, value in {**good, **bad}.items()})
 
     dtypes = dict(tokens_dtype=torch.float32, pos_dtype=torch.float32, unk_dtype=torch.float32)
-    good = dict(grad_out=grad, perm=perm, mask=mask, **dtypes)
+    good = dict(
+        grad_out=grad,
+        perm=perm,
+        mask=mask,
+        prefix_count=0,
+        prefix_positions=0,
+        pos_shape=[12, 5],
+        prefix_shape=[],
+        **dtypes,
+        prefix_dtype=torch.float32,
+    )
     ops.pos_embed_extension_backward(**good)
+    full_grad = torch.randn(2, 14, 5)
+    with_prefix = {
+        **good,
+        "grad_out": full_grad,
+        "prefix_count": 2,
+        "prefix_positions": 2,
+        "pos_shape": [1, 14, 5],
+        "prefix_shape": [1, 2, 5],
+    }
+    grads = ops.pos_embed_extension_backward(**with_prefix)
+    assert grads[1].shape == (1, 14, 5) and grads[3].shape == (1, 2, 5)
     duplicate = perm.clone()
     duplicate[0] = 0  # in range, but not a permutation
     bad_cases = [
@@ -238,6 +426,17 @@ def test_pos_embed_rejects_bad_arguments():
         dict(tokens_dtype=torch.int32),
         dict(pos_dtype=torch.int64),
         dict(unk_dtype=torch.bool),
+        dict(prefix_dtype=torch.int32),
+        dict(pos_shape=[13, 5]),
+        dict(pos_shape=[12]),
+        dict(pos_shape=[2, 12, 5]),
+        dict(prefix_positions=1),
+        dict(prefix_count=-1),
+        dict(prefix_count=2),  # grad_out has no prefix rows
+        {**with_prefix, "grad_out": grad},
+        {**with_prefix, "prefix_positions": 1},
+        {**with_prefix, "pos_shape": [1, 12, 5]},  # Q = 2: the table has Q + N rows
+        {**with_prefix, "prefix_shape": [1, 3, 5]},
     ]
     for bad in bad_cases:
         with pytest.raises(RuntimeError):
@@ -247,10 +446,29 @@ def test_pos_embed_rejects_bad_arguments():
 @pytest.mark.parametrize("kind", ["random", "all"])
 def test_pos_embed_opcheck(kind):
     tokens, perm, mask, pos_embed, unk_embed, grad = _pos_embed_inputs(3, 4, 5, 6, kind, torch.bfloat16, torch.float32)
-    torch.library.opcheck(ops.pos_embed_extension.default, (tokens, perm, mask, pos_embed, unk_embed))
+    torch.library.opcheck(ops.pos_embed_extension.default, (tokens, perm, mask, pos_embed, unk_embed, None, 0))
     torch.library.opcheck(
-        ops.pos_embed_extension_backward.default, (grad, perm, mask, torch.bfloat16, torch.float32, torch.float16)
+        ops.pos_embed_extension_backward.default,
+        (grad, perm, mask, 0, 0, [20, 6], [], torch.bfloat16, torch.float32, torch.float16, torch.float32),
     )
+    prefix, table = _prefix_inputs(tokens, pos_embed, (3, 3, "3d", "3d"))
+    torch.library.opcheck(ops.pos_embed_extension.default, (tokens, perm, mask, table, unk_embed, prefix, 3))
+    full_grad = torch.randn(3, 23, 6)
+    backward_args = (
+        full_grad,
+        perm,
+        mask,
+        3,
+        3,
+        [1, 23, 6],
+        [1, 3, 6],
+        torch.bfloat16,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+    )
+    torch.library.opcheck(ops.pos_embed_extension_backward.default, backward_args)
+    torch.library.opcheck(ops.pos_embed_extension.default, (tokens, perm, mask, pos_embed, unk_embed, prefix[0], 0))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -291,12 +509,16 @@ class DalCase:
         self.b2 = randn(2) + positions / 2 if bias else None
         self.coords = grid_coordinates((rows, cols))
         self.mask = None if mask_kind is None else _jigsaw(batch, rows, cols, mask_kind, seed)[0]
+        self.prefix_rows = randn(2, dim)  # the table's rows of prefix tokens, not regressed
 
-    def args(self, pos_dtype, param_dtype):
+    def args(self, pos_dtype, param_dtype, skip_rows=0, table="2d"):
+        """The operator's arguments (pos, skip_rows, w1, b1, w2, b2, coords, mask): pos the whole table, skip_rows
+        rows of prefix positions in front of the N regressed rows, [1, skip_rows + N, D] (``3d``) or flat."""
         cast = lambda t, dtype: None if t is None else t.to(dtype)
-        pos = self.pos.to(pos_dtype)
+        pos = torch.cat((self.prefix_rows[:skip_rows], self.pos)).to(pos_dtype)
+        pos = pos[None] if table == "3d" else pos
         params = [cast(t, param_dtype) for t in (self.w1, self.b1, self.w2, self.b2)]
-        return pos, *params, self.coords, self.mask
+        return pos, skip_rows, *params, self.coords, self.mask
 
 
 DAL_SHAPES = [  # rows, cols, D, H
@@ -317,27 +539,35 @@ DAL_DTYPES = [  # (pos, regressor parameters)
 ]
 
 
-def _check_dal(case, pos_dtype, param_dtype, scale, device="cpu"):
-    pos, w1, b1, w2, b2, coords, mask = [None if t is None else t.to(device) for t in case.args(pos_dtype, param_dtype)]
-    loss, pred, hidden, weights = ops.dal_loss_extension(pos, w1, b1, w2, b2, coords, mask, scale)
+def _regressed(table, skip_rows):
+    """The rows of a position table that the DAL loss regresses: [N, D] after the skip_rows prefix rows."""
+    return table.reshape(-1, table.shape[-1])[skip_rows:]
+
+
+def _check_dal(case, pos_dtype, param_dtype, scale, device="cpu", skip_rows=0, table="2d"):
+    pos, skip_rows, *args = case.args(pos_dtype, param_dtype, skip_rows, table)
+    pos, w1, b1, w2, b2, coords, mask = [None if t is None else t.to(device) for t in (pos, *args)]
+    loss, pred, hidden, weights = ops.dal_loss_extension(pos, skip_rows, w1, b1, w2, b2, coords, mask, scale)
     compute = torch.float64 if pos_dtype == torch.float64 else torch.float32
     assert loss.shape == () and loss.dtype == pred.dtype == hidden.dtype == weights.dtype == compute
     assert hidden.shape == (case.positions, 0 if w1 is None else w1.shape[0])
 
     leaves = [None if t is None else t.detach().requires_grad_() for t in (pos, w1, b1, w2, b2)]
-    expected_loss, expected_pred, expected_weights = _dal_formula(*leaves, coords, mask, scale)
+    expected_loss, expected_pred, expected_weights = _dal_formula(
+        _regressed(leaves[0], skip_rows), *leaves[1:], coords, mask, scale
+    )
     torch.testing.assert_close(loss, expected_loss.detach())
     torch.testing.assert_close(pred, expected_pred.detach())
     torch.testing.assert_close(weights, expected_weights)
 
     grad = torch.tensor(0.75, dtype=compute, device=device)
     grads = ops.dal_loss_extension_backward(
-        grad, pos, w1, w2, coords, pred, hidden, weights, scale, b1 is not None, b2 is not None
+        grad, pos, skip_rows, w1, w2, coords, pred, hidden, weights, scale, b1 is not None, b2 is not None
     )
     present = [t for t in leaves if t is not None]
     expected_grads = dict(zip(map(id, present), torch.autograd.grad(expected_loss, present, grad)))
     leaves64 = [None if t is None else t.detach().double().requires_grad_() for t in (pos, w1, b1, w2, b2)]
-    loss64 = _dal_formula(*leaves64, coords, mask, scale)[0]
+    loss64 = _dal_formula(_regressed(leaves64[0], skip_rows), *leaves64[1:], coords, mask, scale)[0]
     present64 = [t for t in leaves64 if t is not None]
     expected64 = dict(zip(map(id, present), torch.autograd.grad(loss64, present64, grad.double())))
     for actual, leaf in zip(grads, leaves):
@@ -346,6 +576,37 @@ def _check_dal(case, pos_dtype, param_dtype, scale, device="cpu"):
             continue
         assert actual.dtype == leaf.dtype and actual.shape == leaf.shape
         _assert_matches(actual, expected_grads[id(leaf)], expected64[id(leaf)])
+    # The skipped rows get exactly zero.
+    assert not _regressed(grads[0], 0)[:skip_rows].any()
+
+
+@pytest.mark.parametrize("dtypes", DAL_DTYPES, ids=lambda p: f"{str(p[0])[6:]}-{str(p[1])[6:]}")
+@pytest.mark.parametrize("mask_kind", [None, "random"], ids=str)
+@pytest.mark.parametrize("kind", ["nonlinear", "linear"])
+@pytest.mark.parametrize("shape", [(1, 1, 5, 3), (3, 5, 7, 11)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize(("skip_rows", "table"), [(0, "3d"), (2, "2d"), (2, "3d")], ids=str)
+def test_dal_loss_on_the_whole_table(skip_rows, table, shape, kind, mask_kind, dtypes):
+    # The model's table [1, skip_rows + N, D] (or flat): the prefix rows are not regressed, their gradient is zero.
+    case = DalCase(*shape, kind=kind, mask_kind=mask_kind, seed=3)
+    _check_dal(case, *dtypes, scale=1.0, skip_rows=skip_rows, table=table)
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32)], ids=str)
+@pytest.mark.parametrize("kind", ["nonlinear", "linear"])
+@pytest.mark.parametrize("skip_rows", [0, 2])
+def test_dal_loss_ignores_autocast(skip_rows, kind, dtypes):
+    # The regressor computes in float32 as specified: under autocast the results are those without it, bit for bit.
+    case = DalCase(4, 5, 24, 16, kind=kind, mask_kind="random", seed=6)
+    args = case.args(*dtypes, skip_rows, "3d")
+    forward = ops.dal_loss_extension(*args, 1.5)
+    pos, _, w1, b1, w2, b2, coords, _ = args
+    backward_args = (torch.tensor(0.5), pos, skip_rows, w1, w2, coords, *forward[1:], 1.5, b1 is not None, True)
+    backward = ops.dal_loss_extension_backward(*backward_args)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.mm(coords, coords.t()).dtype == torch.bfloat16  # autocast is on
+        under_autocast = ops.dal_loss_extension(*args, 1.5), ops.dal_loss_extension_backward(*backward_args)
+    for actual, expected in zip((*under_autocast[0], *under_autocast[1]), (*forward, *backward), strict=True):
+        assert actual.dtype == expected.dtype and torch.equal(actual, expected)
 
 
 @pytest.mark.parametrize("dtypes", DAL_DTYPES, ids=lambda p: f"{str(p[0])[6:]}-{str(p[1])[6:]}")
@@ -394,15 +655,15 @@ def test_dal_loss_equals_package_oracle(kind, mask_kind):
     layers = (regressor.net[0], regressor.net[2]) if kind == "nonlinear" else (None, regressor.net)
     w1, b1 = (layers[0].weight, layers[0].bias) if layers[0] is not None else (None, None)
     w2, b2 = layers[1].weight, layers[1].bias
-    pos = pos_embed.detach()[0]
+    pos = pos_embed.detach()  # the table as the model holds it, [1, N, D]
     coords = grid_coordinates((rows, cols))
     with torch.no_grad():
-        loss, pred, hidden, weights = ops.dal_loss_extension(pos, w1, b1, w2, b2, coords, mask, 1.0)
+        loss, pred, hidden, weights = ops.dal_loss_extension(pos, 0, w1, b1, w2, b2, coords, mask, 1.0)
         grads = ops.dal_loss_extension_backward(
-            torch.ones(()), pos, w1, w2, coords, pred, hidden, weights, 1.0, b1 is not None, b2 is not None
+            torch.ones(()), pos, 0, w1, w2, coords, pred, hidden, weights, 1.0, b1 is not None, b2 is not None
         )
     torch.testing.assert_close(loss, expected.detach())
-    torch.testing.assert_close(grads[0], expected_grads[0][0])
+    torch.testing.assert_close(grads[0], expected_grads[0])
     actual_param_grads = [g for g in grads[1:] if g.numel()]  # w1, b1, w2, b2 as they exist
     for actual, reference in zip(actual_param_grads, expected_grads[1:], strict=True):
         torch.testing.assert_close(actual, reference)
@@ -410,23 +671,33 @@ def test_dal_loss_equals_package_oracle(kind, mask_kind):
 
 def test_dal_loss_is_deterministic():
     case = DalCase(14, 14, 64, 64, kind="nonlinear", mask_kind="random", batch=32, seed=4)
-    args = case.args(torch.float32, torch.float32)
+    args = case.args(torch.float32, torch.float32, skip_rows=1)
     first = ops.dal_loss_extension(*args, 1.0)
     second = ops.dal_loss_extension(*args, 1.0)
     for a, b in zip(first, second):
         assert torch.equal(a, b)
-    backward_args = (torch.ones(()), args[0], args[1], args[3], args[5], *first[1:], 1.0, True, True)
+    backward_args = (torch.ones(()), args[0], args[1], args[2], args[4], args[6], *first[1:], 1.0, True, True)
     for a, b in zip(ops.dal_loss_extension_backward(*backward_args), ops.dal_loss_extension_backward(*backward_args)):
         assert torch.equal(a, b)
 
 
 def test_dal_loss_rejects_bad_arguments():
     case = DalCase(3, 4, 6, 5, kind="nonlinear", mask_kind="random")
-    pos, w1, b1, w2, b2, coords, mask = case.args(torch.float32, torch.float32)
-    good = dict(pos=pos, w1=w1, b1=b1, w2=w2, b2=b2, coords=coords, mask=mask, scale=1.0)
+    pos, _, w1, b1, w2, b2, coords, mask = case.args(torch.float32, torch.float32)
+    table = case.args(torch.float32, torch.float32, skip_rows=2, table="3d")[0]  # [1, 2 + N, D]
+    good = dict(pos=pos, skip_rows=0, w1=w1, b1=b1, w2=w2, b2=b2, coords=coords, mask=mask, scale=1.0)
     ops.dal_loss_extension(**good)
-    bad_cases = [
+    ops.dal_loss_extension(**{**good, "pos": table, "skip_rows": 2})
+    table_cases = [
         dict(pos=pos[0]),
+        dict(pos=table, skip_rows=1),  # rows != skip_rows + N
+        dict(pos=table, skip_rows=3),
+        dict(pos=table),
+        dict(skip_rows=-1),
+        dict(pos=torch.cat((table, table))),  # leading dims other than 1: not one table
+    ]
+    bad_cases = [
+        *table_cases,
         dict(pos=pos.int()),
         dict(w1=w1[:, :-1]),
         dict(w1=None),  # then w2 must be [2, D]
@@ -437,6 +708,7 @@ def test_dal_loss_rejects_bad_arguments():
         dict(b2=torch.zeros(3)),
         dict(coords=coords[:, :1]),
         dict(coords=coords[:-1]),
+        dict(coords=coords[0]),
         dict(mask=mask.int()),
         dict(mask=mask[:, :-1]),
         dict(mask=mask[0]),
@@ -444,13 +716,19 @@ def test_dal_loss_rejects_bad_arguments():
     for bad in bad_cases:
         with pytest.raises(RuntimeError):
             ops.dal_loss_extension(**{**good, **bad})
+    to_meta = lambda value: value.to("meta") if isinstance(value, torch.Tensor) else value  # noqa: E731
+    for bad in table_cases:  # the Meta kernel (FakeTensor, torch.compile) checks them too
+        with pytest.raises(RuntimeError):
+            ops.dal_loss_extension(**{name: to_meta(value) for name, value in {**good, **bad}.items()})
     _, pred, hidden, weights = ops.dal_loss_extension(**good)
     good = dict(
-        grad=torch.ones(()), pos=pos, w1=w1, w2=w2, coords=coords, pred=pred, hidden=hidden, weights=weights,
-        scale=1.0, has_b1=True, has_b2=True,
+        grad=torch.ones(()), pos=pos, skip_rows=0, w1=w1, w2=w2, coords=coords, pred=pred, hidden=hidden,
+        weights=weights, scale=1.0, has_b1=True, has_b2=True,
     )  # fmt: skip
     ops.dal_loss_extension_backward(**good)
+    assert ops.dal_loss_extension_backward(**{**good, "pos": table, "skip_rows": 2})[0].shape == table.shape
     bad_cases = [
+        *table_cases,
         dict(grad=torch.ones(2)),
         dict(pred=pred[:-1]),
         dict(pred=pred.double()),
@@ -464,35 +742,63 @@ def test_dal_loss_rejects_bad_arguments():
             ops.dal_loss_extension_backward(**{**good, **bad})
 
 
+@pytest.mark.parametrize("skip_rows", [0, 2])
 @pytest.mark.parametrize("mask_kind", [None, "random"], ids=str)
 @pytest.mark.parametrize("kind", ["nonlinear", "linear"])
-def test_dal_loss_opcheck(kind, mask_kind):
+def test_dal_loss_opcheck(kind, mask_kind, skip_rows):
     case = DalCase(3, 5, 8, 6, kind=kind, mask_kind=mask_kind)
-    args = case.args(torch.bfloat16, torch.float32)
+    args = case.args(torch.bfloat16, torch.float32, skip_rows, "3d" if skip_rows else "2d")
     torch.library.opcheck(ops.dal_loss_extension.default, (*args, 2.0))
     _, pred, hidden, weights = ops.dal_loss_extension(*args, 2.0)
-    pos, w1, b1, w2, b2, coords, _ = args
-    backward_args = (torch.tensor(0.5), pos, w1, w2, coords, pred, hidden, weights, 2.0, b1 is not None, True)
+    pos, _, w1, b1, w2, b2, coords, _ = args
+    backward_args = (
+        torch.tensor(0.5),
+        pos,
+        skip_rows,
+        w1,
+        w2,
+        coords,
+        pred,
+        hidden,
+        weights,
+        2.0,
+        b1 is not None,
+        True,
+    )
     torch.library.opcheck(ops.dal_loss_extension_backward.default, backward_args)
 
 
 def test_operators_compile_in_one_graph():
-    # The Meta kernels give torch.compile the shapes (dynamic ones too) with no Python registration: no graph break.
-    inputs = _pos_embed_inputs(3, 4, 5, 6, "random", torch.float32, torch.float32)
-    tokens, perm, mask, pos_embed, unk_embed, grad = inputs
+    # The Meta kernels give torch.compile the shapes (dynamic ones too) with no Python registration: no graph break;
+    # and the shapes that the backward takes as arguments stay symbolic: one graph for every N.
     case = DalCase(4, 5, 6, 7, kind="nonlinear", mask_kind="random")
-    pos, w1, b1, w2, b2, coords, dal_mask = case.args(torch.float32, torch.float32)
+    pos, _, w1, b1, w2, b2, coords, dal_mask = case.args(torch.float32, torch.float32, skip_rows=1, table="3d")
+    prefix = torch.randn(1, 1, 6)  # a class token, with a position row
 
-    def step(tokens, grad, pos):
-        out = ops.pos_embed_extension(tokens, perm, mask, pos_embed, unk_embed)
-        grads = ops.pos_embed_extension_backward(grad, perm, mask, torch.float32, torch.float32, torch.float32)
-        loss, pred, hidden, weights = ops.dal_loss_extension(pos, w1, b1, w2, b2, coords, dal_mask, 0.5)
-        dal_grads = ops.dal_loss_extension_backward(loss, pos, w1, w2, coords, pred, hidden, weights, 0.5, True, True)
-        return out, *grads, loss, *dal_grads
+    def step(tokens, perm, mask, table, unk_embed, grad):
+        out = ops.pos_embed_extension(tokens, perm, mask, table, unk_embed, prefix, 1)
+        grads = ops.pos_embed_extension_backward(
+            grad, perm, mask, 1, 1, table.shape, prefix.shape, *[torch.float32] * 4
+        )
+        plain = ops.pos_embed_extension(tokens, perm, mask, table[0, 1:], unk_embed, None, 0)
+        loss, pred, hidden, weights = ops.dal_loss_extension(pos, 1, w1, b1, w2, b2, coords, dal_mask, 0.5)
+        dal_grads = ops.dal_loss_extension_backward(
+            loss, pos, 1, w1, w2, coords, pred, hidden, weights, 0.5, True, True
+        )
+        return out, *grads, plain, loss, *dal_grads
 
-    compiled = torch.compile(step, backend="aot_eager", fullgraph=True, dynamic=True)
-    for actual, expected in zip(compiled(tokens, grad, pos), step(tokens, grad, pos)):
-        assert torch.equal(actual, expected)
+    counter = CompileCounter()
+    compiled = torch.compile(step, backend=counter, fullgraph=True, dynamic=True)
+    for rows, cols in ((3, 4), (3, 3), (5, 7)):  # N differs from the DAL case's (duck sizing would tie them)
+        tokens, perm, mask, pos_embed, unk_embed, grad = _pos_embed_inputs(
+            3, rows, cols, 6, "random", *[torch.float32] * 2
+        )
+        table = torch.cat((torch.randn(1, 6), pos_embed))[None]
+        grad = torch.cat((torch.randn(3, 1, 6), grad), 1)
+        inputs = (tokens, perm, mask, table, unk_embed, grad)
+        for actual, expected in zip(compiled(*inputs), step(*inputs), strict=True):
+            assert torch.equal(actual, expected)
+    assert counter.frame_count == 1
 
 
 def test_operators_are_registered_with_their_schemas():
@@ -500,23 +806,252 @@ def test_operators_are_registered_with_their_schemas():
         "pos_embed_extension", "pos_embed_extension_backward", "dal_loss_extension", "dal_loss_extension_backward"
     )}  # fmt: skip
     assert schemas["pos_embed_extension"] == (
-        "mjp_fast::pos_embed_extension(Tensor tokens, Tensor perm, Tensor mask, Tensor pos_embed, Tensor unk_embed)"
-        " -> Tensor"
+        "mjp_fast::pos_embed_extension(Tensor tokens, Tensor perm, Tensor mask, Tensor pos_embed, Tensor unk_embed, "
+        "Tensor? prefix, int prefix_positions) -> Tensor"
     )
     assert schemas["pos_embed_extension_backward"] == (
-        "mjp_fast::pos_embed_extension_backward(Tensor grad_out, Tensor perm, Tensor mask, ScalarType tokens_dtype, "
-        "ScalarType pos_dtype, ScalarType unk_dtype) -> (Tensor, Tensor, Tensor)"
+        "mjp_fast::pos_embed_extension_backward(Tensor grad_out, Tensor perm, Tensor mask, int prefix_count, "
+        "int prefix_positions, SymInt[] pos_shape, SymInt[] prefix_shape, ScalarType tokens_dtype, "
+        "ScalarType pos_dtype, ScalarType unk_dtype, ScalarType prefix_dtype) -> (Tensor grad_tokens, "
+        "Tensor grad_pos, Tensor grad_unk, Tensor grad_prefix)"
     )
     assert schemas["dal_loss_extension"] == (
-        "mjp_fast::dal_loss_extension(Tensor pos, Tensor? w1, Tensor? b1, Tensor w2, Tensor? b2, Tensor coords, "
-        "Tensor? mask, float scale) -> (Tensor loss, Tensor pred, Tensor hidden, Tensor weights)"
+        "mjp_fast::dal_loss_extension(Tensor pos, int skip_rows, Tensor? w1, Tensor? b1, Tensor w2, Tensor? b2, "
+        "Tensor coords, Tensor? mask, float scale) -> (Tensor loss, Tensor pred, Tensor hidden, Tensor weights)"
     )
     assert schemas["dal_loss_extension_backward"] == (
-        "mjp_fast::dal_loss_extension_backward(Tensor grad, Tensor pos, Tensor? w1, Tensor w2, Tensor coords, "
-        "Tensor pred, Tensor hidden, Tensor weights, float scale, bool has_b1, bool has_b2) -> (Tensor grad_pos, "
-        "Tensor grad_w1, Tensor grad_b1, Tensor grad_w2, Tensor grad_b2)"
+        "mjp_fast::dal_loss_extension_backward(Tensor grad, Tensor pos, int skip_rows, Tensor? w1, Tensor w2, "
+        "Tensor coords, Tensor pred, Tensor hidden, Tensor weights, float scale, bool has_b1, bool has_b2) -> "
+        "(Tensor grad_pos, Tensor grad_w1, Tensor grad_b1, Tensor grad_w2, Tensor grad_b2)"
     )
     for name in ("pos_embed_extension", "pos_embed_extension_backward"):
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"mjp_fast::{name}", "CPU")
     for name in schemas:
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"mjp_fast::{name}", "Meta")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# patch_embed_extension
+# ----------------------------------------------------------------------------------------------------------------
+# The kernels are the ones behind _C.patch_embed_forward / _backward, tested against the formula in test_extension.py;
+# here: the operators (the bindings are thin wrappers of them), their Meta kernels, autograd and torch.compile.
+
+
+def _patch_embed_args(rows=2, cols=3, *, batch=2, prefix_count=1, prefix_positions=1, dtype=torch.float32, seed=0):
+    """The forward operator's arguments: images [B, 3, 4 rows, 4 cols], weight [5, 3, 4, 4], bias, the whole table
+    [1, Q + N, 5], unk_embed, perm, mask, prefix [1, P, 5] (None when P = 0), Q."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator, dtype=torch.float64).to(dtype)
+
+    mask, perm = _jigsaw(batch, rows, cols, "random", seed)
+    prefix = randn(1, prefix_count, 5) if prefix_count else None
+    return (
+        randn(batch, 3, 4 * rows, 4 * cols), randn(5, 3, 4, 4), randn(5), randn(1, prefix_positions + rows * cols, 5),
+        randn(5), perm, mask, prefix, prefix_positions,
+    )  # fmt: skip
+
+
+def _patch_embed_backward_args(forward_args, needs=(True,) * 6, shapes=True):
+    """The backward operator's arguments for the forward's, a random grad_out [B, P + N, D]."""
+    images, weight, _, table, _, perm, mask, prefix, prefix_positions = forward_args
+    prefix_count = 0 if prefix is None else prefix.shape[1]
+    grad = torch.randn(images.shape[0], table.shape[1] - prefix_positions + prefix_count, 5, dtype=images.dtype)
+    pos_shape = list(table.shape) if shapes else None
+    prefix_shape = list(prefix.shape) if shapes and prefix is not None else None
+    return (grad, images, weight, perm, mask, *needs, prefix_count, prefix_positions, pos_shape, prefix_shape)
+
+
+LAYOUTS = [(0, 0), (1, 1), (2, 0)]  # (P, Q): no prefix; a class token with a position row; two tokens without
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda p: f"P{p[0]}Q{p[1]}")
+def test_patch_embed_operators_equal_the_bindings(layout):
+    args = _patch_embed_args(prefix_count=layout[0], prefix_positions=layout[1])
+    assert torch.equal(ops.patch_embed_extension(*args), _C.patch_embed_forward(*args))
+    needs = (True, False, True, True, False, layout[0] > 0)
+    backward_args = _patch_embed_backward_args(args, needs)
+    grads = ops.patch_embed_extension_backward(*backward_args)
+    bound = _C.patch_embed_backward(*backward_args)
+    assert len(grads) == len(bound) == 6
+    for grad, binding, need in zip(grads, bound, needs, strict=True):
+        if need:
+            assert torch.equal(grad, binding)
+        else:  # the operator returns an empty tensor where the binding returns None
+            assert binding is None and grad.shape == (0,) and grad.dtype == args[0].dtype
+
+
+def test_patch_embed_optional_arguments_and_defaults():
+    images, weight, bias, table, unk, perm, mask, _, _ = _patch_embed_args(prefix_count=0, prefix_positions=0)
+    plain = ops.patch_embed_extension(images, weight, None, table, None, None, None)
+    expected = F.conv2d(images, weight, stride=4).flatten(2).transpose(1, 2) + table
+    torch.testing.assert_close(plain, expected)
+    grad = torch.randn_like(plain)
+    grads = ops.patch_embed_extension_backward(grad, images, weight, None, None, True, True, True, True, True)
+    assert [tuple(g.shape) for g in grads] == [tuple(images.shape), tuple(weight.shape), (5,), (6, 5), (5,), (0,)]
+    # a prefix gradient asked for without prefix tokens is an empty tensor
+    grads = ops.patch_embed_extension_backward(grad, images, weight, None, None, *[False] * 5, True)
+    assert all(g.shape == (0,) for g in grads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda p: f"P{p[0]}Q{p[1]}")
+def test_patch_embed_opcheck(layout, dtype):
+    args = _patch_embed_args(prefix_count=layout[0], prefix_positions=layout[1], dtype=dtype)
+    differentiable = [*args[:5], args[7]]
+    for tensor in differentiable:
+        if tensor is not None:
+            tensor.requires_grad_(True)
+    torch.library.opcheck(ops.patch_embed_extension.default, args)
+    images, weight, _, table, _, perm, mask, _, prefix_positions = args
+    patch_rows = table[:, prefix_positions:].detach().requires_grad_(True)
+    torch.library.opcheck(ops.patch_embed_extension.default, (images, weight, None, patch_rows, None, perm, mask))
+    detached = [arg.detach() if isinstance(arg, torch.Tensor) else arg for arg in args]
+    for needs, shapes in [((True,) * 6, True), ((False, True, False, True, True, False), False)]:
+        torch.library.opcheck(
+            ops.patch_embed_extension_backward.default, _patch_embed_backward_args(detached, needs, shapes)
+        )
+    grad = torch.randn(images.shape[0], 6, 5, dtype=dtype)
+    plain_args = (grad, images.detach(), weight.detach(), None, None, True, True, True, True, True)
+    torch.library.opcheck(ops.patch_embed_extension_backward.default, plain_args)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda p: f"P{p[0]}Q{p[1]}")
+def test_patch_embed_operator_autograd(layout):
+    # The operator's own autograd (register_autograd in mjp_fast/ops/patch_embed.py), against finite differences.
+    args = list(_patch_embed_args(1, 2, prefix_count=layout[0], prefix_positions=layout[1], dtype=torch.float64))
+    args[0] = torch.randn(2, 3, 5, 8, dtype=torch.float64)  # a pixel row below the 1x2 grid: ignored
+    inputs = [index for index in (0, 1, 2, 3, 4, 7) if args[index] is not None]
+
+    def call(*tensors):
+        full = list(args)
+        for index, tensor in zip(inputs, tensors, strict=True):
+            full[index] = tensor
+        return ops.patch_embed_extension(*full)
+
+    leaves = [args[index].detach().requires_grad_(True) for index in inputs]
+    assert torch.autograd.gradcheck(call, leaves)
+    # only what requires grad is computed and returned
+    out = ops.patch_embed_extension(args[0], leaves[1], *args[2:])
+    (grad_weight,) = torch.autograd.grad(out.sum(), leaves[1])
+    assert grad_weight.shape == leaves[1].shape
+
+
+def test_patch_embed_step_dispatches_one_operator_each_way():
+    # What a TorchDispatchMode (bench/bench_host_cost.py) sees: the two operators, and autograd's own detaches.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from mjp_fast.ops.patch_embed import patch_embed_step
+    from mjp_fast.ops.sample_jigsaw import Jigsaw
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    images, weight, bias, table, unk, perm, mask, prefix, _ = _patch_embed_args()
+    parameters = [tensor.requires_grad_(True) for tensor in (weight, bias, table, unk, prefix)]
+    grad = torch.randn(2, 7, 5)
+    with Count() as counter:
+        out = patch_embed_step(images, weight, bias, table, unk, Jigsaw(mask, perm), "cpu", prefix, 1)
+        out.backward(grad)
+    names = [name for name in counter.names if name != "detach"]
+    assert names == ["patch_embed_extension", "patch_embed_extension_backward"], counter.names
+    assert all(parameter.grad is not None for parameter in parameters)
+
+
+def test_patch_embed_meta_kernels_check_the_arguments():
+    args = dict(zip(
+        ("images", "weight", "bias", "pos_embed", "unk_embed", "perm", "mask", "prefix", "prefix_positions"),
+        _patch_embed_args(prefix_count=2, prefix_positions=2),
+    ))  # fmt: skip
+    to_meta = lambda value: value.to("meta") if isinstance(value, torch.Tensor) else value  # noqa: E731
+    meta = ops.patch_embed_extension(**{name: to_meta(value) for name, value in args.items()})
+    assert meta.device.type == "meta" and meta.shape == (2, 8, 5) and meta.dtype == torch.float32
+    images, weight, table = args["images"], args["weight"], args["pos_embed"]
+    bad_cases = [
+        dict(images=images[0]),
+        dict(weight=weight[:, :2]),  # channels
+        dict(weight=weight[..., :3]),  # not square
+        dict(images=images.int(), weight=weight.int()),
+        dict(weight=weight.double()),
+        dict(bias=args["bias"][:-1]),
+        dict(pos_embed=table[:, 1:]),  # Q + N - 1 rows
+        dict(pos_embed=torch.cat((table, table))),
+        dict(unk_embed=args["unk_embed"].double()),
+        dict(perm=args["perm"].int()),
+        dict(perm=args["perm"][:1]),
+        dict(mask=args["mask"].int()),
+        dict(prefix=torch.randn(1, 2, 4)),
+        dict(prefix_positions=1),
+    ]
+    for bad in bad_cases:
+        for convert in (lambda value: value, to_meta):  # the CPU kernel, then the Meta kernel
+            with pytest.raises(RuntimeError):
+                ops.patch_embed_extension(**{name: convert(value) for name, value in {**args, **bad}.items()})
+    backward = dict(zip(
+        ("grad_out", "images", "weight", "perm", "mask", "need_images", "need_weight", "need_bias", "need_pos",
+         "need_unk", "need_prefix", "prefix_count", "prefix_positions", "pos_shape", "prefix_shape"),
+        _patch_embed_backward_args(tuple(args.values())),
+    ))  # fmt: skip
+    metas = ops.patch_embed_extension_backward(**{name: to_meta(value) for name, value in backward.items()})
+    assert [tuple(g.shape) for g in metas] == [(2, 3, 8, 12), (5, 3, 4, 4), (5,), (1, 8, 5), (5,), (1, 2, 5)]
+    bad_cases = [
+        dict(grad_out=backward["grad_out"][:, 1:]),
+        dict(grad_out=backward["grad_out"].double()),
+        dict(prefix_count=-1),
+        dict(prefix_positions=1),
+        dict(pos_shape=[1, 7, 5]),
+        dict(pos_shape=[40]),
+        dict(prefix_shape=[1, 3, 5]),
+        dict(perm=backward["perm"][:, :-1]),
+    ]
+    for bad in bad_cases:
+        for convert in (lambda value: value, to_meta):
+            with pytest.raises(RuntimeError):
+                ops.patch_embed_extension_backward(
+                    **{name: convert(value) for name, value in {**backward, **bad}.items()}
+                )
+
+
+def test_patch_embed_operators_compile_in_one_graph():
+    # Dynamic shapes: the grid and the prefix layout's shapes stay symbolic; one graph for every grid.
+    def step(images, weight, bias, table, unk, perm, mask, prefix, grad):
+        out = ops.patch_embed_extension(images, weight, bias, table, unk, perm, mask, prefix, 1)
+        grads = ops.patch_embed_extension_backward(
+            grad, images, weight, perm, mask, True, True, True, True, True, True, 1, 1, table.shape, prefix.shape
+        )
+        return out, *grads
+
+    counter = CompileCounter()
+    compiled = torch.compile(step, backend=counter, fullgraph=True, dynamic=True)
+    for rows, cols in ((2, 3), (3, 3), (4, 2)):
+        images, weight, bias, table, unk, perm, mask, prefix, _ = _patch_embed_args(rows, cols)
+        grad = torch.randn(2, 1 + rows * cols, 5)
+        inputs = (images, weight, bias, table, unk, perm, mask, prefix, grad)
+        for actual, expected in zip(compiled(*inputs), step(*inputs), strict=True):
+            assert torch.equal(actual, expected)
+    assert counter.frame_count == 1
+
+
+def test_patch_embed_operators_are_registered_with_their_schemas():
+    assert str(ops.patch_embed_extension.default._schema) == (
+        "mjp_fast::patch_embed_extension(Tensor images, Tensor weight, Tensor? bias, Tensor pos_embed, "
+        "Tensor? unk_embed, Tensor? perm, Tensor? mask, Tensor? prefix=None, int prefix_positions=0) -> Tensor"
+    )
+    assert str(ops.patch_embed_extension_backward.default._schema) == (
+        "mjp_fast::patch_embed_extension_backward(Tensor grad_out, Tensor images, Tensor weight, Tensor? perm, "
+        "Tensor? mask, bool need_images, bool need_weight, bool need_bias, bool need_pos, bool need_unk, "
+        "bool need_prefix=False, int prefix_count=0, int prefix_positions=0, SymInt[]? pos_shape=None, "
+        "SymInt[]? prefix_shape=None) -> Tensor[]"
+    )
+    for name in ("patch_embed_extension", "patch_embed_extension_backward"):
+        for key in ("CPU", "Meta", *(["CUDA"] if _C.has_cuda() else [])):
+            assert torch._C._dispatch_has_kernel_for_dispatch_key(f"mjp_fast::{name}", key), (name, key)
+    # the forward's autograd is registered from Python (mjp_fast/ops/patch_embed.py)
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("mjp_fast::patch_embed_extension", "Autograd")

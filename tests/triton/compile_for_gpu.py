@@ -60,152 +60,232 @@ def _variants() -> list[tuple[str, object, dict[str, str], dict[str, object], di
     image_ints = {name: "i32" for name in ("stride_b", "stride_c", "stride_h", "stride_w")}
     import torch
 
+    # Prefix rows (class and register tokens): a ViT's class token with its row in the table, P = Q = 1, which a
+    # launch makes constexpr (an int argument equal to 1); none (P = 0, HAS_PREFIX off: the kernels as they were
+    # before prefix rows); and registers (P = 5, int32 arguments).
+    prefix_cases = (
+        ("P=1", {"HAS_PREFIX": True, "prefix_count": 1, "prefix_positions": 1}),
+        ("P=0", {"HAS_PREFIX": False}),
+        ("P=5", {"HAS_PREFIX": True}),
+    )
+
+    def with_prefix(case: dict, signature: dict) -> tuple[dict, dict]:
+        """The case's constexprs among the kernel's arguments: (signature entries, values)."""
+        present = {name: value for name, value in case.items() if name in signature}
+        return dict.fromkeys(present, "constexpr"), present
+
     for dtype, precision in (("bf16", "tf32"), ("fp32", "ieee")):
         torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
         flags = {"PATCH": 16, "HAS_PERM": True, "PRECISION": precision, "UPCAST": False}
-        for m, d, k, warps, stages in patch_embed.GPU_GEMM_SHAPES[:2]:
-            tiles = {"BLOCK_M": m, "BLOCK_D": d, "BLOCK_K": k}
-            options = {"num_warps": warps, "num_stages": stages}
-            forward = {
-                "images_ptr": f"*{dtype}",
-                "weight_ptr": f"*{dtype}",
-                "bias_ptr": f"*{dtype}",
-                "pos_ptr": f"*{dtype}",
-                "unk_ptr": f"*{dtype}",
-                "perm_ptr": "*i64",
-                "mask_ptr": "*i1",
-                "out_ptr": f"*{dtype}",
-                **{name: "i32" for name in ("total_tokens", "num_positions", "cols", "K", "D")},
-                **image_ints,
-            }
-            variants.append(
-                (
-                    f"patch_embed forward {dtype} {m}x{d}x{k}",
-                    patch_embed._forward_kernel.fn,  # the autotuner's kernel
-                    {**forward, **dict.fromkeys((*flags, "HAS_BIAS", "HAS_MASK", *tiles), "constexpr")},
-                    {**flags, "HAS_BIAS": True, "HAS_MASK": True, **tiles},
-                    options,
-                )
-            )
-            grad_images = {
-                "grad_ptr": f"*{dtype}",
-                "weight_ptr": f"*{dtype}",
-                "perm_ptr": "*i64",
-                "grad_images_ptr": f"*{dtype}",
-                **{name: "i32" for name in ("total_tokens", "num_positions", "cols", "K", "D")},
-                **image_ints,
-            }
-            variants.append(
-                (
-                    f"patch_embed grad_images {dtype} {m}x{d}x{k}",
-                    patch_embed._grad_images_kernel.fn,
-                    {**grad_images, **dict.fromkeys((*flags, *tiles), "constexpr")},
-                    {**flags, **tiles},
-                    options,
-                )
-            )
+        forward = {
+            **{name: f"*{dtype}" for name in ("images_ptr", "weight_ptr", "bias_ptr", "pos_ptr", "unk_ptr")},
+            "prefix_ptr": f"*{dtype}",
+            "perm_ptr": "*i64",
+            "mask_ptr": "*i1",
+            "out_ptr": f"*{dtype}",
+            **dict.fromkeys(("total_tokens", "total_prefix", "num_positions", "prefix_count"), "i32"),
+            **dict.fromkeys(("prefix_positions", "cols", "K", "D"), "i32"),
+            **image_ints,
+            "HAS_PREFIX": "i1",  # replaced by each case's constexpr
+        }
+        grad_images = {
+            "grad_ptr": f"*{dtype}",
+            "weight_ptr": f"*{dtype}",
+            "perm_ptr": "*i64",
+            "grad_images_ptr": f"*{dtype}",
+            **dict.fromkeys(("total_tokens", "num_positions", "prefix_count", "cols", "K", "D"), "i32"),
+            **image_ints,
+            "HAS_PREFIX": "i1",
+        }
         grad_weight = {
             "grad_ptr": f"*{dtype}",
             "images_ptr": f"*{dtype}",
             "perm_ptr": "*i64",
             "partial_ptr": "*fp32",
-            **{name: "i32" for name in ("total_tokens", "num_positions", "cols", "K", "D", "tokens_per_split")},
+            **dict.fromkeys(("total_tokens", "num_positions", "prefix_count", "cols", "K", "D"), "i32"),
+            "tokens_per_split": "i32",
             **image_ints,
+            "HAS_PREFIX": "i1",
         }
-        tiles = {"BLOCK_M": 64, "BLOCK_D": 128, "BLOCK_K": 64}  # _grad_weight_tiles on DeiT shapes
-        variants.append(
-            (
-                f"patch_embed grad_weight {dtype}",
-                patch_embed._grad_weight_kernel,
-                {**grad_weight, **dict.fromkeys((*flags, *tiles), "constexpr")},
-                {**flags, **tiles},
-                {},
-            )
-        )
-        # The position gradient's tiles as position_gradient_plan gives them on an H100 at DeiT-S's sizes:
-        # mjp_pos_embed's backward (inverse move, no bias) and the patch embedding's (bias, no move).
-        for scatter in (False, True):
-            plan = patch_embed.position_gradient_plan(
-                256, 196, 384, torch_dtype, 132, False, scatter=scatter, has_bias=not scatter
-            )
-            variants.append(
-                (
-                    f"grad_position partials {dtype} scatter={scatter}",
-                    patch_embed._position_partials_kernel,
-                    {
-                        "grad_ptr": f"*{dtype}",
-                        "mask_ptr": "*i1",
-                        "perm_ptr": "*i64",
-                        "grad_tokens_ptr": f"*{dtype}",
-                        "partial_ptr": "*fp32",
-                        **{name: "i32" for name in ("batch", "num_positions", "D", "samples_per_chunk")},
-                        **dict.fromkeys(
-                            ("HAS_MASK", "SCATTER", "HAS_BIAS", "BLOCK_B", "BLOCK_N", "BLOCK_D"), "constexpr"
-                        ),
-                    },
-                    {
-                        "HAS_MASK": True,
-                        "SCATTER": scatter,
-                        "HAS_BIAS": not scatter,
-                        "BLOCK_B": plan.block_b,
-                        "BLOCK_N": plan.block_n,
-                        "BLOCK_D": plan.block_d,
-                    },
-                    {},
-                )
-            )
-            variants.append(
-                (
-                    f"grad_position reduce {dtype} bias={not scatter}",
-                    patch_embed._position_reduce_kernel,
-                    {
-                        "partial_ptr": "*fp32",
-                        "grad_pos_ptr": f"*{dtype}",
-                        "grad_unk_ptr": f"*{dtype}",
-                        "grad_bias_ptr": f"*{dtype}",
-                        **{name: "i32" for name in ("chunks", "num_positions", "D", "small_rows")},
-                        **dict.fromkeys(("HAS_BIAS", "BLOCK_N", "BLOCK_D", "BLOCK_S"), "constexpr"),
-                    },
-                    {
-                        "HAS_BIAS": not scatter,
-                        "BLOCK_N": plan.reduce_block_n,
-                        "BLOCK_D": plan.reduce_block_d,
-                        "BLOCK_S": plan.reduce_block_s,
-                    },
-                    {},
-                )
-            )
-        if dtype == "fp32":  # a launch turns an int argument equal to 1 into a constexpr: B = N = D = 1, one chunk
-            sizes = ("batch", "num_positions", "D", "samples_per_chunk", "chunks", "small_rows")
-            for name, kernel, signature, constexprs, options in variants[-4:]:
-                ones = [size for size in sizes if size in signature]
+        for index, (m, d, k, warps, stages) in enumerate(patch_embed.GPU_GEMM_SHAPES[:2]):
+            tiles = {"BLOCK_M": m, "BLOCK_D": d, "BLOCK_K": k}
+            options = {"num_warps": warps, "num_stages": stages}
+            forward_flags = {**flags, "HAS_BIAS": True, "HAS_MASK": True, **tiles}
+            for prefix, case in prefix_cases:
+                if prefix == "P=5" and index:
+                    continue  # the int32 prefix arguments with one tile per dtype
+                kinds, values = with_prefix(case, forward)
                 variants.append(
                     (
-                        f"{name} sizes=1",
-                        kernel,
-                        {**signature, **dict.fromkeys(ones, "constexpr")},
-                        {**constexprs, **dict.fromkeys(ones, 1)},
+                        f"patch_embed forward {dtype} {m}x{d}x{k} {prefix}",
+                        patch_embed._forward_kernel.fn,  # the autotuner's kernel
+                        {**forward, **kinds, **dict.fromkeys(forward_flags, "constexpr")},
+                        {**forward_flags, **values},
                         options,
                     )
                 )
-        variants.append(
-            (
-                f"pos_embed forward {dtype}",
-                pos_embed._forward_kernel,
-                {
-                    "tokens_ptr": f"*{dtype}",
-                    "perm_ptr": "*i64",
-                    "mask_ptr": "*i1",
-                    "pos_ptr": f"*{dtype}",
-                    "unk_ptr": f"*{dtype}",
-                    "out_ptr": f"*{dtype}",
-                    **{name: "i32" for name in ("total", "num_positions", "D")},
-                    **dict.fromkeys(("BLOCK_R", "BLOCK_D"), "constexpr"),
-                },
-                {"BLOCK_R": 32, "BLOCK_D": 128},
-                {},
+                kinds, values = with_prefix(case, grad_images)
+                variants.append(
+                    (
+                        f"patch_embed grad_images {dtype} {m}x{d}x{k} {prefix}",
+                        patch_embed._grad_images_kernel.fn,
+                        {**grad_images, **kinds, **dict.fromkeys((*flags, *tiles), "constexpr")},
+                        {**flags, **tiles, **values},
+                        options,
+                    )
+                )
+        tiles = {"BLOCK_M": 64, "BLOCK_D": 128, "BLOCK_K": 64}  # _grad_weight_tiles on DeiT shapes
+        for prefix, case in prefix_cases:
+            kinds, values = with_prefix(case, grad_weight)
+            variants.append(
+                (
+                    f"patch_embed grad_weight {dtype} {prefix}",
+                    patch_embed._grad_weight_kernel,
+                    {**grad_weight, **kinds, **dict.fromkeys((*flags, *tiles), "constexpr")},
+                    {**flags, **tiles, **values},
+                    {},
+                )
             )
-        )
+        if dtype == "bf16":
+            # Mixed operand dtypes (bfloat16 activations or gradients, a float32 weight or images): _dot multiplies
+            # in float32 (UPCAST), the only branch that may compile, since tl.dot refuses bf16 x fp32.
+            m, d, k, warps, stages = patch_embed.GPU_GEMM_SHAPES[1]
+            tiles = {"BLOCK_M": m, "BLOCK_D": d, "BLOCK_K": k}
+            mixed = {**flags, "PRECISION": "ieee", "UPCAST": True}
+            options = {"num_warps": warps, "num_stages": stages}
+            kinds, values = with_prefix(prefix_cases[0][1], forward)
+            variants.append(
+                (
+                    "patch_embed forward bf16 images x fp32 weight (upcast)",
+                    patch_embed._forward_kernel.fn,
+                    {
+                        **forward,
+                        "weight_ptr": "*fp32",
+                        **kinds,
+                        **dict.fromkeys((*mixed, "HAS_BIAS", "HAS_MASK", *tiles), "constexpr"),
+                    },
+                    {**mixed, "HAS_BIAS": True, "HAS_MASK": True, **tiles, **values},
+                    options,
+                )
+            )
+            kinds, values = with_prefix(prefix_cases[0][1], grad_images)
+            variants.append(
+                (
+                    "patch_embed grad_images bf16 grad x fp32 weight (upcast)",
+                    patch_embed._grad_images_kernel.fn,
+                    {**grad_images, "weight_ptr": "*fp32", **kinds, **dict.fromkeys((*mixed, *tiles), "constexpr")},
+                    {**mixed, **tiles, **values},
+                    options,
+                )
+            )
+            tiles = {"BLOCK_M": 64, "BLOCK_D": 128, "BLOCK_K": 64}
+            kinds, values = with_prefix(prefix_cases[0][1], grad_weight)
+            variants.append(
+                (
+                    "patch_embed grad_weight bf16 grad x fp32 images (upcast)",
+                    patch_embed._grad_weight_kernel,
+                    {**grad_weight, "images_ptr": "*fp32", **kinds, **dict.fromkeys((*mixed, *tiles), "constexpr")},
+                    {**mixed, **tiles, **values},
+                    {},
+                )
+            )
+        # The position gradient's tiles as position_gradient_plan gives them on an H100 at DeiT-S's sizes with a
+        # class token (256 x (1 + 196) x 384): mjp_pos_embed's backward (inverse move, grad_prefix, no bias) and
+        # the patch embedding's (bias, no move).
+        position_variants = []
+        for scatter in (False, True):
+            plan = patch_embed.position_gradient_plan(
+                256, 197, 384, torch_dtype, 132, False, scatter=scatter, has_bias=not scatter, prefix_count=1,
+                prefix_positions=1,
+            )  # fmt: skip
+            partials = {
+                "grad_ptr": f"*{dtype}",
+                "mask_ptr": "*i1",
+                "perm_ptr": "*i64",
+                "grad_tokens_ptr": f"*{dtype}",
+                "partial_ptr": "*fp32",
+                **dict.fromkeys(("batch", "num_positions", "prefix_count", "D", "samples_per_chunk"), "i32"),
+                "HAS_PREFIX": "i1",
+            }
+            partial_flags = {
+                "HAS_MASK": True,
+                "SCATTER": scatter,
+                "HAS_BIAS": not scatter,
+                "BLOCK_B": plan.block_b,
+                "BLOCK_N": plan.block_n,
+                "BLOCK_D": plan.block_d,
+            }
+            reduce = {
+                "partial_ptr": "*fp32",
+                **{name: f"*{dtype}" for name in ("grad_pos_ptr", "grad_unk_ptr", "grad_bias_ptr", "grad_prefix_ptr")},
+                **dict.fromkeys(("chunks", "num_positions", "prefix_count", "prefix_positions", "D"), "i32"),
+                "small_rows": "i32",
+            }
+            for prefix, case in prefix_cases:
+                kinds, values = with_prefix(case, partials)
+                position_variants.append(
+                    (
+                        f"grad_position partials {dtype} scatter={scatter} {prefix}",
+                        patch_embed._position_partials_kernel,
+                        {**partials, **kinds, **dict.fromkeys(partial_flags, "constexpr")},
+                        {**partial_flags, **values},
+                        {},
+                    )
+                )
+                reduce_flags = {
+                    "HAS_BIAS": not scatter,
+                    "WRITE_PREFIX": scatter and case["HAS_PREFIX"],
+                    "BLOCK_N": plan.reduce_block_n,
+                    "BLOCK_D": plan.reduce_block_d,
+                    "BLOCK_S": plan.reduce_block_s,
+                }
+                kinds, values = with_prefix(case, reduce)
+                position_variants.append(
+                    (
+                        f"grad_position reduce {dtype} bias={not scatter} {prefix}",
+                        patch_embed._position_reduce_kernel,
+                        {**reduce, **kinds, **dict.fromkeys(reduce_flags, "constexpr")},
+                        {**reduce_flags, **values},
+                        {},
+                    )
+                )
+        variants.extend(position_variants)
+        if dtype == "fp32":  # a launch turns an int argument equal to 1 into a constexpr: B = N = D = 1, one chunk
+            sizes = ("batch", "num_positions", "D", "samples_per_chunk", "chunks", "small_rows")
+            for name, kernel, signature, constexprs, options in position_variants:
+                if name.endswith("P=0"):
+                    ones = [size for size in sizes if size in signature]
+                    variants.append(
+                        (
+                            f"{name} sizes=1",
+                            kernel,
+                            {**signature, **dict.fromkeys(ones, "constexpr")},
+                            {**constexprs, **dict.fromkeys(ones, 1)},
+                            options,
+                        )
+                    )
+        pos_forward = {
+            "tokens_ptr": f"*{dtype}",
+            "perm_ptr": "*i64",
+            "mask_ptr": "*i1",
+            "pos_ptr": f"*{dtype}",
+            "unk_ptr": f"*{dtype}",
+            "prefix_ptr": f"*{dtype}",
+            "out_ptr": f"*{dtype}",
+            **dict.fromkeys(("total", "total_prefix", "num_positions", "prefix_count", "prefix_positions", "D"), "i32"),
+            "HAS_PREFIX": "i1",
+        }
+        for prefix, case in prefix_cases:
+            kinds, values = with_prefix(case, pos_forward)
+            variants.append(
+                (
+                    f"pos_embed forward {dtype} {prefix}",
+                    pos_embed._forward_kernel,
+                    {**pos_forward, **kinds, "BLOCK_R": "constexpr", "BLOCK_D": "constexpr"},
+                    {"BLOCK_R": 32, "BLOCK_D": 128, **values},
+                    {},
+                )
+            )
     variants.extend(_dal_loss_variants(dal_loss))
     return variants
 
@@ -238,7 +318,7 @@ def _dal_loss_variants(dal_loss) -> list[tuple[str, object, dict[str, str], dict
             "hidden_ptr": "*fp32",
             "partial_pred_ptr": "*fp32",
             "partial_kept_ptr": "*i32",
-            **{name: "i32" for name in ("N", "D", "K", "B", "tiles_per_split", "samples_per_split")},
+            **{name: "i32" for name in ("N", "skip_rows", "D", "K", "B", "tiles_per_split", "samples_per_split")},
         }
         variants.append(
             (
@@ -257,7 +337,7 @@ def _dal_loss_variants(dal_loss) -> list[tuple[str, object, dict[str, str], dict
             **{name: "*fp32" for name in ("coords_ptr", "pred_ptr", "hidden_ptr", "weights_ptr")},
             "grad_pos_ptr": f"*{dtype}",
             **{name: f"*{weight_dtype}" for name in ("grad_w1_ptr", "grad_b1_ptr", "grad_w2_ptr", "grad_b2_ptr")},
-            **{name: "i32" for name in ("N", "D", "H")},
+            **{name: "i32" for name in ("N", "skip_rows", "D", "H")},
             "scale": "fp32",
             "weight_programs": "i32",
         }
@@ -292,7 +372,7 @@ def _dal_loss_variants(dal_loss) -> list[tuple[str, object, dict[str, str], dict
         )
     # A launch turns an int argument equal to 1 into a constexpr: one position, one sample, one split, one program
     # of weights (the linear regressor with D <= 64). Compile those specializations too.
-    sizes = ("N", "B", "tiles_per_split", "samples_per_split", "splits", "weight_programs")
+    sizes = ("N", "skip_rows", "B", "tiles_per_split", "samples_per_split", "splits", "weight_programs")
     for name, kernel, signature, constexprs, options in list(variants):
         if "fp32/fp32" in name or "mask=True" in name:
             ones = [size for size in sizes if size in signature]
@@ -302,6 +382,18 @@ def _dal_loss_variants(dal_loss) -> list[tuple[str, object, dict[str, str], dict
                     kernel,
                     {**signature, **dict.fromkeys(ones, "constexpr")},
                     {**constexprs, **dict.fromkeys(ones, 1)},
+                    options,
+                )
+            )
+    # A ViT's full table, its class token's row first: skip_rows = 1 alone a constexpr.
+    for name, kernel, signature, constexprs, options in list(variants):
+        if "nonlinear bf16/bf16" in name:
+            variants.append(
+                (
+                    f"{name} skip_rows=1",
+                    kernel,
+                    {**signature, "skip_rows": "constexpr"},
+                    {**constexprs, "skip_rows": 1},
                     options,
                 )
             )
@@ -325,6 +417,10 @@ def main(argv: list[str] | None = None) -> int:
         for name, kernel, signature, constexprs, options in _variants():
             start = time.perf_counter()
             try:
+                if sorted(signature) != sorted(kernel.arg_names):
+                    raise TypeError(f"signature {sorted(signature)} != the kernel's arguments {kernel.arg_names}")
+                # in the kernel's order, whatever order the variant lists them in
+                signature = {argument: signature[argument] for argument in kernel.arg_names}
                 source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
                 compiled = triton.compile(source, target=target, options=options or None)
                 shared = compiled.metadata.shared

@@ -1,4 +1,5 @@
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -24,5 +25,14 @@ def test_every_triton_kernel_compiles_for_hopper():
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
     assert result.stdout.count("ok   sm_90") >= 18 and "\n0 failed" in result.stdout
     # the DAL loss: forward (partial and finish) and backward, nonlinear and linear, float32, bfloat16 and mixed,
-    # and with the sizes of 1 that a launch makes constexpr
-    assert result.stdout.count("ok   sm_90 dal_loss") == 17
+    # with the sizes of 1 that a launch makes constexpr, and a class token's row skipped (skip_rows = 1)
+    assert result.stdout.count("ok   sm_90 dal_loss") == 19
+    # prefix rows: P = Q = 1 (constexpr, as a ViT's class token launches them), P = 0, P = 5 (int32 arguments)
+    for kernel in ("patch_embed forward", "patch_embed grad_images", "patch_embed grad_weight", "pos_embed forward"):
+        for prefix in ("P=1", "P=0", "P=5"):
+            assert re.search(rf"ok   sm_90 {kernel} bf16[^\n]* {prefix}: cubin", result.stdout), (kernel, prefix)
+    for prefix in ("P=1", "P=0", "P=5"):
+        assert f"ok   sm_90 grad_position partials bf16 scatter=True {prefix}:" in result.stdout
+        assert f"ok   sm_90 grad_position reduce fp32 bias=True {prefix}:" in result.stdout
+    # _dot with mixed operand dtypes (bfloat16 x float32) compiles its float32 branch alone
+    assert result.stdout.count("(upcast): cubin") == 3

@@ -1,8 +1,13 @@
-"""The DAL loss's Triton kernels (in the interpreter here): against the formula, the package oracle, and themselves."""
+"""The DAL loss's Triton kernels (in the interpreter here): against the formula, the package oracle, and themselves.
+
+``pos`` may be a model's full table, ``[skip_rows + N, D]`` or ``[1, skip_rows + N, D]``: the kernels regress its rows
+``skip_rows..`` and return grad_pos in the table's shape, zeros in the skipped rows.
+"""
 
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -50,7 +55,11 @@ def _inputs(
     weight_dtype: torch.dtype | None = None,
     biases: tuple[bool, bool] = (True, True),
     seed: int = 0,
+    skip_rows: int = 0,
+    batched_table: bool = False,
 ) -> dict:
+    """The launchers' keyword arguments, in their order; ``pos`` ``[skip_rows + N, D]`` (``[1, ...]`` with
+    ``batched_table``), its first ``skip_rows`` rows (a class token's) not regressed."""
     generator = torch.Generator().manual_seed(seed)
     weight_dtype = weight_dtype or dtype
 
@@ -59,8 +68,10 @@ def _inputs(
 
     nonlinear = kind == "nonlinear"
     second_in = hidden_dim if nonlinear else dim
+    pos = randn(skip_rows + num_positions, dim, dtype=dtype)
     return dict(
-        pos=randn(num_positions, dim, dtype=dtype),
+        pos=pos[None] if batched_table else pos,
+        skip_rows=skip_rows,
         w1=randn(hidden_dim, dim, std=1 / math.sqrt(dim)) if nonlinear else None,
         b1=randn(hidden_dim, std=0.5) if nonlinear and biases[0] else None,
         w2=randn(2, second_in, std=1 / math.sqrt(second_in)),
@@ -71,22 +82,24 @@ def _inputs(
     )
 
 
-def _reference(pos, w1, b1, w2, b2, coords, mask, scale, *, dtype=torch.float64):
+def _reference(pos, skip_rows, w1, b1, w2, b2, coords, mask, scale, *, dtype=torch.float64):
     """The formula, straightforwardly, in ``dtype`` (float64: the truth), with autograd on the five parameters.
 
     Returns ``(loss, pred, hidden, weights), (grad_pos, grad_w1, grad_b1, grad_w2, grad_b2)``; None where absent.
+    grad_pos has pos's shape (zeros in the skipped rows: autograd through the slice).
     """
     leaves = [t.detach().to(dtype).requires_grad_() if t is not None else None for t in (pos, w1, b1, w2, b2)]
-    pos_, w1_, b1_, w2_, b2_ = leaves
+    table, w1_, b1_, w2_, b2_ = leaves
+    pos_ = table.reshape(-1, table.shape[-1])[skip_rows:]
     if w1_ is not None:
         hidden = torch.relu(pos_ @ w1_.T + (b1_ if b1_ is not None else 0))
         pred = hidden @ w2_.T
     else:
-        hidden = pos_.new_empty(pos.shape[0], 0)
+        hidden = pos_.new_empty(pos_.shape[0], 0)
         pred = pos_ @ w2_.T
     pred = pred + (b2_ if b2_ is not None else 0)
     if mask is None:
-        kept = torch.ones(pos.shape[0], dtype=torch.float64)
+        kept = torch.ones(pos_.shape[0], dtype=torch.float64)
     else:
         kept = (~mask).sum(0, dtype=torch.float64)
     weights = kept / kept.sum().clamp_min(1)
@@ -110,6 +123,7 @@ def _run(inputs: dict, *, operator: bool = False):
     grads = backward(
         torch.ones((), dtype=torch.float32),
         inputs["pos"],
+        inputs["skip_rows"],
         inputs["w1"],
         inputs["w2"],
         inputs["coords"],
@@ -127,7 +141,7 @@ GRAD_NAMES = ("pos", "w1", "b1", "w2", "b2")
 
 
 def _check_shapes_and_dtypes(inputs, outputs, grads):
-    num_positions = inputs["pos"].shape[0]
+    num_positions = inputs["coords"].shape[0]
     hidden_dim = inputs["w1"].shape[0] if inputs["w1"] is not None else 0
     loss, pred, hidden, weights = outputs
     assert [t.dtype for t in outputs] == [torch.float32] * 4
@@ -241,7 +255,9 @@ def test_matches_package_oracle(grid, mask_kind, kind):
     else:
         second, w1, b1 = regressor.net, None, None
     w2, b2 = second.weight.detach(), second.bias.detach()
-    inputs = dict(pos=pos.detach(), w1=w1, b1=b1, w2=w2, b2=b2, coords=grid_coordinates(grid), mask=mask, scale=1.0)
+    inputs = dict(
+        pos=pos.detach(), skip_rows=0, w1=w1, b1=b1, w2=w2, b2=b2, coords=grid_coordinates(grid), mask=mask, scale=1.0
+    )
     outputs, grads = _run(inputs)
     torch.testing.assert_close(outputs[0], expected.detach(), atol=1e-5, rtol=1e-5)
     present = [grad for grad, tensor in zip(grads, (pos, w1, b1, w2, b2)) if tensor is not None]
@@ -269,13 +285,15 @@ def test_operators_equal_launches(kind):
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("mask_kind", ["none", "random"])
-def test_opcheck(kind, mask_kind):
-    inputs = _inputs(7, 13, 20, kind, mask_kind)
+@pytest.mark.parametrize("skip_rows", [0, 1])
+def test_opcheck(kind, mask_kind, skip_rows):
+    inputs = _inputs(7, 13, 20, kind, mask_kind, skip_rows=skip_rows, batched_table=skip_rows > 0)
     torch.library.opcheck(dal_loss_triton, tuple(inputs.values()))
     _, pred, hidden, weights = dal_forward_launch(**inputs)
     backward_args = (
         torch.ones((), dtype=torch.float32),
         inputs["pos"],
+        inputs["skip_rows"],
         inputs["w1"],
         inputs["w2"],
         inputs["coords"],
@@ -314,18 +332,18 @@ def test_launchers_only_allocate_and_launch(kind, traced, monkeypatch):
             self.ops.append(str(func.overloadpacket))
             return func(*args, **(kwargs or {}))
 
-    inputs = _inputs(20, 37, 40, kind, "random")
+    inputs = _inputs(20, 37, 40, kind, "random", skip_rows=1, batched_table=True)  # a ViT's table: no slice, no pad
     _, pred, hidden, weights = dal_forward_launch(**inputs)
     grad = torch.ones(())
     launches = []
-    monkeypatch.setattr(dal_triton, "_launcher", lambda kernel, traced: _NoLaunch(launches))
+    monkeypatch.setattr(dal_triton, "launcher", lambda kernel, grid, traced: _NoLaunch(launches)[grid])
     with Record() as forward_ops:
         dal_forward_launch(**inputs, traced=traced)
     assert len(launches) == 2
     with Record() as backward_ops:
         dal_backward_launch(
-            grad, inputs["pos"], inputs["w1"], inputs["w2"], inputs["coords"], pred, hidden, weights, 0.5,
-            True, True, traced=traced,
+            grad, inputs["pos"], inputs["skip_rows"], inputs["w1"], inputs["w2"], inputs["coords"], pred, hidden,
+            weights, 0.5, True, True, traced=traced,
         )  # fmt: skip
     assert len(launches) == 3
     assert set(forward_ops.ops + backward_ops.ops) <= {"aten.empty"}, forward_ops.ops + backward_ops.ops
@@ -337,3 +355,77 @@ def test_shape_errors_name_the_argument():
         dal_forward_launch(**{**inputs, "w2": inputs["w2"][:, :5]})
     with pytest.raises(ValueError, match="mask must be bool"):
         dal_forward_launch(**{**inputs, "mask": inputs["mask"].int()})
+
+
+# -- the full table: skip_rows ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("mask_kind", ["none", "random"])
+@pytest.mark.parametrize("batched_table", [False, True], ids=["[S+N, D]", "[1, S+N, D]"])
+@pytest.mark.parametrize("skip_rows", [1, 3])
+@pytest.mark.parametrize("shape", [(7, 13, 40), (33, 8, 17)], ids=lambda s: "x".join(map(str, s)))
+def test_full_table_matches_formula(shape, skip_rows, batched_table, mask_kind, kind):
+    inputs = _inputs(*shape, kind, mask_kind, skip_rows=skip_rows, batched_table=batched_table, seed=skip_rows)
+    outputs, grads = _run(inputs)
+    _check_shapes_and_dtypes(inputs, outputs, grads)
+    expected, expected_grads = _reference(**inputs)
+    for name, got, want in zip(("loss", "pred", "hidden", "weights"), outputs, expected):
+        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    for name, got, want in zip(GRAD_NAMES, grads, expected_grads):
+        if want is not None:
+            torch.testing.assert_close(got.double(), want, atol=1e-6, rtol=1e-5, msg=lambda m, n=name: f"grad {n}: {m}")
+    grad_pos = grads[0].reshape(-1, shape[1])
+    assert not grad_pos[:skip_rows].any()  # the skipped rows: exact zeros
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_full_table_equals_the_sliced_table(dtype, kind):
+    # Reading rows skip_rows.. in place gives the very bits of the regression of a copy of those rows (the forward,
+    # the weights' gradients: the same tiles of positions). grad_pos's tiles are rows of the full table, shifted by
+    # skip_rows: its products may round differently (numpy's matmul in the interpreter), within float32's.
+    inputs = _inputs(20, 37, 40, kind, "random", dtype, skip_rows=2, batched_table=True)
+    sliced = dict(inputs, pos=inputs["pos"][0, 2:].contiguous(), skip_rows=0)
+    outputs, grads = _run(inputs)
+    sliced_outputs, sliced_grads = _run(sliced)
+    for first, second in zip(outputs + grads[1:], sliced_outputs + sliced_grads[1:]):
+        assert torch.equal(first, second)
+    assert grads[0].shape == inputs["pos"].shape and not grads[0][0, :2].any()
+    eps = torch.finfo(dtype).eps
+    torch.testing.assert_close(grads[0][0, 2:], sliced_grads[0], atol=1e-7, rtol=eps)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_backward_kernel_writes_the_skipped_rows(kind, monkeypatch):
+    # grad_pos comes from torch.empty: the kernel itself writes the zeros of the skipped rows (no fill op).
+    inputs = _inputs(20, 37, 40, kind, "random", skip_rows=3, batched_table=True)
+    _, pred, hidden, weights = dal_forward_launch(**inputs)
+    real_empty = torch.empty
+
+    def poisoned_empty(*args, **kwargs):
+        tensor = real_empty(*args, **kwargs)
+        return tensor.fill_(float("nan")) if tensor.is_floating_point() else tensor
+
+    monkeypatch.setattr(torch, "empty", poisoned_empty)
+    grads = dal_backward_launch(
+        torch.ones(()), inputs["pos"], 3, inputs["w1"], inputs["w2"], inputs["coords"], pred, hidden, weights,
+        inputs["scale"], True, True,
+    )  # fmt: skip
+    monkeypatch.undo()
+    assert torch.equal(grads[0][0, :3], torch.zeros(3, 37))
+    assert not grads[0].isnan().any()
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        (dict(skip_rows=2), "pos must be [skip_rows + N, D] (or [1, skip_rows + N, D]) with skip_rows + N = 2 + 7"),
+        (dict(pos=torch.zeros(2, 8, 13)), "got shape [2, 8, 13]"),
+        (dict(skip_rows=-1), "skip_rows must be >= 0, got -1"),
+    ],
+)
+def test_full_table_errors_name_the_argument(change, words):
+    inputs = dict(_inputs(7, 13, 20, "nonlinear", "random", skip_rows=1), **change)
+    with pytest.raises(ValueError, match=re.escape(words)):
+        dal_forward_launch(**inputs)

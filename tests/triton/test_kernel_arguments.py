@@ -73,3 +73,34 @@ def test_embedding_and_dal_launches(launches):
     dal = mjp_fast.dal_loss(pos, regressor, (2, 3), jigsaw.mask, backend="triton")
     (moved.square().sum() + dal).backward()
     _assert_int32(launches, {"_sample_jigsaw_kernel", "_forward_kernel", "_forward_partial_kernel"})
+
+
+def test_prefix_row_launches(launches):
+    # The kernels' own launchers with prefix rows (a class token and its table row) and a full DAL table.
+    from mjp_fast.triton import dal_loss, patch_embed, pos_embed
+
+    mask = torch.tensor([[True, False, True, False, False, True]] * 2)
+    perm = torch.tensor([[2, 1, 5, 3, 4, 0]] * 2)
+    images, weight, bias = torch.randn(2, 3, 8, 12), torch.randn(5, 3, 4, 4), torch.randn(5)
+    pos, unk, prefix = torch.randn(1, 7, 5), torch.randn(5), torch.randn(1, 1, 5)
+    tokens = patch_embed.patch_embed_forward_launch(images, weight, bias, pos, unk, perm, mask, prefix, 1)
+    patch_embed.patch_embed_backward_launch(
+        torch.randn_like(tokens), images, weight, perm, mask, *[True] * 6, 1, 1, [1, 7, 5], [1, 1, 5]
+    )
+    moved = pos_embed.pos_embed_forward_launch(tokens[:, 1:].contiguous(), perm, mask, pos, unk, prefix, 1)
+    pos_embed.pos_embed_backward_launch(moved, perm, mask, 1, 1, [1, 7, 5], [1, 1, 5], *[torch.float32] * 4)
+    w1, w2, coords = torch.randn(8, 5), torch.randn(2, 8), torch.randn(6, 2)
+    loss, pred, hidden, weights = dal_loss.dal_forward_launch(pos, 1, w1, None, w2, None, coords, mask, 1.0)
+    dal_loss.dal_backward_launch(torch.ones(()), pos, 1, w1, w2, coords, pred, hidden, weights, 1.0, False, False)
+    _assert_int32(
+        launches,
+        {
+            "_forward_kernel",
+            "_grad_weight_kernel",
+            "_grad_images_kernel",
+            "_position_partials_kernel",
+            "_position_reduce_kernel",
+            "_forward_partial_kernel",
+            "_backward_kernel",
+        },
+    )
