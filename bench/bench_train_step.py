@@ -364,7 +364,7 @@ def table(rows: list[dict]) -> str:
             )
         if row["overhead_median_pct"] is not None:
             quiet_median = row.get("quiet_overhead_median_pct")
-            if "quiet_pairs" in row:
+            if row.get("quiet_pairs") is not None:
                 quiet = f"{row['quiet_pairs']}" + ("" if quiet_median is None else f", {quiet_median:+.2f}%")
             overhead = (
                 f"{row['overhead_median_pct']:+.2f}% [{row['overhead_p20_pct']:+.2f}%, {row['overhead_p80_pct']:+.2f}%]"

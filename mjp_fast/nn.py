@@ -56,7 +56,8 @@ class DALRegressor(nn.Module):
         if type(self).forward is not DALRegressor.forward:
             return None
         if self.kind == "nonlinear":
-            first, last = self.net[0], self.net[2]
+            layers = self.net._modules  # not Sequential's indexing: this runs every step
+            first, last = layers["0"], layers["2"]
             return first.weight, first.bias, last.weight, last.bias
         if self.kind == "linear":
             return None, None, self.net.weight, self.net.bias
