@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent
 CSRC = "csrc"
 CPU_SOURCES = ["bindings.cpp", "sampler_cpu.cpp", "patch_embed_cpu.cpp", "pos_embed_cpu.cpp", "dal_loss.cpp"]
 CUDA_SOURCES = ["cuda_ops.cpp", "sampler_cuda.cu", "patch_embed_cuda.cu"]
-HEADERS = ["ops.h", "sampler.h", "cuda_kernels.h"]
+HEADERS = ["ops.h", "row_layout.h", "sampler.h", "cuda_kernels.h"]
 
 
 def _flag(name: str) -> bool:

@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "ops.h"
+#include "row_layout.h"
 
 namespace mjp {
 namespace {
@@ -456,42 +457,6 @@ void check_index(const char* op, const char* name, const std::optional<at::Tenso
               images.device());
 }
 
-// The number of prefix tokens P of a prefix tensor holding P * D elements (0 without one).
-c10::SymInt prefix_rows_of(const char* op, const std::optional<at::Tensor>& prefix, const at::Tensor& images,
-                           const c10::SymInt& dim) {
-  if (!present(prefix)) return 0;
-  TORCH_CHECK(prefix->scalar_type() == images.scalar_type(), op, ": prefix dtype ", prefix->scalar_type(),
-              " differs from images ", images.scalar_type());
-  TORCH_CHECK(prefix->device() == images.device(), op, ": prefix on ", prefix->device(), ", images on ",
-              images.device());
-  const c10::SymInt numel = prefix->sym_numel();
-  if (dim == 0) {
-    TORCH_CHECK(numel == 0, op, ": prefix must be empty when D = 0, got shape ", prefix->sym_sizes());
-    return 0;
-  }
-  TORCH_CHECK(numel % dim == 0, op, ": prefix must hold P * D elements (P prefix tokens of D = ", dim,
-              "), got shape ", prefix->sym_sizes());
-  return numel / dim;
-}
-
-// prefix_positions Q: 0 (no table rows for the prefix tokens) or P (one row each, in front of the patch rows).
-void check_prefix_positions(const char* op, int64_t prefix_positions, const c10::SymInt& prefix_rows) {
-  TORCH_CHECK(prefix_positions == 0 || prefix_rows == prefix_positions, op,
-              ": prefix_positions must be 0 or the number of prefix tokens P = ", prefix_rows, ", got ",
-              prefix_positions);
-}
-
-// The whole position table's shape: at least 2-D, last two dims [Q + N, D], no other rows (leading dims of size 1).
-void check_table_shape(const char* op, const char* name, c10::SymIntArrayRef shape, const c10::SymInt& rows,
-                       const c10::SymInt& dim) {
-  const size_t ndim = shape.size();
-  c10::SymInt numel = 1;
-  for (const auto& size : shape) numel = numel * size;
-  TORCH_CHECK(ndim >= 2 && shape[ndim - 2] == rows && shape[ndim - 1] == dim && numel == rows * dim, op, ": ", name,
-              " must be the whole position table, last two dims [Q + N, D] = [", rows, ", ", dim,
-              "] and no other rows (leading dims of size 1), got ", shape);
-}
-
 // Returns the sizes and P.
 std::pair<CallSizes, c10::SymInt> check_forward_args(const at::Tensor& images, const at::Tensor& weight,
                                                      const std::optional<at::Tensor>& bias,
@@ -503,7 +468,11 @@ std::pair<CallSizes, c10::SymInt> check_forward_args(const at::Tensor& images, c
                                                      int64_t prefix_positions) {
   const char* op = kForward;
   const CallSizes sizes = check_images_weight(op, images, weight);
-  c10::SymInt prefix_rows = prefix_rows_of(op, prefix, images, sizes.dim);
+  if (present(prefix)) {
+    TORCH_CHECK(prefix->scalar_type() == images.scalar_type(), op, ": prefix dtype ", prefix->scalar_type(),
+                " differs from images ", images.scalar_type());
+  }
+  c10::SymInt prefix_rows = prefix_rows_of(op, prefix, sizes.dim, images, "images");
   check_prefix_positions(op, prefix_positions, prefix_rows);
   if (present(bias)) check_like_images(op, "bias", *bias, images, sizes.dim);
   check_table_shape(op, "pos_embed", pos_embed.sym_sizes(), sizes.positions + prefix_positions, sizes.dim);

@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "ops.h"
+#include "row_layout.h"
 
 namespace mjp {
 
@@ -68,39 +69,6 @@ void check_perm_mask(const char* op, const at::Tensor& perm, const at::Tensor& m
               ", mask on ", mask.device(), ", expected ", like.device());
 }
 
-// The number of prefix rows P of a prefix tensor holding P * D elements (0 without one).
-c10::SymInt prefix_rows_of(const char* op, const std::optional<at::Tensor>& prefix, const c10::SymInt& dim,
-                           const at::Tensor& like) {
-  if (!present(prefix)) return 0;
-  check_float_dtype(op, "prefix", prefix->scalar_type());
-  TORCH_CHECK(prefix->device() == like.device(), op, ": prefix on ", prefix->device(), ", tokens on ", like.device());
-  const c10::SymInt numel = prefix->sym_numel();
-  if (dim == 0) {
-    TORCH_CHECK(numel == 0, op, ": prefix must be empty when D = 0, got shape ", prefix->sym_sizes());
-    return 0;
-  }
-  TORCH_CHECK(numel % dim == 0, op, ": prefix must hold P * D elements (P prefix tokens of D = ", dim,
-              "), got shape ", prefix->sym_sizes());
-  return numel / dim;
-}
-
-// prefix_positions Q: 0 (no table rows for the prefix tokens) or P (one row each, in front of the patch rows).
-void check_prefix_positions(const char* op, int64_t prefix_positions, const c10::SymInt& prefix_rows) {
-  TORCH_CHECK(prefix_positions == 0 || prefix_rows == prefix_positions, op, ": prefix_positions must be 0 or the ",
-              "number of prefix tokens P = ", prefix_rows, ", got ", prefix_positions);
-}
-
-// The position table's shape: at least 2-D, last two dims [Q + N, D], nothing else (leading dims of size 1).
-void check_table_shape(const char* op, const char* name, c10::SymIntArrayRef shape, const c10::SymInt& rows,
-                       const c10::SymInt& dim) {
-  const size_t ndim = shape.size();
-  c10::SymInt numel = 1;
-  for (const auto& size : shape) numel = numel * size;
-  TORCH_CHECK(ndim >= 2 && shape[ndim - 2] == rows && shape[ndim - 1] == dim && numel == rows * dim, op, ": ", name,
-              " must be the whole position table, last two dims [Q + N, D] = [", rows, ", ", dim,
-              "] and no other rows (leading dims of size 1), got ", shape);
-}
-
 // Returns P.
 c10::SymInt check_forward_args(const at::Tensor& tokens, const at::Tensor& perm, const at::Tensor& mask,
                                const at::Tensor& pos_embed, const at::Tensor& unk_embed,
@@ -111,7 +79,8 @@ c10::SymInt check_forward_args(const at::Tensor& tokens, const at::Tensor& perm,
   check_float_dtype(op, "pos_embed", pos_embed.scalar_type());
   const auto& positions = tokens.sym_size(1);
   const auto& dim = tokens.sym_size(2);
-  const c10::SymInt prefix_rows = prefix_rows_of(op, prefix, dim, tokens);
+  if (prefix.has_value() && prefix->defined()) check_float_dtype(op, "prefix", prefix->scalar_type());
+  const c10::SymInt prefix_rows = prefix_rows_of(op, prefix, dim, tokens, "tokens");
   check_prefix_positions(op, prefix_positions, prefix_rows);
   check_table_shape(op, "pos_embed", pos_embed.sym_sizes(), positions + prefix_positions, dim);
   TORCH_CHECK(unk_embed.dim() == 1 && unk_embed.sym_size(0) == dim, op, ": unk_embed must be [D] = [", dim,

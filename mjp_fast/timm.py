@@ -58,7 +58,7 @@ from mjp_fast.nn import DAL_KINDS, DALRegressor
 from mjp_fast.ops.dal_loss import dal_loss_unchecked, grid_coordinates
 from mjp_fast.ops.jigsaw_images import jigsaw_images
 from mjp_fast.ops.patch_embed import patch_embed_step
-from mjp_fast.ops.pos_embed import mjp_position_step
+from mjp_fast.ops.pos_embed import mjp_position_step, prepend_prefix
 from mjp_fast.ops.sample_jigsaw import Jigsaw
 from mjp_fast.sampler import JigsawSampler
 
@@ -386,13 +386,7 @@ def _plain_position_step(
 ) -> torch.Tensor:
     """Without a jigsaw: timm's ``_pos_embed`` arithmetic. ``x`` ``[B, N, D]`` plus its rows of ``pos_table``
     ``[1, Q + N, D]``, after the prefix tokens plus theirs. Returns ``[B, P + N, D]``."""
-    x = x + pos_table[:, prefix_positions:]
-    if prefix is None:
-        return x
-    prefix = prefix.reshape(1, -1, x.shape[-1]).expand(x.shape[0], -1, -1)
-    if prefix_positions:
-        prefix = prefix + pos_table[:, :prefix_positions]
-    return torch.cat((prefix.to(x.dtype), x), dim=1)
+    return prepend_prefix(x + pos_table[:, prefix_positions:], pos_table, prefix, prefix_positions)
 
 
 def _fused_pos_embed(model: VisionTransformer, images: torch.Tensor, state: MJPState | None) -> torch.Tensor:

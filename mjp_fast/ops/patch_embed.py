@@ -18,7 +18,13 @@ import torch.nn.functional as F
 
 from mjp_fast import backend as backend_module
 from mjp_fast._validate import check_float_dtype, check_same_device, check_tensor
-from mjp_fast.ops.pos_embed import _MJPPosEmbed, check_position_table, check_unk_embed, position_term
+from mjp_fast.ops.pos_embed import (
+    _MJPPosEmbed,
+    check_position_table,
+    check_unk_embed,
+    position_term,
+    prepend_prefix,
+)
 from mjp_fast.ops.sample_jigsaw import Jigsaw, check_jigsaw
 
 
@@ -295,12 +301,7 @@ def patch_embed_step(
         geometry = PatchGeometry(images.shape[0], images.shape[1], weight.shape[-1], 0, 0, dim)
         patch_rows = pos_embed[..., prefix_positions:, :].reshape(-1, dim).to(dtype)
         tokens = _mjp_patch_embed_torch(images, weight, bias, patch_rows, unk_embed, jigsaw, geometry).to(out_dtype)
-        if prefix is None:
-            return tokens
-        prefix = prefix.reshape(1, -1, dim).expand(tokens.shape[0], -1, -1)
-        if prefix_positions:
-            prefix = prefix + pos_embed[..., :prefix_positions, :].reshape(1, -1, dim)
-        return torch.cat((prefix.to(out_dtype), tokens), dim=1)
+        return prepend_prefix(tokens, pos_embed, prefix, prefix_positions)
     if backend == "triton":
         pos_embed, prefix = pos_embed.contiguous(), prefix.contiguous() if prefix is not None else None
         return _PatchEmbedKernels.apply(

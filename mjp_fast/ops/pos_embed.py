@@ -211,6 +211,21 @@ def _promoted(first: torch.dtype, second: torch.dtype) -> torch.dtype:
     return _PROMOTED[key]
 
 
+def prepend_prefix(
+    tokens: torch.Tensor, pos_embed: torch.Tensor, prefix: torch.Tensor | None, prefix_positions: int
+) -> torch.Tensor:
+    """The row layout of the kernels with torch operations, for the paths without them: the prefix tokens (plus
+    their Q = ``prefix_positions`` rows of the table ``[..., Q + N, D]``) in front of ``tokens`` ``[B, N, D]``, in
+    ``tokens``' dtype. Returns ``[B, P + N, D]`` (``tokens`` itself without a prefix)."""
+    if prefix is None:
+        return tokens
+    dim = tokens.shape[-1]
+    prefix = prefix.reshape(1, -1, dim).expand(tokens.shape[0], -1, -1)
+    if prefix_positions:
+        prefix = prefix + pos_embed[..., :prefix_positions, :].reshape(1, -1, dim)
+    return torch.cat((prefix.to(tokens.dtype), tokens), dim=1)
+
+
 def mjp_position_step(
     tokens: torch.Tensor,
     pos_embed: torch.Tensor,
@@ -241,12 +256,7 @@ def mjp_position_step(
     if not has_kernels(backend, dtype):
         patch_rows = pos_embed[..., prefix_positions:, :].reshape(-1, dim)
         moved = _MJPPosEmbed.apply(tokens, jigsaw.perm, jigsaw.mask, patch_rows, unk_embed)
-        if prefix is None:
-            return moved
-        prefix = prefix.reshape(1, -1, dim).expand(tokens.shape[0], -1, -1)
-        if prefix_positions:
-            prefix = prefix + pos_embed[..., :prefix_positions, :].reshape(1, -1, dim)
-        return torch.cat((prefix.to(moved.dtype), moved), dim=1)
+        return prepend_prefix(moved, pos_embed, prefix, prefix_positions)
     # The table, unk_embed and the prefix rounded to the output dtype here, as the oracle rounds them (autograd casts
     # their gradients back): no copy at all in the usual case (float32 parameters).
     return _PosEmbedKernels.apply(

@@ -393,27 +393,20 @@ class SamplerPlan(NamedTuple):
         ``counter``: an int, or an int64 one-element tensor on the plan's device (what the modules pass: the
         Triton sampler reads it on the device, so no host sync, and a CUDA graph replays the right stream).
         """
+        compiling = torch.compiler.is_compiling()
+        if not isinstance(counter, torch.Tensor) and (self.backend == "triton" or compiling):
+            # The operators and the Triton kernel read the stream position from a device tensor.
+            counter = _as_offset_tensor(counter * counter_scale + stream_shift, self.h_thresholds.device)
+            counter_scale, stream_shift = 1, 0
         if self.backend == "triton":
-            if not isinstance(counter, torch.Tensor):
-                counter, counter_scale, stream_shift = (
-                    _as_offset_tensor(counter * counter_scale + stream_shift, self.h_thresholds.device),
-                    1,
-                    0,
-                )
             arguments = (
                 counter, self.params, self.h_thresholds, self.w_thresholds, batch_size, self.rows, self.cols,
                 self.target, self.min_block, counter_scale, stream_shift, self.shared,
             )  # fmt: skip
-            if torch.compiler.is_compiling():
+            if compiling:
                 return Jigsaw(*torch.ops.mjp_fast.sample_jigsaw_triton(*arguments))
             return Jigsaw(*_triton_sampler.sample_jigsaw_launch(*arguments))
-        if torch.compiler.is_compiling():
-            if not isinstance(counter, torch.Tensor):
-                counter, counter_scale, stream_shift = (
-                    _as_offset_tensor(counter * counter_scale + stream_shift, self.h_thresholds.device),
-                    1,
-                    0,
-                )
+        if compiling:
             return Jigsaw(
                 *_sample_jigsaw_extension(
                     counter, self.h_thresholds, self.w_thresholds, batch_size, self.rows, self.cols, self.target,

@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import torch
 
-
-def interpreting() -> bool:
-    """Whether Triton kernels run in the interpreter (``TRITON_INTERPRET=1``, read when they are defined)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+from mjp_fast.backend import triton_interpreting as interpreting  # one reading of TRITON_INTERPRET
 
 
 def launcher(kernel, grid, traced: bool):
