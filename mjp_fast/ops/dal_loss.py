@@ -1,8 +1,11 @@
 """Dense absolute localization (DAL): regress each unmasked position embedding to its grid coordinates.
 
-``loss = sum_n w_n * |g(E_pos[n]) - (row_n, col_n)|_1 / sum_n w_n``, with ``w_n`` the number of samples in the
-batch that keep position ``n`` unmasked (1 for every position without a mask). The paper's code regresses raw
-integer coordinates; ``normalize=True`` scales them to [0, 1] instead.
+``loss = c * sum_n w_n * |g(E_pos[n]) - (row_n, col_n)|_1 / sum_n w_n``, with ``w_n`` the number of samples in the
+batch that keep position ``n`` unmasked (1 for every position without a mask). ``c`` is the reduction over the two
+coordinates: ``reduction="mean"`` (the default, ``c = 1/2``) is what the paper's code computes (``F.l1_loss(xy,
+predxy)`` in its ``ssl/losses.py``: the mean over positions and over the two coordinates); ``reduction="sum"``
+(``c = 1``) is the paper's formula, the L1 norm of each position's error, which weighs DAL twice as much at the
+same weight (0.01). The paper's code regresses raw integer coordinates; ``normalize=True`` scales them to [0, 1].
 """
 
 from __future__ import annotations
@@ -28,18 +31,31 @@ def grid_coordinates(
     return torch.stack((row, col), dim=1)
 
 
+# The reductions over the two coordinates, as the factor on their sum (module docstring).
+DAL_REDUCTIONS: dict[str, float] = {"mean": 0.5, "sum": 1.0}
+
+
+def dal_scale(reduction: str) -> float:
+    """The factor on the per-position L1 sum that gives ``reduction`` (``"mean"`` or ``"sum"``)."""
+    if reduction not in DAL_REDUCTIONS:
+        raise ValueError(f"reduction must be one of {', '.join(DAL_REDUCTIONS)}, got {reduction!r}")
+    return DAL_REDUCTIONS[reduction]
+
+
 def dal_loss_ref(
     pos_embed: torch.Tensor,
     regressor: nn.Module,
     grid_size: int | tuple[int, int],
     mask: torch.Tensor | None = None,
     normalize: bool = False,
+    reduction: str = "mean",
 ) -> torch.Tensor:
     """Oracle: the loss of every sample, one by one, averaged over all the batch's unmasked tokens."""
+    dal_scale(reduction)  # checks the name
     rows, cols = check_grid_size(grid_size)
     pos = pos_embed.reshape(rows * cols, -1)
     errors = (regressor(pos).float() - grid_coordinates((rows, cols), normalize=normalize, device=pos.device)).abs()
-    per_position = errors.sum(-1)
+    per_position = errors.mean(-1) if reduction == "mean" else errors.sum(-1)
     if mask is None:
         return per_position.mean()
     kept = [per_position[~sample_mask] for sample_mask in mask]
@@ -130,20 +146,22 @@ def dal_loss_unchecked(
     mask: torch.Tensor | None,
     backend: str,
     skip_rows: int = 0,
+    scale: float = DAL_REDUCTIONS["mean"],
 ) -> torch.Tensor:
     """:func:`dal_loss` for callers that checked the arguments and resolved the backend (the models' per-step
     path): ``pos`` the table, its last two dims ``[skip_rows + N, D]`` (a timm model's whole ``pos_embed``, with
     ``skip_rows`` the prefix tokens' rows), ``coords`` float32 ``[N, 2]`` on its device (see :func:`grid_coordinates`),
-    ``mask`` bool ``[B, N]`` on its device or None."""
+    ``mask`` bool ``[B, N]`` on its device or None; ``scale`` the reduction's factor (:func:`dal_scale`: 0.5 for the
+    default mean over the two coordinates)."""
     layers = _fused_layers(regressor) if backend != "torch" else None
     if layers is not None and not (backend == "triton" and pos.dtype == torch.float64):
-        return _FusedDAL.apply(pos.contiguous(), skip_rows, *layers, coords, mask, 1.0, backend)
+        return _FusedDAL.apply(pos.contiguous(), skip_rows, *layers, coords, mask, scale, backend)
     num_positions = coords.shape[0]
     prediction = regressor(pos[..., skip_rows:, :].reshape(num_positions, pos.shape[-1]))
     if not isinstance(prediction, torch.Tensor) or tuple(prediction.shape) != (num_positions, 2):
         shape = list(prediction.shape) if isinstance(prediction, torch.Tensor) else type(prediction).__name__
         raise ValueError(f"regressor must map [N, D] to [N, 2] = [{num_positions}, 2], got {shape}")
-    per_position = (prediction.float() - coords).abs().sum(-1)
+    per_position = (prediction.float() - coords).abs().sum(-1) * scale
     if mask is None:
         return per_position.mean()
     # Weight of a position: how many samples keep it unmasked. Stays on the device: no host sync.
@@ -158,6 +176,7 @@ def dal_loss(
     mask: torch.Tensor | None = None,
     normalize: bool = False,
     *,
+    reduction: str = "mean",
     backend: str | None = None,
 ) -> torch.Tensor:
     """The paper's DAL loss, without a host sync.
@@ -170,14 +189,17 @@ def dal_loss(
         grid_size: an int or ``(rows, cols)`` with ``rows * cols == N``.
         mask: bool ``[B, N]`` from the batch's jigsaw (True = shuffled, excluded), or None to use every position.
         normalize: regress coordinates scaled to [0, 1] instead of raw integers.
+        reduction: over the two coordinates of a position's error: ``"mean"`` (default), as the paper's code
+            (``F.l1_loss``), or ``"sum"``, the L1 norm of the paper's formula (twice the mean).
         backend: ``triton`` (its fused kernels), ``cpu`` or ``cuda`` (the compiled extension's fused operator),
             or ``torch`` (the regressor and torch operations); default ``MJP_FAST_BACKEND``, else the fastest for
             the device.
 
     Returns:
-        A float32 scalar: the L1 error ``|d_row| + |d_col|`` averaged over the batch's unmasked tokens (zero
-        when every token is masked).
+        A float32 scalar: the L1 error ``(|d_row| + |d_col|) / 2`` (``"sum"``: without the 1/2) averaged over the
+        batch's unmasked tokens (zero when every token is masked).
     """
+    scale = dal_scale(reduction)
     pos_embed = check_tensor("pos_embed", pos_embed, ndims=(2, 3))
     rows, cols = check_grid_size(grid_size)
     num_positions = rows * cols
@@ -196,4 +218,4 @@ def dal_loss(
         if mask.device != pos_embed.device:
             raise ValueError(f"mixed devices: pos_embed on {pos_embed.device}, mask on {mask.device}")
     coords = _coordinates(rows, cols, bool(normalize), str(pos_embed.device))
-    return dal_loss_unchecked(pos_embed, regressor, coords, mask, chosen)
+    return dal_loss_unchecked(pos_embed, regressor, coords, mask, chosen, scale=scale)

@@ -26,6 +26,25 @@ def test_weighted_loss_equals_per_sample_average(kind, normalize):
     assert all(p.grad is not None for p in regressor.parameters())
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_default_reduction_is_the_paper_codes_l1_loss_and_sum_is_twice_it(backend):
+    # The paper's code: F.l1_loss(xy, predxy) over the unmasked positions, the mean over positions and coordinates.
+    torch.manual_seed(3)
+    regressor = mjp_fast.DALRegressor(8, "nonlinear")
+    pos = torch.randn(12, 8)
+    mask = torch.zeros(1, 12, dtype=torch.bool)
+    mask[0, [1, 5, 6]] = True
+    kept = ~mask[0]
+    paper_code = torch.nn.functional.l1_loss(regressor(pos)[kept], grid_coordinates((3, 4))[kept])
+    mean = mjp_fast.dal_loss(pos, regressor, (3, 4), mask, backend=backend)
+    torch.testing.assert_close(mean, paper_code)
+    total = mjp_fast.dal_loss(pos, regressor, (3, 4), mask, reduction="sum", backend=backend)
+    torch.testing.assert_close(total, 2 * paper_code)
+    torch.testing.assert_close(dal_loss_ref(pos, regressor, (3, 4), mask, reduction="sum"), total)
+    with pytest.raises(ValueError, match="reduction"):
+        mjp_fast.dal_loss(pos, regressor, (3, 4), reduction="max")
+
+
 def test_without_mask_every_position_counts_and_all_masked_is_zero():
     regressor = mjp_fast.DALRegressor(8, "linear")
     pos = torch.randn(9, 8)

@@ -24,7 +24,7 @@ from torch._dynamo.testing import CompileCounter
 _C = pytest.importorskip("mjp_fast._C", reason="the compiled extension mjp_fast._C is not built")
 
 import mjp_fast  # noqa: E402
-from mjp_fast.ops.dal_loss import dal_loss_ref, grid_coordinates  # noqa: E402
+from mjp_fast.ops.dal_loss import dal_loss_ref, dal_scale, grid_coordinates  # noqa: E402
 from mjp_fast.ops.pos_embed import mjp_pos_embed_ref  # noqa: E402
 
 ops = torch.ops.mjp_fast
@@ -640,15 +640,17 @@ def test_dal_loss_on_gpu(kind):
     _check_dal(case, torch.float32, torch.float32, scale=1.0, device="cuda")
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("mask_kind", MASK_KINDS, ids=str)
 @pytest.mark.parametrize("kind", ["nonlinear", "linear"])
-def test_dal_loss_equals_package_oracle(kind, mask_kind):
+def test_dal_loss_equals_package_oracle(kind, mask_kind, reduction):
     rows, cols, dim = 5, 6, 24
     torch.manual_seed(0)
     regressor = mjp_fast.DALRegressor(dim, kind)
     pos_embed = torch.randn(1, rows * cols, dim, requires_grad=True)
     mask = None if mask_kind is None else _jigsaw(6, rows, cols, mask_kind)[0]
-    expected = dal_loss_ref(pos_embed, regressor, (rows, cols), mask)
+    expected = dal_loss_ref(pos_embed, regressor, (rows, cols), mask, reduction=reduction)
+    scale = dal_scale(reduction)
     params = list(regressor.parameters())
     expected_grads = torch.autograd.grad(expected, [pos_embed, *params])
 
@@ -658,9 +660,9 @@ def test_dal_loss_equals_package_oracle(kind, mask_kind):
     pos = pos_embed.detach()  # the table as the model holds it, [1, N, D]
     coords = grid_coordinates((rows, cols))
     with torch.no_grad():
-        loss, pred, hidden, weights = ops.dal_loss_extension(pos, 0, w1, b1, w2, b2, coords, mask, 1.0)
+        loss, pred, hidden, weights = ops.dal_loss_extension(pos, 0, w1, b1, w2, b2, coords, mask, scale)
         grads = ops.dal_loss_extension_backward(
-            torch.ones(()), pos, 0, w1, w2, coords, pred, hidden, weights, 1.0, b1 is not None, b2 is not None
+            torch.ones(()), pos, 0, w1, w2, coords, pred, hidden, weights, scale, b1 is not None, b2 is not None
         )
     torch.testing.assert_close(loss, expected.detach())
     torch.testing.assert_close(grads[0], expected_grads[0])
