@@ -24,7 +24,14 @@ from setuptools import find_packages, setup
 
 ROOT = Path(__file__).resolve().parent
 CSRC = "csrc"
-CPU_SOURCES = ["bindings.cpp", "sampler_cpu.cpp", "patch_embed_cpu.cpp", "pos_embed_cpu.cpp", "dal_loss.cpp"]
+CPU_SOURCES = [
+    "bindings.cpp",
+    "sampler_cpu.cpp",
+    "patch_embed_cpu.cpp",
+    "pos_embed_cpu.cpp",
+    "dal_loss.cpp",
+    "autograd_ops.cpp",
+]
 CUDA_SOURCES = ["cuda_ops.cpp", "sampler_cuda.cu", "patch_embed_cuda.cu"]
 HEADERS = ["ops.h", "row_layout.h", "sampler.h", "cuda_kernels.h"]
 

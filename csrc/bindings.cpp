@@ -70,6 +70,32 @@ std::tuple<at::Tensor, at::Tensor> sample_jigsaw(int64_t batch_size, int64_t row
   return sample_jigsaw_cpu(batch_size, rows, cols, target, min_block, seed, offset, shared, prob_threshold, h, w);
 }
 
+// One step of a module's sampler (JigsawSampler) on the CPU, in one call: reads the stream position from `counter`
+// (int64, one element, CPU), samples from position counter * counter_scale + stream_shift (mod 2**64), then advances
+// the counter by batch_size in place. From Python that would be an item() and an add_ around the sampling: host time
+// in every training step.
+std::tuple<at::Tensor, at::Tensor> sample_jigsaw_step(const at::Tensor& counter, int64_t counter_scale,
+                                                      int64_t stream_shift, int64_t batch_size, int64_t rows,
+                                                      int64_t cols, int64_t target, int64_t min_block, uint64_t seed,
+                                                      bool shared, int64_t prob_threshold,
+                                                      const at::Tensor& h_thresholds, const at::Tensor& w_thresholds) {
+  TORCH_CHECK(counter.is_cpu() && counter.scalar_type() == at::kLong && counter.numel() == 1,
+              "sample_jigsaw_step: counter must be a one-element int64 CPU tensor, got ", counter.scalar_type(), " ",
+              counter.sizes(), " on ", counter.device());
+  TORCH_CHECK(h_thresholds.is_cpu(), "sample_jigsaw_step: the tables must be on the CPU, got ", h_thresholds.device());
+  TORCH_CHECK(counter_scale >= 0 && stream_shift >= 0, "sample_jigsaw_step: counter_scale and stream_shift must be "
+              ">= 0, got ", counter_scale, " and ", stream_shift);
+  int64_t* position = counter.data_ptr<int64_t>();
+  const uint64_t offset = static_cast<uint64_t>(*position) * static_cast<uint64_t>(counter_scale) +
+                          static_cast<uint64_t>(stream_shift);
+  auto jigsaw =
+      sample_jigsaw(batch_size, rows, cols, target, min_block, seed, offset, shared, prob_threshold, h_thresholds,
+                    w_thresholds);
+  *position += batch_size;
+  counter.unsafeGetTensorImpl()->bump_version();  // an in-place write, as add_ would record
+  return jigsaw;
+}
+
 // The patch embedding: the dispatcher operators mjp_fast::patch_embed_extension[_backward] (patch_embed_cpu.cpp,
 // which checks the arguments), called below autograd: raw kernels, no autograd recording whatever requires grad.
 // Through the dispatcher, so a TorchDispatchMode sees one operator, as it does when Python calls the operators.
@@ -135,6 +161,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("batch_size"), py::arg("gh"), py::arg("gw"), py::arg("target"), py::arg("min_block"),
         py::arg("seed"), py::arg("offset"), py::arg("shared"), py::arg("prob_threshold"), py::arg("h_thresholds"),
         py::arg("w_thresholds"));
+  m.def("sample_jigsaw_step", &mjp::sample_jigsaw_step,
+        "sample_jigsaw from stream position counter * counter_scale + stream_shift, then counter += batch_size in "
+        "place (counter: a one-element int64 CPU tensor; CPU tables).",
+        py::arg("counter"), py::arg("counter_scale"), py::arg("stream_shift"), py::arg("batch_size"), py::arg("gh"),
+        py::arg("gw"), py::arg("target"), py::arg("min_block"), py::arg("seed"), py::arg("shared"),
+        py::arg("prob_threshold"), py::arg("h_thresholds"), py::arg("w_thresholds"));
   m.def("patch_embed_forward", &mjp::patch_embed_forward,
         "out [B, P + N, D]: out[b, t] = prefix[t] + (pos[t] if t < Q) for the P prefix tokens (prefix: P * D "
         "elements, Q = prefix_positions, 0 or P), then out[b, P + n] = W @ patch(images[b], perm[b, n]) + bias + "

@@ -15,11 +15,16 @@
 // Everything runs in float32 (float64 when pos is float64), under torch.autocast too (the kernels turn it off for
 // their own operations): pred, hidden and weights come out in that dtype (they are what the backward needs), the
 // gradients in the dtype of their tensors; a gradient that does not apply (no w1, no bias) is an empty [0] tensor.
-// Beyond the regressor's GEMMs the work is tiny, so the cost is the number of operations: the kernels are
-// CompositeExplicitAutograd (they run on any device) over the fewest ATen operations that compute it, 12 forward and
-// 14 backward (a view or two more for a table with skipped rows) instead of the ~40 of the nn.Sequential regressor
-// and the weighted L1 under autograd. Meta kernels give the shapes to FakeTensor and torch.compile. The Python layer
-// owns the autograd.
+// Beyond the regressor's GEMMs the work is tiny, so the cost is the number of operations:
+// - CPU kernels: the GEMMs over the D-wide rows through ATen (one forward, two backward: BLAS at any size), the rest
+//   (bias and ReLU, the [N, 2] layer, the weights, the L1 and their gradients: O(N * H) work) in plain loops, in a
+//   fixed order (bitwise reproducible). At small sizes a training step's DAL is then a few microseconds of host time.
+// - CompositeExplicitAutograd kernels (CUDA and any other device): the fewest ATen operations that compute it, 12
+//   forward and 14 backward (a view or two more for a table with skipped rows) instead of the ~40 of the
+//   nn.Sequential regressor and the weighted L1 under autograd.
+// Meta kernels give the shapes to FakeTensor and torch.compile. The autograd is autograd_ops.cpp's
+// (dal_loss_extension_autograd) or the Python layer's.
+#include <ATen/Dispatch.h>
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/ops/_addmm_activation.h>
 #include <ATen/ops/addmm.h>
@@ -36,7 +41,9 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <tuple>
+#include <vector>
 
 #include "ops.h"
 
@@ -243,6 +250,241 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> dal_loss_
   return {grad_pos, grad_w1, grad_b1, grad_w2, grad_b2};
 }
 
+// ---- CPU kernels: the GEMMs over D through ATen, the O(N * H) rest in loops (see the top of the file).
+
+template <typename T>
+T sign_of(T value) {
+  return static_cast<T>((value > T(0)) - (value < T(0)));
+}
+
+// Below this many multiply-adds (N * H * D) a GEMM runs as a plain loop: there the call into ATen (dispatch, an
+// output allocation, BLAS's set-up) costs more than the arithmetic. 2**16: a 16x16 grid at D = H = 16.
+constexpr int64_t kLoopGemmLimit = int64_t(1) << 16;
+
+// out[i, j] (+)= sum_k a[i, k] * b[j, k]: a [M, K] and b [J, K] row-major, out [M, J] with row stride ldo.
+template <typename T>
+void gemm_nt(const T* a, const T* b, T* out, int64_t m, int64_t j_count, int64_t k_count, int64_t ldo) {
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t j = 0; j < j_count; ++j) {
+      T sum = 0;
+      for (int64_t k = 0; k < k_count; ++k) sum += a[i * k_count + k] * b[j * k_count + k];
+      out[i * ldo + j] = sum;
+    }
+  }
+}
+
+// out[i, j] = sum_m a[m, i] * b[m, j] (a^T b): a [M, I], b [M, J] row-major, out [I, J] with row stride ldo.
+template <typename T>
+void gemm_tn(const T* a, const T* b, T* out, int64_t m_count, int64_t i_count, int64_t j_count, int64_t ldo) {
+  for (int64_t i = 0; i < i_count; ++i) std::fill(out + i * ldo, out + i * ldo + j_count, T(0));
+  for (int64_t m = 0; m < m_count; ++m) {
+    for (int64_t i = 0; i < i_count; ++i) {
+      const T scale = a[m * i_count + i];
+      for (int64_t j = 0; j < j_count; ++j) out[i * ldo + j] += scale * b[m * j_count + j];
+    }
+  }
+}
+
+// out[i, j] = sum_k a[i, k] * b[k, j] (a b): a [M, K], b [K, J] row-major, out [M, J] with row stride ldo.
+template <typename T>
+void gemm_nn(const T* a, const T* b, T* out, int64_t m, int64_t k_count, int64_t j_count, int64_t ldo) {
+  for (int64_t i = 0; i < m; ++i) {
+    T* row = out + i * ldo;
+    std::fill(row, row + j_count, T(0));
+    for (int64_t k = 0; k < k_count; ++k) {
+      const T scale = a[i * k_count + k];
+      for (int64_t j = 0; j < j_count; ++j) row[j] += scale * b[k * j_count + j];
+    }
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dal_loss_forward_cpu(
+    const at::Tensor& pos, int64_t skip_rows, const std::optional<at::Tensor>& w1,
+    const std::optional<at::Tensor>& b1, const at::Tensor& w2, const std::optional<at::Tensor>& b2,
+    const at::Tensor& coords, const std::optional<at::Tensor>& mask, double scale) {
+  const RawComputation raw;
+  check_forward_args(pos, skip_rows, w1, b1, w2, b2, coords, mask);
+  const auto dtype = compute_dtype(pos);
+  const int64_t positions = coords.size(0);
+  const auto pos_c = as_dtype(regressed_rows(pos, skip_rows, positions), dtype).contiguous();
+  const auto options = pos_c.options();
+  // hidden = pos @ w1^T (the one GEMM; bias and ReLU below), or nothing for the linear regressor.
+  at::Tensor hidden;
+  if (!present(w1)) {
+    hidden = at::empty({positions, 0}, options);
+  } else if (positions * w1->size(0) * w1->size(1) <= kLoopGemmLimit) {
+    const auto w1_c = as_dtype(*w1, dtype).contiguous();
+    hidden = at::empty({positions, w1->size(0)}, options);
+    AT_DISPATCH_FLOATING_TYPES(dtype, "mjp_dal_hidden_cpu", [&] {
+      gemm_nt(pos_c.data_ptr<scalar_t>(), w1_c.data_ptr<scalar_t>(), hidden.data_ptr<scalar_t>(), positions,
+              w1->size(0), w1->size(1), w1->size(0));
+    });
+  } else {
+    hidden = at::mm(pos_c, as_dtype(*w1, dtype).t()).contiguous();
+  }
+  const int64_t width = present(w1) ? hidden.size(1) : pos_c.size(1);  // of what the last layer maps
+  const auto features = present(w1) ? hidden : pos_c;
+  const auto w2_c = as_dtype(w2, dtype).contiguous();
+  const auto coords_c = as_dtype(coords, dtype).contiguous();
+  const auto b1_c = present(b1) ? as_dtype(*b1, dtype).contiguous() : at::Tensor();
+  const auto b2_c = present(b2) ? as_dtype(*b2, dtype).contiguous() : at::Tensor();
+  const auto mask_c = present(mask) ? mask->contiguous() : at::Tensor();
+  auto pred = at::empty({positions, 2}, options);
+  auto weights = at::empty({positions}, options);
+  auto loss = at::empty({}, options);
+  AT_DISPATCH_FLOATING_TYPES(dtype, "mjp_dal_loss_forward_cpu", [&] {
+    scalar_t* hidden_data = hidden.data_ptr<scalar_t>();
+    if (present(w1)) {
+      const scalar_t* bias = b1_c.defined() ? b1_c.data_ptr<scalar_t>() : nullptr;
+      for (int64_t n = 0; n < positions; ++n) {
+        scalar_t* row = hidden_data + n * width;
+        for (int64_t h = 0; h < width; ++h) row[h] = std::max(row[h] + (bias ? bias[h] : scalar_t(0)), scalar_t(0));
+      }
+    }
+    const scalar_t* feature_data = features.data_ptr<scalar_t>();
+    const scalar_t* w2_data = w2_c.data_ptr<scalar_t>();
+    const scalar_t* coords_data = coords_c.data_ptr<scalar_t>();
+    scalar_t* pred_data = pred.data_ptr<scalar_t>();
+    scalar_t* weight_data = weights.data_ptr<scalar_t>();
+    for (int64_t n = 0; n < positions; ++n) {
+      const scalar_t* row = feature_data + n * width;
+      for (int64_t j = 0; j < 2; ++j) {
+        scalar_t sum = b2_c.defined() ? b2_c.data_ptr<scalar_t>()[j] : scalar_t(0);
+        for (int64_t k = 0; k < width; ++k) sum += row[k] * w2_data[j * width + k];
+        pred_data[n * 2 + j] = sum;
+      }
+    }
+    // weights[n] = samples keeping n unmasked / all unmasked tokens of the batch (at least 1).
+    if (mask_c.defined()) {
+      const bool* mask_data = mask_c.data_ptr<bool>();
+      const int64_t batch = mask_c.size(0);
+      std::fill(weight_data, weight_data + positions, scalar_t(0));
+      for (int64_t b = 0; b < batch; ++b) {
+        for (int64_t n = 0; n < positions; ++n) weight_data[n] += mask_data[b * positions + n] ? 0 : 1;
+      }
+      scalar_t total = 0;
+      for (int64_t n = 0; n < positions; ++n) total += weight_data[n];
+      total = std::max(total, scalar_t(1));
+      for (int64_t n = 0; n < positions; ++n) weight_data[n] /= total;
+    } else {
+      std::fill(weight_data, weight_data + positions,
+                static_cast<scalar_t>(1.0 / static_cast<double>(std::max<int64_t>(positions, 1))));
+    }
+    scalar_t sum = 0;
+    for (int64_t n = 0; n < positions; ++n) {
+      const scalar_t error = std::abs(pred_data[n * 2] - coords_data[n * 2]) +
+                             std::abs(pred_data[n * 2 + 1] - coords_data[n * 2 + 1]);
+      sum += weight_data[n] * error;
+    }
+    loss.data_ptr<scalar_t>()[0] = sum * static_cast<scalar_t>(scale);
+  });
+  return {loss, pred, hidden, weights};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> dal_loss_backward_cpu(
+    const at::Tensor& grad, const at::Tensor& pos, int64_t skip_rows, const std::optional<at::Tensor>& w1,
+    const at::Tensor& w2, const at::Tensor& coords, const at::Tensor& pred, const at::Tensor& hidden,
+    const at::Tensor& weights, double scale, bool has_b1, bool has_b2) {
+  const RawComputation raw;
+  check_backward_args(grad, pos, skip_rows, w1, w2, coords, pred, hidden, weights);
+  const int64_t positions = coords.size(0);
+  const auto dtype = compute_dtype(pos);
+  const auto pos_c = as_dtype(regressed_rows(pos, skip_rows, positions), dtype).contiguous();
+  const auto options = pos_c.options();
+  const int64_t width = present(w1) ? hidden.size(1) : pos_c.size(1);  // of what the last layer maps
+  const auto features = present(w1) ? hidden.contiguous() : pos_c;
+  const auto w2_c = as_dtype(w2, dtype).contiguous();
+  const auto coords_c = as_dtype(coords, dtype).contiguous();
+  const auto pred_c = pred.contiguous(), weights_c = weights.contiguous();
+  auto d_pred = at::empty({positions, 2}, options);
+  auto grad_w2 = at::empty({2, width}, options);
+  auto grad_b2 = at::empty({2}, options);
+  // d_features: the gradient of what the last layer maps: d_hidden (zero where the ReLU was off), or of pos's rows.
+  auto d_features = at::empty({positions, width}, options);
+  auto grad_b1 = at::empty({present(w1) && has_b1 ? width : 0}, options);
+  AT_DISPATCH_FLOATING_TYPES(dtype, "mjp_dal_loss_backward_cpu", [&] {
+    // d_pred = grad * scale * weights[n] * sign(pred - coords); sign(0) = 0, as abs's backward.
+    const scalar_t factor = static_cast<scalar_t>(grad.item<double>() * scale);
+    const scalar_t* pred_data = pred_c.data_ptr<scalar_t>();
+    const scalar_t* coords_data = coords_c.data_ptr<scalar_t>();
+    const scalar_t* weight_data = weights_c.data_ptr<scalar_t>();
+    scalar_t* d_pred_data = d_pred.data_ptr<scalar_t>();
+    for (int64_t n = 0; n < positions * 2; ++n) {
+      d_pred_data[n] = factor * weight_data[n / 2] * sign_of(pred_data[n] - coords_data[n]);
+    }
+    const scalar_t* feature_data = features.data_ptr<scalar_t>();
+    const scalar_t* w2_data = w2_c.data_ptr<scalar_t>();
+    scalar_t* grad_w2_data = grad_w2.data_ptr<scalar_t>();
+    scalar_t* grad_b2_data = grad_b2.data_ptr<scalar_t>();
+    scalar_t* d_feature_data = d_features.data_ptr<scalar_t>();
+    std::fill(grad_w2_data, grad_w2_data + 2 * width, scalar_t(0));
+    grad_b2_data[0] = grad_b2_data[1] = 0;
+    for (int64_t n = 0; n < positions; ++n) {
+      const scalar_t g0 = d_pred_data[n * 2], g1 = d_pred_data[n * 2 + 1];
+      const scalar_t* row = feature_data + n * width;
+      scalar_t* d_row = d_feature_data + n * width;
+      grad_b2_data[0] += g0;
+      grad_b2_data[1] += g1;
+      for (int64_t k = 0; k < width; ++k) {
+        grad_w2_data[k] += g0 * row[k];
+        grad_w2_data[width + k] += g1 * row[k];
+        // relu's backward (threshold_backward at 0) for the hidden layer; none for the linear regressor's input.
+        const scalar_t d = g0 * w2_data[k] + g1 * w2_data[width + k];
+        d_row[k] = present(w1) && !(row[k] > 0) ? scalar_t(0) : d;
+      }
+    }
+    if (grad_b1.numel() > 0) {
+      scalar_t* grad_b1_data = grad_b1.data_ptr<scalar_t>();
+      std::fill(grad_b1_data, grad_b1_data + width, scalar_t(0));
+      for (int64_t n = 0; n < positions; ++n) {
+        for (int64_t h = 0; h < width; ++h) grad_b1_data[h] += d_feature_data[n * width + h];
+      }
+    }
+  });
+  const auto grad_b2_out = has_b2 ? as_dtype(grad_b2, w2.scalar_type()) : no_gradient(w2);
+  if (!present(w1)) {
+    // The linear regressor: d_features is already the gradient of pos's rows.
+    at::Tensor grad_pos;
+    if (skip_rows == 0) {
+      grad_pos = as_dtype(d_features, pos.scalar_type());
+      grad_pos = pos.dim() == 2 ? grad_pos : grad_pos.view(pos.sizes());
+    } else {
+      grad_pos = at::zeros(pos.sizes(), pos.options());
+      regressed_rows(grad_pos, skip_rows, positions).copy_(d_features);
+    }
+    return {grad_pos, no_gradient(pos), no_gradient(pos), as_dtype(grad_w2, w2.scalar_type()), grad_b2_out};
+  }
+  const auto grad_b1_out = has_b1 ? as_dtype(grad_b1, w1->scalar_type()) : no_gradient(*w1);
+  const auto w1_c = as_dtype(*w1, dtype).contiguous();
+  const int64_t dim = w1_c.size(1);
+  if (positions * width * dim > kLoopGemmLimit) {
+    const auto grad_w1 = as_dtype(at::mm(d_features.t(), pos_c), w1->scalar_type());
+    const auto grad_pos = table_gradient(pos, skip_rows, d_features, w1_c, dtype);
+    return {grad_pos, grad_w1, grad_b1_out, as_dtype(grad_w2, w2.scalar_type()), grad_b2_out};
+  }
+  // Small: grad_w1 = d_hidden^T pos and the table's rows = d_hidden w1 as loops, written in place.
+  auto grad_w1 = at::empty({width, dim}, options);
+  const bool direct = pos.scalar_type() == dtype;  // write the table's gradient itself, else a buffer then a cast
+  auto grad_table = direct ? at::empty(pos.sizes(), pos.options()) : at::empty({positions, dim}, options);
+  AT_DISPATCH_FLOATING_TYPES(dtype, "mjp_dal_small_gemms_cpu", [&] {
+    const scalar_t* d_data = d_features.data_ptr<scalar_t>();
+    gemm_tn(d_data, pos_c.data_ptr<scalar_t>(), grad_w1.data_ptr<scalar_t>(), positions, width, dim, dim);
+    scalar_t* table = grad_table.data_ptr<scalar_t>();
+    if (direct) {
+      std::fill(table, table + skip_rows * dim, scalar_t(0));  // the prefix rows are not regressed
+      table += skip_rows * dim;
+    }
+    gemm_nn(d_data, w1_c.data_ptr<scalar_t>(), table, positions, width, dim, dim);
+  });
+  at::Tensor grad_pos = grad_table;
+  if (!direct) {
+    grad_pos = at::zeros(pos.sizes(), pos.options());
+    regressed_rows(grad_pos, skip_rows, positions).copy_(grad_table);
+  }
+  return {grad_pos, as_dtype(grad_w1, w1->scalar_type()), grad_b1_out, as_dtype(grad_w2, w2.scalar_type()),
+          grad_b2_out};
+}
+
 // ---- Meta kernels: checks and output shapes only (symbolic sizes, for torch.compile's dynamic shapes).
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dal_loss_forward_meta(
@@ -290,6 +532,11 @@ TORCH_LIBRARY_FRAGMENT(mjp_fast, m) {
 TORCH_LIBRARY_IMPL(mjp_fast, CompositeExplicitAutograd, m) {
   m.impl("dal_loss_extension", TORCH_FN(mjp::dal_loss_forward));
   m.impl("dal_loss_extension_backward", TORCH_FN(mjp::dal_loss_backward));
+}
+
+TORCH_LIBRARY_IMPL(mjp_fast, CPU, m) {
+  m.impl("dal_loss_extension", TORCH_FN(mjp::dal_loss_forward_cpu));
+  m.impl("dal_loss_extension_backward", TORCH_FN(mjp::dal_loss_backward_cpu));
 }
 
 TORCH_LIBRARY_IMPL(mjp_fast, Meta, m) {

@@ -72,18 +72,20 @@ std::vector<std::optional<at::Tensor>> patch_embed_backward_cpu(
     bool need_weight, bool need_bias, bool need_pos, bool need_unk, bool need_prefix, at::IntArrayRef pos_shape,
     at::IntArrayRef prefix_shape);
 
-// ---- Dispatcher operators (patch_embed_cpu.cpp, pos_embed_cpu.cpp, dal_loss.cpp):
+// ---- Dispatcher operators (patch_embed_cpu.cpp, pos_embed_cpu.cpp, dal_loss.cpp, autograd_ops.cpp):
 // torch.ops.mjp_fast.patch_embed_extension[_backward] (CPU, CUDA when compiled, and Meta kernels),
-// torch.ops.mjp_fast.pos_embed_extension[_backward] (CPU and Meta) and torch.ops.mjp_fast.dal_loss_extension[_backward]
-// (CompositeExplicitAutograd and Meta). They register themselves with the dispatcher from static initialisers and
-// are called through it, never by name. A linker drops the object file of a static library (CMake's mjp_kernels)
-// that nothing references, and its registrations with it: every translation unit that includes this header
-// references one symbol of each file, so the operators come with any of the kernels.
+// torch.ops.mjp_fast.pos_embed_extension[_backward] (CPU and Meta), torch.ops.mjp_fast.dal_loss_extension[_backward]
+// (CompositeExplicitAutograd and Meta), and the differentiable forms of the last two with their autograd in C++
+// (pos_embed_extension_autograd, dal_loss_extension_autograd). They register themselves with the dispatcher from
+// static initialisers and are called through it, never by name. A linker drops the object file of a static library
+// (CMake's mjp_kernels) that nothing references, and its registrations with it: every translation unit that includes
+// this header references one symbol of each file, so the operators come with any of the kernels.
 extern const int kPatchEmbedOperators;
 extern const int kPosEmbedOperators;
 extern const int kDalLossOperators;
+extern const int kAutogradOperators;
 [[maybe_unused, gnu::used]] static const int* const kOperatorAnchors[] = {&kPatchEmbedOperators, &kPosEmbedOperators,
-                                                                          &kDalLossOperators};
+                                                                          &kDalLossOperators, &kAutogradOperators};
 
 #ifdef MJP_WITH_CUDA
 // ---- CUDA (cuda_ops.cpp over the kernels of sampler_cuda.cu and patch_embed_cuda.cu): same contracts, all

@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 from mjp_fast._validate import check_int
-from mjp_fast.ops.dal_loss import dal_loss
+from mjp_fast.ops.dal_loss import DAL_REDUCTIONS, dal_loss
 from mjp_fast.ops.patch_embed import mjp_patch_embed
-from mjp_fast.ops.sample_jigsaw import Jigsaw
+from mjp_fast.ops.sample_jigsaw import Jigsaw, check_jigsaw
 from mjp_fast.sampler import JigsawSampler
 
 DAL_KINDS = ("nonlinear", "linear", "pca")
@@ -55,12 +55,17 @@ class DALRegressor(nn.Module):
         subclass with its own ``forward``: those run as modules."""
         if type(self).forward is not DALRegressor.forward:
             return None
+        # The modules' and parameters' dicts, not attribute lookups (nn.Module.__getattr__): this runs every step.
+        # A parametrized weight (torch.nn.utils.parametrize) is no entry there: the regressor then runs as a module.
+        net = self._modules["net"]
         if self.kind == "nonlinear":
-            layers = self.net._modules  # not Sequential's indexing: this runs every step
-            first, last = layers["0"], layers["2"]
-            return first.weight, first.bias, last.weight, last.bias
+            first, last = net._modules["0"]._parameters, net._modules["2"]._parameters
+            if "weight" not in first or "weight" not in last:
+                return None
+            return first["weight"], first.get("bias"), last["weight"], last.get("bias")
         if self.kind == "linear":
-            return None, None, self.net.weight, self.net.bias
+            parameters = net._parameters
+            return (None, None, parameters["weight"], parameters.get("bias")) if "weight" in parameters else None
         return None
 
     def forward(self, pos_embed: torch.Tensor) -> torch.Tensor:
@@ -85,9 +90,9 @@ class MJPPatchEmbed(nn.Module):
     """Patch embedding with Masked Jigsaw Puzzle position embeddings.
 
     Owns ``proj`` (a Conv2d, so timm checkpoints load), ``pos_embed`` ``[1, N, D]`` (patch positions only),
-    ``unk_embed`` ``[D]``, an optional ``dal_regressor``, and a :class:`JigsawSampler` whose sample counter feeds
-    the sampler's ``offset``: each sample of a run gets its own jigsaw, distinct across DDP ranks, and a resumed
-    run (the counter is in the state dict) continues the same stream.
+    ``unk_embed`` ``[D]`` (unless ``unk=False``), an optional ``dal_regressor``, and a :class:`JigsawSampler` whose
+    sample counter feeds the sampler's ``offset``: each sample of a run gets its own jigsaw, distinct across DDP
+    ranks, and a resumed run (the counter is in the state dict) continues the same stream.
 
     In training mode each batch is jigsawed (per sample, with probability ``prob``); in eval mode the embedding
     is plain, unless inside :meth:`jigsaw_eval`.
@@ -98,10 +103,18 @@ class MJPPatchEmbed(nn.Module):
         bias: whether ``proj`` has a bias.
         dal: None, or the kind of :class:`DALRegressor` that :meth:`dal_loss` uses.
         dal_normalize: regress coordinates scaled to [0, 1] instead of raw integers.
+        dal_reduction: :meth:`dal_loss`'s reduction over the two coordinates: ``"mean"`` (default, the paper's
+            code) or ``"sum"`` (the paper's formula, twice the mean); see :func:`mjp_fast.dal_loss`.
+        unk: masked positions get ``unk_embed`` (MJP, default). False: the patches of the masked positions are
+            still permuted among themselves, but every position keeps its own ``pos_embed[n]`` (the paper's naive
+            shuffle); there is then no ``unk_embed`` parameter (``unk_embed`` is None, no state dict key), and
+            :meth:`dal_loss` still leaves the masked positions out.
         backend: forced backend for the sampler and the embedding, default automatic.
 
     Shapes: ``forward`` takes images ``[B, C, H, W]`` and returns tokens ``[B, N, D]``.
     """
+
+    dal_reduction: str = "mean"  # class-level default: a module pickled before the option existed reads it here
 
     def __init__(
         self,
@@ -119,9 +132,16 @@ class MJPPatchEmbed(nn.Module):
         bias: bool = True,
         dal: str | None = None,
         dal_normalize: bool = False,
+        dal_reduction: str = "mean",
+        unk: bool = True,
         backend: str | None = None,
     ) -> None:
         super().__init__()
+        if dal_reduction not in DAL_REDUCTIONS:
+            raise ValueError(f"dal_reduction must be one of {', '.join(DAL_REDUCTIONS)}, got {dal_reduction!r}")
+        if not isinstance(unk, bool):
+            raise TypeError(f"unk must be a bool, got {type(unk).__name__}")
+        self.dal_reduction = dal_reduction
         self.img_size = _as_pair("img_size", img_size)
         self.patch_size = check_int("patch_size", patch_size, minimum=1)
         if self.img_size[0] % self.patch_size or self.img_size[1] % self.patch_size:
@@ -144,9 +164,15 @@ class MJPPatchEmbed(nn.Module):
         )
         self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=self.patch_size, stride=self.patch_size, bias=bias)
         self.pos_embed = nn.Parameter(torch.empty(1, self.num_patches, embed_dim))
-        self.unk_embed = nn.Parameter(torch.empty(embed_dim))
         nn.init.trunc_normal_(self.pos_embed, std=0.02)
-        nn.init.trunc_normal_(self.unk_embed, std=0.02)
+        if unk:
+            self.unk_embed = nn.Parameter(torch.empty(embed_dim))
+            nn.init.trunc_normal_(self.unk_embed, std=0.02)
+        else:
+            self.unk_embed = None
+            # The op takes a [D] row for masked positions whenever a jigsaw is given; none is masked here: a zero
+            # row made once, moved with the module, never saved.
+            self.register_buffer("unused_unk_row", torch.zeros(embed_dim), persistent=False)
         self.dal_regressor = DALRegressor(embed_dim, dal) if dal is not None else None
         self.last_jigsaw: Jigsaw | None = None
 
@@ -156,7 +182,7 @@ class MJPPatchEmbed(nn.Module):
         return self.sampler.samples_seen
 
     def no_weight_decay(self) -> set[str]:
-        return {"pos_embed", "unk_embed"}
+        return {"pos_embed", "unk_embed"} if self.unk_embed is not None else {"pos_embed"}
 
     def jigsaw_eval(self, ratio: float = 0.5, seed: int = 0, prob: float = 1.0, start: int = 0):
         """Within this context, eval mode jigsaws its input too: the same jigsaws for the same seed.
@@ -171,13 +197,23 @@ class MJPPatchEmbed(nn.Module):
         validate = jigsaw is not None
         if jigsaw is None and isinstance(images, torch.Tensor) and images.dim() == 4:
             jigsaw = self.sampler(images.shape[0], images.device)
-        self.last_jigsaw = jigsaw
+        unk_embed = self.unk_embed
+        if jigsaw is not None and unk_embed is None and isinstance(images, torch.Tensor) and images.dim() == 4:
+            if validate:  # the caller's jigsaw, checked as given (the op below sees it with no mask bit set)
+                jigsaw = check_jigsaw(jigsaw, images.shape[0], self.num_patches, images.device, validate=True)
+                validate = False
+            self.last_jigsaw = jigsaw  # the real mask: dal_loss leaves those positions out
+            # The naive shuffle: the same moves, each position its own pos_embed[n] (no position is "masked").
+            jigsaw = Jigsaw(torch.zeros_like(jigsaw.mask), jigsaw.perm)
+            unk_embed = self.unused_unk_row
+        else:
+            self.last_jigsaw = jigsaw
         return mjp_patch_embed(
             images,
             self.proj.weight,
             self.proj.bias,
             self.pos_embed,
-            self.unk_embed,
+            unk_embed,
             jigsaw,
             backend=self.backend,
             validate=validate,
@@ -188,7 +224,14 @@ class MJPPatchEmbed(nn.Module):
         if self.dal_regressor is None:
             raise RuntimeError("this MJPPatchEmbed was built with dal=None; pass dal='nonlinear' (or linear, pca)")
         mask = self.last_jigsaw.mask if self.last_jigsaw is not None else None
-        return dal_loss(self.pos_embed, self.dal_regressor, self.grid_size, mask, normalize=self.dal_normalize)
+        return dal_loss(
+            self.pos_embed,
+            self.dal_regressor,
+            self.grid_size,
+            mask,
+            normalize=self.dal_normalize,
+            reduction=self.dal_reduction,
+        )
 
     def extra_repr(self) -> str:
         return f"img_size={self.img_size}, patch_size={self.patch_size}, embed_dim={self.embed_dim}"

@@ -40,6 +40,11 @@ class JigsawSampler(nn.Module):
     mode it returns None, unless inside :meth:`jigsaw_eval`.
     """
 
+    # The training path's plan and the settings it was made for (see forward); class-level, so a sampler pickled
+    # before they existed reads None and makes its plan.
+    _plan: SamplerPlan | None = None
+    _plan_key: tuple | None = None
+
     def __init__(
         self,
         grid_size: int | tuple[int, int],
@@ -99,57 +104,101 @@ class JigsawSampler(nn.Module):
     def forward(self, batch: int, device: torch.device, grid_size: tuple[int, int] | None = None) -> Jigsaw | None:
         """The next ``batch`` jigsaws for ``grid_size`` (default the module's), or None when inactive.
 
-        The per-step path of the modules: it checks and builds nothing on the host. The sampler reads the stream
-        position from ``sample_counter`` on the device, then the counter advances on the device: two dispatched
-        operations in all, no host sync on the Triton backend.
+        The per-step path of the modules: in training, the sampler's plan (settings, tables, resolved backend) is
+        made on the first call and kept while the settings, the device and the grid stay the same, so a step only
+        launches the sampler. The sampler reads the stream position from ``sample_counter`` on the device, then the
+        counter advances on the device: two dispatched operations in all, no host sync on the Triton backend. (The
+        backend is resolved when the plan is made: set ``MJP_FAST_BACKEND`` before the first step.)
         """
         if not self.active:
             return None
-        device = with_index(torch.device(device))  # "cuda" and "cuda:0" must compare equal below
-        if self.training:
-            ratio, prob, seed, counter = self.ratio, self.prob, self.seed, self.sample_counter
-            if (seed, prob) != self._params_key:
-                self.params.copy_(sampler_params(seed, prob, "cpu"))
-                self._params_key = (seed, prob)
-            params = self.params
-        else:
-            settings = self._eval_settings
-            ratio, prob, seed = settings["ratio"], settings["prob"], settings["seed"]
-            if self._eval_counter is None or self._eval_counter.device != device:
-                self._eval_counter = torch.full((), settings["start"], dtype=torch.int64, device=device)
-            counter = self._eval_counter
-            params = None
-        grid = self.grid_size if grid_size is None else tuple(grid_size)
+        if not self.training:
+            return self._sample_eval(batch, with_index(torch.device(device)), grid_size)
         rank, world = self._rank_and_world()
+        if torch.compiler.is_compiling():
+            # Traced once into the graph: nothing to keep (storing it would change the module's state, on which the
+            # compiled graph's guards depend: a recompile on the next step).
+            plan = self._make_plan(device, grid_size)
+        else:
+            key = (device, grid_size, self.ratio, self.prob, self.seed, self.min_block, self.min_aspect, self.shared)
+            if key != self._plan_key:
+                self._plan, self._plan_key = self._make_plan(device, grid_size), key
+            plan = self._plan
+        counter = self.sample_counter
         # Sample i of this call has the global stream index counter * world + rank * batch + i: with a constant
         # per-rank batch, distinct on every rank and the same after a resume.
+        if plan is not None:
+            return plan.sample_step(batch, counter, world, rank * batch)
+        jigsaw = self._sample_general(batch, device, grid_size, counter * world + rank * batch)
+        counter.add_(batch)  # a buffer that needs no gradient: nothing is recorded
+        return jigsaw
+
+    def _make_plan(self, device: torch.device, grid_size: tuple[int, int] | None) -> SamplerPlan | None:
+        """The plan of the training path for ``device`` and ``grid_size``, or None where the general sampler runs
+        (the torch backend, another grid than the tables', tables on another device)."""
+        device = with_index(torch.device(device))  # "cuda" and "cuda:0" must compare equal below
+        grid = self.grid_size if grid_size is None else tuple(grid_size)
         backend = resolve_backend(self.backend, device)
         if backend == "torch" or grid != self.grid_size or self.h_thresholds.device != device:
-            offset = (counter * world + rank * batch).reshape(1).to(device)
-            jigsaw = sample_jigsaw(
-                batch,
-                grid,
-                ratio,
-                seed=seed,
-                offset=offset,
-                shared=self.shared,
-                prob=prob,
-                min_block=self.min_block,
-                min_aspect=self.min_aspect,
-                device=device,
-                backend=backend,
-            )
+            return None
+        if (self.seed, self.prob) != self._params_key:  # refreshed in place: a captured CUDA graph keeps reading it
+            self.params.copy_(sampler_params(self.seed, self.prob, "cpu"))
+            self._params_key = (self.seed, self.prob)
+        return SamplerPlan(
+            backend, *grid, _target_count(self.ratio, grid[0] * grid[1]), self.min_block, self.shared, self.seed,
+            _prob_threshold(self.prob), self.h_thresholds, self.w_thresholds, self.params,
+        )  # fmt: skip
+
+    def _sample_general(
+        self,
+        batch: int,
+        device: torch.device,
+        grid_size: tuple[int, int] | None,
+        offset: torch.Tensor,
+        settings: dict[str, Any] | None = None,
+    ) -> Jigsaw:
+        """:func:`sample_jigsaw` with this module's settings (or ``settings``' ratio, prob and seed)."""
+        settings = settings or {"ratio": self.ratio, "prob": self.prob, "seed": self.seed}
+        device = with_index(torch.device(device))
+        return sample_jigsaw(
+            batch,
+            self.grid_size if grid_size is None else tuple(grid_size),
+            settings["ratio"],
+            seed=settings["seed"],
+            offset=offset.reshape(1).to(device),
+            shared=self.shared,
+            prob=settings["prob"],
+            min_block=self.min_block,
+            min_aspect=self.min_aspect,
+            device=device,
+            backend=resolve_backend(self.backend, device),
+        )
+
+    def _sample_eval(self, batch: int, device: torch.device, grid_size: tuple[int, int] | None) -> Jigsaw:
+        """Inside :meth:`jigsaw_eval`: the next jigsaws of the context's own stream."""
+        settings = self._eval_settings
+        if self._eval_counter is None or self._eval_counter.device != device:
+            self._eval_counter = torch.full((), settings["start"], dtype=torch.int64, device=device)
+        counter = self._eval_counter
+        rank, world = self._rank_and_world()
+        grid = self.grid_size if grid_size is None else tuple(grid_size)
+        backend = resolve_backend(self.backend, device)
+        if backend == "torch" or grid != self.grid_size or self.h_thresholds.device != device:
+            jigsaw = self._sample_general(batch, device, grid_size, counter * world + rank * batch, settings)
         else:
-            if params is None or params.device != device:
-                params = sampler_params(seed, prob, device)
             plan = SamplerPlan(
-                backend, *grid, _target_count(ratio, grid[0] * grid[1]), self.min_block, self.shared, seed,
-                _prob_threshold(prob), self.h_thresholds, self.w_thresholds, params,
+                backend, *grid, _target_count(settings["ratio"], grid[0] * grid[1]), self.min_block, self.shared,
+                settings["seed"], _prob_threshold(settings["prob"]), self.h_thresholds, self.w_thresholds,
+                sampler_params(settings["seed"], settings["prob"], device),
             )  # fmt: skip
-            jigsaw = plan.sample(batch, counter, world, rank * batch)
-        with torch.no_grad():
-            counter.add_(batch)
+            return plan.sample_step(batch, counter, world, rank * batch)
+        counter.add_(batch)
         return jigsaw
+
+    def _apply(self, fn, recurse: bool = True):  # noqa: ANN001 - nn.Module's signature
+        # .to(), .cuda(), .half(), ...: the buffers the plan holds are replaced, so the plan is made again.
+        self._plan_key = self._plan = None
+        return super()._apply(fn, recurse)
 
     @contextlib.contextmanager
     def jigsaw_eval(

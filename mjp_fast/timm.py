@@ -6,7 +6,8 @@
     model = timm.create_model("mjp_deit_small_patch16_224", mjp_ratio=0.1, mjp_prob=0.5, mjp_dal="nonlinear")
 
 A converted ViT jigsaws its patch tokens in training mode: the tokens of masked positions are permuted among
-themselves and get the unknown position embedding ``mjp.unk_embed``; the class and register tokens keep theirs.
+themselves and get the unknown position embedding ``mjp.unk_embed`` (with ``unk=False``, the position embedding of
+where they land); the class and register tokens keep theirs.
 Shuffling the tokens after timm's patch embedding equals shuffling the patches before it (the embedding is one
 linear map, and its optional norm one per-token function, applied to each patch alone), so every timm variant
 works: class token or not, register tokens, ``no_embed_class``, ``dynamic_img_size``, ``set_input_size``.
@@ -55,10 +56,10 @@ from torch import nn
 from mjp_fast._validate import check_int
 from mjp_fast.backend import KNOWN_BACKENDS, resolve_backend
 from mjp_fast.nn import DAL_KINDS, DALRegressor
-from mjp_fast.ops.dal_loss import dal_loss_unchecked, grid_coordinates
+from mjp_fast.ops.dal_loss import DAL_REDUCTIONS, dal_loss_unchecked, dal_scale, grid_coordinates
 from mjp_fast.ops.jigsaw_images import jigsaw_images
 from mjp_fast.ops.patch_embed import patch_embed_step
-from mjp_fast.ops.pos_embed import mjp_position_step, prepend_prefix
+from mjp_fast.ops.pos_embed import mjp_position_dal_step, mjp_position_step, prepend_prefix
 from mjp_fast.ops.sample_jigsaw import Jigsaw
 from mjp_fast.sampler import JigsawSampler
 
@@ -79,6 +80,19 @@ def _dal_kind(dal: str | None) -> str | None:
     if dal not in DAL_KINDS:
         raise ValueError(f"dal must be None, 'none' or one of {', '.join(DAL_KINDS)}, got {dal!r}")
     return dal
+
+
+def _dal_reduction_scale(dal_reduction: str) -> float:
+    """The DAL loss's factor for ``dal_reduction`` (``"mean"``: 0.5, ``"sum"``: 1; see :func:`mjp_fast.dal_loss`)."""
+    if dal_reduction not in DAL_REDUCTIONS:
+        raise ValueError(f"dal_reduction must be one of {', '.join(DAL_REDUCTIONS)}, got {dal_reduction!r}")
+    return dal_scale(dal_reduction)
+
+
+def _check_unk(unk: bool) -> bool:
+    if not isinstance(unk, bool):
+        raise TypeError(f"unk must be a bool, got {type(unk).__name__}")
+    return unk
 
 
 def _autocast_like_conv(tensor: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -141,8 +155,20 @@ class MJPState(nn.Module):
         dim: the token width D, or None for the pixel-space variant (no position embeddings to replace).
         dal: None (or ``"none"``) or a :class:`mjp_fast.DALRegressor` kind.
         patch_size: the jigsaw's patch size in pixels.
+        unk: give the masked positions the learned unknown embedding ``unk_embed`` ``[D]`` (MJP). False: the
+            patches of the masked positions are still permuted among themselves, but every position keeps its own
+            ``pos_embed[n]`` (the paper's "naive shuffle" ablation row); no ``unk_embed`` parameter is created, so
+            the state dict has no ``mjp.unk_embed`` key, and ``unk_embed`` is None. ``last_jigsaw`` keeps the
+            sampled mask either way (the DAL loss leaves those positions out). Pixel-space models: no effect.
+        dal_reduction: the DAL loss's reduction over the two coordinates (:func:`mjp_fast.dal_loss`): ``"mean"``
+            (the paper's code) or ``"sum"`` (the paper's formula, twice the mean). Stored as ``dal_scale``, a plain
+            attribute (not in the state dict).
         The rest: as :class:`mjp_fast.JigsawSampler`.
     """
+
+    # Class-level defaults: a model pickled before these attributes existed reads them from here.
+    use_unk: bool = True
+    dal_scale: float = DAL_REDUCTIONS["mean"]
 
     def __init__(
         self,
@@ -159,23 +185,35 @@ class MJPState(nn.Module):
         shared: bool = False,
         backend: str | None = None,
         dal_normalize: bool = False,
+        unk: bool = True,
+        dal_reduction: str = "mean",
     ) -> None:
         super().__init__()
         dal = _dal_kind(dal)
         if dal is not None and dim is None:
             raise ValueError("dal needs a model with absolute position embeddings; pass dal=None for this model")
+        self.dal_scale = _dal_reduction_scale(dal_reduction)
+        self.use_unk = _check_unk(unk)
         self.sampler = JigsawSampler(
             grid_size, ratio, prob, seed, min_block=min_block, min_aspect=min_aspect, shared=shared, backend=backend
         )
         self.patch_size = check_int("patch_size", patch_size, minimum=1)
         self.dal_normalize = bool(dal_normalize)
-        if dim is not None:
+        if dim is not None and unk:
             self.unk_embed = nn.Parameter(torch.empty(dim))
             nn.init.trunc_normal_(self.unk_embed, std=0.02)
         else:
             self.unk_embed = None
+        if dim is not None and not unk:
+            # The position kernels take a [D] row for the masked positions even when no mask bit is set (they load
+            # it unconditionally): a zero row made once, moved and cast with the model, never saved.
+            self.register_buffer("unused_unk_row", torch.zeros(dim), persistent=False)
         self.dal_regressor = DALRegressor(dim, dal) if dal is not None else None
         self.last_jigsaw: Jigsaw | None = None
+        self._backends: dict[tuple[str | None, torch.device], str] = {}  # see backend_for
+        # The DAL loss computed by the last training forward with its position step (see dal_of_step); a plain dict,
+        # so that storing it costs no nn.Module.__setattr__ per step.
+        self._dal_stash: dict[str, tuple[torch.Tensor, torch.Tensor, Jigsaw]] = {}
         # The DAL loss's targets, made once (not saved: they follow from the grid).
         self.register_buffer(
             "dal_coordinates", grid_coordinates(grid_size, normalize=self.dal_normalize), persistent=False
@@ -218,23 +256,63 @@ class MJPState(nn.Module):
             tracer = x.tracer
             args = (x, pos_table, grid, weight, bias, backend, prefix, prefix_positions)
             return tracer.create_proxy("call_module", tracer.path_of_module(self), args, {})
-        sampler = self.sampler
-        self.last_jigsaw = None
         if pos_table is None:
             return self._jigsaw_images(x)
-        jigsaw = sampler(x.shape[0], x.device, grid) if sampler.active else None
-        self.last_jigsaw = jigsaw
+        sampler = self.sampler
+        # The sampler's forward, not its __call__: a submodule of ours, with no hooks to run (a step's host time).
+        sampled = jigsaw = sampler.forward(x.shape[0], x.device, grid) if sampler.active else None
+        self.last_jigsaw = sampled  # the sampled mask, with or without unk: the DAL loss and evaluation read it
+        unk_embed = self.unk_embed
+        if jigsaw is not None and not self.use_unk:
+            # The naive shuffle: the same moves, but no position is "masked" for the position term, so each one
+            # gets its own pos_embed[n] where the moved patch lands.
+            jigsaw = Jigsaw(torch.zeros_like(jigsaw.mask), jigsaw.perm)
+            unk_embed = self.unused_unk_row
         if weight is not None:
             # The jigsaw is applied where the patches are cut, the position terms in the GEMM's epilogue.
-            unk_embed = self.unk_embed if jigsaw is not None else None
+            unk_embed = unk_embed if jigsaw is not None else None
             return _fused_patch_embed(x, weight, bias, pos_table, unk_embed, jigsaw, backend, prefix, prefix_positions)
         if jigsaw is None:
             return _plain_position_step(x, pos_table, prefix, prefix_positions)
         # P(XW) = (PX)W: moving the embedded tokens is moving the patches. One autograd node for the move, the
         # position terms and the prefix tokens; the arguments are the model's own and the sampler's jigsaws need
         # no validation.
-        backend = resolve_backend(sampler.backend, x.device)
-        return mjp_position_step(x, pos_table, self.unk_embed, jigsaw, backend, prefix, prefix_positions)
+        backend = self.backend_for(x.device, sampler)
+        regressor, stash = self.dal_regressor, self.__dict__.get("_dal_stash")
+        if regressor is not None and backend == "cpu" and stash is not None and torch.is_grad_enabled():
+            coords = self.dal_coordinates
+            if sampled.mask.shape[1] == coords.shape[0]:  # not another grid (dynamic size: DAL takes the stored one)
+                # The DAL loss of this step from the same operator and node (mjp_aux_loss hands it out).
+                stepped = mjp_position_dal_step(
+                    x, pos_table, unk_embed, jigsaw, prefix, prefix_positions, regressor, coords, sampled.mask,
+                    self.dal_scale,
+                )  # fmt: skip
+                if stepped is not None:
+                    stash["step"] = (stepped[1], pos_table, sampled)
+                    return stepped[0]
+        return mjp_position_step(x, pos_table, unk_embed, jigsaw, backend, prefix, prefix_positions)
+
+    def dal_of_step(self, pos_table: torch.Tensor) -> torch.Tensor | None:
+        """The DAL loss the last forward computed with its position step (one operator for both, on the ``cpu``
+        backend), if it was of ``pos_table`` and of the last jigsaw; else None (compute it). Handed out once."""
+        stash = self.__dict__.get("_dal_stash")
+        stepped = stash.pop("step", None) if stash is not None else None
+        if stepped is None or stepped[1] is not pos_table or stepped[2] is not self.last_jigsaw:
+            return None
+        return stepped[0]
+
+    def backend_for(self, device: torch.device, sampler: JigsawSampler | None = None) -> str:
+        """The backend of the position step and the DAL loss on ``device``: the sampler's choice, resolved once per
+        device (and again if ``sampler.backend`` changes), not every step."""
+        key = ((sampler if sampler is not None else self.sampler).backend, device)
+        if torch.compiler.is_compiling():  # traced once; storing would change state the graph's guards read
+            return resolve_backend(*key)
+        cache = getattr(self, "_backends", None)
+        if cache is None:  # a model pickled before this cache existed
+            cache = self._backends = {}
+        if key not in cache:
+            cache[key] = resolve_backend(*key)
+        return cache[key]
 
     def _jigsaw_images(self, x: torch.Tensor) -> torch.Tensor:
         if not self.sampler.active:
@@ -464,44 +542,51 @@ class MJPVisionTransformer(_MJPMixin, VisionTransformer):
     """A timm ``VisionTransformer`` with MJP position embeddings (made by :func:`convert`)."""
 
     def _pos_embed(self, x: torch.Tensor) -> torch.Tensor:
-        state = self.mjp
-        if _is_fused(self.patch_embed):  # x: the images, passed through by patch_embed
+        state, patch_embed, pos_embed = self.mjp, self.patch_embed, self.pos_embed
+        if _is_fused(patch_embed):  # x: the images, passed through by patch_embed
             return _fused_pos_embed(self, x, state)
-        if self.pos_embed is None or not state.sampler.active:
+        if pos_embed is None or not state.sampler.active:
             state.last_jigsaw = None
             return super()._pos_embed(x)
+        grid = patch_embed.grid_size  # the model's (set_input_size may have changed it since the sampler was made)
         if self.dynamic_img_size:
             batch, rows, cols, dim = x.shape
             grid = (rows, cols)
             pos_embed = resample_abs_pos_embed(
-                self.pos_embed,
-                new_size=grid,
-                old_size=self.patch_embed.grid_size,
-                num_prefix_tokens=_prefix_positions(self),
+                pos_embed, new_size=grid, old_size=patch_embed.grid_size, num_prefix_tokens=_prefix_positions(self)
             )
             x = x.reshape(batch, rows * cols, dim)
-        else:
-            grid = tuple(self.patch_embed.grid_size)
-            pos_embed = self.pos_embed
         # The whole table and the prefix tokens go in: the kernels write [B, P + N, D] at once (no slice, no cat).
         x = state(x, pos_embed, grid, prefix=_prefix_tokens(self), prefix_positions=_prefix_positions(self))
         return self.pos_drop(x)
 
     def mjp_aux_loss(self) -> torch.Tensor:
-        state = self.mjp
-        if state.dal_regressor is None or self.pos_embed is None:
-            anchor = self.pos_embed if self.pos_embed is not None else state.unk_embed
+        state, pos_embed = self.mjp, self.pos_embed
+        regressor = state.dal_regressor
+        if regressor is None or pos_embed is None:
+            anchor = pos_embed if pos_embed is not None else state.unk_embed
             return anchor.new_zeros((), dtype=torch.float32)
-        coords = state.dal_coordinates
-        mask = state.last_jigsaw.mask if state.last_jigsaw is not None else None
+        stepped = state.dal_of_step(pos_embed)
+        if stepped is not None:
+            return stepped
+        coords, jigsaw = state.dal_coordinates, state.last_jigsaw
+        mask = jigsaw.mask if jigsaw is not None else None
         if mask is not None and mask.shape[1] != coords.shape[0]:
             mask = None  # the last input had another grid (dynamic size): regress every stored position
-        backend = resolve_backend(state.sampler.backend, coords.device)
         # The whole table: its prefix rows are skipped by the kernels, so nothing is sliced here.
-        return dal_loss_unchecked(self.pos_embed, state.dal_regressor, coords, mask, backend, _prefix_positions(self))
+        return dal_loss_unchecked(
+            pos_embed,
+            regressor,
+            coords,
+            mask,
+            state.backend_for(coords.device),
+            _prefix_positions(self),
+            state.dal_scale,
+        )
 
     def no_weight_decay(self) -> set[str]:
-        return set(super().no_weight_decay()) | {"mjp.unk_embed"}
+        extra = {"mjp.unk_embed"} if self.mjp.unk_embed is not None else set()
+        return set(super().no_weight_decay()) | extra
 
 
 class _MJPNoDALMixin(_MJPMixin):
@@ -608,6 +693,8 @@ def convert(
     patch_size: int | None = None,
     dal_normalize: bool = False,
     fused_patch_embed: bool | None = None,
+    unk: bool = True,
+    dal_reduction: str = "mean",
 ) -> nn.Module:
     """Turns a timm model into its MJP version in place, keeping its weights; returns it.
 
@@ -622,6 +709,13 @@ def convert(
         patch_size: the jigsaw's patch size for pixel-space models (default: the model's patch embedding's, else
             16); ViTs use their own.
         dal_normalize: regress coordinates scaled to [0, 1] instead of raw integers.
+        unk: masked positions get the learned unknown embedding ``mjp.unk_embed`` (MJP, default). False: the
+            patches of the masked positions are still permuted among themselves, but every position keeps its own
+            ``pos_embed[n]`` (the paper's "naive shuffle" ablation); no ``mjp.unk_embed`` parameter is created (not in
+            the state dict; ``model.mjp.unk_embed`` is None), and the DAL loss still leaves the masked positions
+            out. Models without position embeddings: no effect.
+        dal_reduction: ``"mean"`` (default, the paper's code: ``F.l1_loss``) or ``"sum"`` (the paper's formula,
+            twice the mean) over the two coordinates in ``mjp_aux_loss()`` (see :func:`mjp_fast.dal_loss`).
         fused_patch_embed: run the ViT's patch embedding, jigsaw and position term as one
             :func:`mjp_fast.mjp_patch_embed` call (``backend`` chooses its backend). None: wherever the patch
             embedding is timm's standard one (``PatchEmbed``, a Conv2d with stride equal to its square kernel, no
@@ -645,6 +739,8 @@ def convert(
         raise TypeError(f"fused_patch_embed must be a bool or None, got {type(fused_patch_embed).__name__}")
     _check_backend(backend)
     dal = _dal_kind(dal)
+    _check_unk(unk)
+    _dal_reduction_scale(dal_reduction)  # checked before anything changes
     sampler_settings = dict(
         ratio=ratio, prob=prob, seed=seed, min_block=min_block, min_aspect=min_aspect, shared=shared, backend=backend
     )
@@ -656,6 +752,8 @@ def convert(
             patch_size=patch_size,
             dal_normalize=dal_normalize,
             fused_patch_embed=fused_patch_embed,
+            unk=unk,
+            dal_reduction=dal_reduction,
             **sampler_settings,
         )
         model.__class__ = _mjp_class(type(model), None, _WRAPPER_MIXINS[wrapper_class])
@@ -688,12 +786,23 @@ def convert(
             patch_size = _first(getattr(embed, "patch_size", 16) if embed is not None else 16)
         grid, dim = _grid(model, patch_size), None
         new_class = _mjp_class(type(model), timm_class, mjp_class)
-    state = MJPState(grid, dim, dal=dal, patch_size=patch_size, dal_normalize=dal_normalize, **sampler_settings)
+    state = MJPState(
+        grid,
+        dim,
+        dal=dal,
+        patch_size=patch_size,
+        dal_normalize=dal_normalize,
+        unk=unk,
+        dal_reduction=dal_reduction,
+        **sampler_settings,
+    )
     reference = next(model.parameters(), None)
     if reference is not None:
         state.to(device=reference.device)
         if state.unk_embed is not None:
             state.unk_embed.data = state.unk_embed.data.to(reference.dtype)
+        if hasattr(state, "unused_unk_row"):
+            state.unused_unk_row = state.unused_unk_row.to(reference.dtype)
     state.train(model.training)
     model.__class__ = new_class
     model.mjp = state
@@ -759,6 +868,8 @@ def _make_entrypoint(base: str):
         mjp_dal: str | None = None,
         mjp_seed: int = 0,
         mjp_fused_patch_embed: bool | None = None,
+        mjp_unk: bool = True,
+        mjp_dal_reduction: str = "mean",
         **kwargs,
     ) -> nn.Module:
         # The base's own entry point builds the model (and, with features_only, timm's feature wrapper around it)
@@ -774,6 +885,8 @@ def _make_entrypoint(base: str):
             dal=mjp_dal,
             seed=mjp_seed,
             fused_patch_embed=mjp_fused_patch_embed,
+            unk=mjp_unk,
+            dal_reduction=mjp_dal_reduction,
         )
         config = getattr(model, "pretrained_cfg", None)
         if isinstance(config, dict):
@@ -786,7 +899,9 @@ def _make_entrypoint(base: str):
     entrypoint.__doc__ = (
         f"timm's {base} with MJP (see mjp_fast.timm.convert). mjp_dal: 'nonlinear', 'linear', 'pca' or 'none'; "
         "by default the paper's nonlinear DAL where the model has absolute position embeddings, else none. "
-        "mjp_fused_patch_embed: as convert's fused_patch_embed (default: fused where the patch embedding is standard)."
+        "mjp_fused_patch_embed: as convert's fused_patch_embed (default: fused where the patch embedding is standard). "
+        "mjp_unk, mjp_dal_reduction: as convert's unk (False: shuffled patches keep the position embeddings of where "
+        "they land; no mjp.unk_embed) and dal_reduction ('mean' or 'sum')."
     )
     return entrypoint
 
@@ -798,10 +913,11 @@ default_cfgs: dict[str, DefaultCfg] = {}
 def register(base: str) -> str:
     """Registers ``mjp_<base>`` with timm for any timm model ``base``; returns that name.
 
-    ``timm.create_model("mjp_<base>", mjp_ratio=..., mjp_prob=..., mjp_dal=..., mjp_seed=..., **timm_kwargs)``
-    then builds ``base`` (``pretrained``, ``pretrained_cfg_overlay``, ``features_only`` and the other keywords go
-    to timm) and converts it with :func:`convert`. ``mjp_<base>`` carries the base's pretrained configs (its tags
-    in ``timm.list_pretrained``), so ``pretrained=True`` loads the base's weights; MJP's own parameters start fresh.
+    ``timm.create_model("mjp_<base>", mjp_ratio=..., mjp_prob=..., mjp_dal=..., mjp_seed=..., mjp_unk=...,
+    mjp_dal_reduction=..., mjp_fused_patch_embed=..., **timm_kwargs)`` then builds ``base`` (``pretrained``,
+    ``pretrained_cfg_overlay``, ``features_only`` and the other keywords go to timm) and converts it with
+    :func:`convert`. ``mjp_<base>`` carries the base's pretrained configs (its tags in ``timm.list_pretrained``), so
+    ``pretrained=True`` loads the base's weights; MJP's own parameters start fresh.
     Registering a name twice is a no-op.
 
     Raises:

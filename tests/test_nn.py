@@ -112,3 +112,55 @@ def test_bad_arguments_are_named(kwargs, error, words):
 def test_wrong_image_size_is_named():
     with pytest.raises(ValueError, match="pos_embed"):
         make_module()(torch.randn(2, 3, 40, 40))
+
+
+def test_unk_false_moves_patches_and_keeps_each_position_embedding():
+    module = make_module(unk=False, dal="linear")
+    assert module.unk_embed is None and "unk_embed" not in module.state_dict()
+    assert module.no_weight_decay() == {"pos_embed"}
+    images = torch.randn(4, 3, 32, 32)
+    tokens = module(images)
+    jigsaw = module.last_jigsaw
+    assert jigsaw.mask.any()  # the real mask, kept for the DAL loss
+    no_mask = mjp_fast.Jigsaw(torch.zeros_like(jigsaw.mask), jigsaw.perm)
+    weight, bias = module.proj.weight, module.proj.bias
+    expected = mjp_patch_embed_ref(images, weight, bias, module.pos_embed, torch.zeros(16), no_mask)
+    torch.testing.assert_close(tokens, expected)
+    tokens.square().mean().backward()
+    assert module.pos_embed.grad.abs().sum(-1).gt(0).all()
+    expected_dal = mjp_fast.dal_loss(module.pos_embed, module.dal_regressor, (4, 4), jigsaw.mask, backend="torch")
+    torch.testing.assert_close(module.dal_loss(), expected_dal)
+    # a caller's jigsaw is checked as given: perm must be the identity where its mask is False
+    bad = mjp_fast.Jigsaw(torch.zeros_like(jigsaw.mask), jigsaw.perm)
+    with pytest.raises(ValueError, match="identity where jigsaw.mask is False"):
+        module(images, bad)
+    torch.testing.assert_close(module(images, jigsaw), expected)
+
+
+def test_dal_reduction_sum_is_twice_the_mean():
+    torch.manual_seed(0)
+    mean = make_module(dal="nonlinear")
+    total = make_module(dal="nonlinear", dal_reduction="sum")
+    total.load_state_dict(mean.state_dict())
+    images = torch.randn(2, 3, 32, 32)
+    mean(images), total(images)
+    torch.testing.assert_close(total.dal_loss(), 2 * mean.dal_loss())
+    with pytest.raises(ValueError, match="dal_reduction"):
+        make_module(dal_reduction="median")
+    with pytest.raises(TypeError, match="unk"):
+        make_module(unk=None)
+
+
+def test_fused_layers_are_the_regressors_parameters_and_a_parametrized_one_runs_as_a_module():
+    regressor = mjp_fast.DALRegressor(6, "nonlinear")
+    w1, b1, w2, b2 = regressor.fused_layers()
+    assert w1 is regressor.net[0].weight and b1 is regressor.net[0].bias
+    assert w2 is regressor.net[2].weight and b2 is regressor.net[2].bias
+    linear = mjp_fast.DALRegressor(6, "linear")
+    assert linear.fused_layers() == (None, None, linear.net.weight, linear.net.bias)
+    pos = torch.randn(12, 6)
+    expected = mjp_fast.dal_loss(pos, regressor, (3, 4))
+    # weight becomes a computed property: the fused kernels cannot read it, the module computes the same loss.
+    torch.nn.utils.parametrize.register_parametrization(regressor.net[0], "weight", torch.nn.Identity())
+    assert regressor.fused_layers() is None
+    torch.testing.assert_close(mjp_fast.dal_loss(pos, regressor, (3, 4)), expected)

@@ -179,10 +179,11 @@ def test_register_any_timm_model():
         mjp_timm.register(3)
 
 
-def test_compiled_model_has_no_graph_break():
+@pytest.mark.parametrize("unk", [True, False], ids=["unk", "naive_shuffle"])
+def test_compiled_model_has_no_graph_break(unk):
     if not _has_triton():
         pytest.skip("needs the triton backend (interpreter) for an on-device sampler")
-    model = mjp_timm.convert(tiny_vit(depth=1), ratio=0.5, prob=1.0, dal="linear", backend="triton")
+    model = mjp_timm.convert(tiny_vit(depth=1), ratio=0.5, prob=1.0, dal="linear", backend="triton", unk=unk)
     reference = copy.deepcopy(model)
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
     images = torch.randn(2, 3, 32, 32)
@@ -378,3 +379,148 @@ def test_pretrained_loads_the_base_weights_offline(tmp_path, name):
     assert "mjp.unk_embed" in state
     fresh = timm.create_model(name, num_classes=10)  # not pretrained: other weights
     assert not torch.equal(fresh.state_dict()["pos_embed"], base_state["pos_embed"])
+
+
+# --- The ablation variants' options: unk=False (naive shuffle), dal_reduction, no position embeddings -------------
+
+
+def _naive_shuffle_reference(model, images, jigsaw):
+    """The definition of the naive shuffle, from the oracle: the patch tokens moved by ``perm``, each position with
+    its own ``pos_embed[n]`` (no position gets an unknown embedding: the oracle sees no mask bit set)."""
+    from mjp_fast import Jigsaw
+    from mjp_fast.ops.pos_embed import mjp_pos_embed_ref
+
+    flat = model.patch_embed.proj(images).flatten(2).transpose(1, 2)
+    prefix = 0 if model.no_embed_class else model.num_prefix_tokens
+    pos = model.pos_embed[0, prefix:]
+    no_mask = Jigsaw(torch.zeros_like(jigsaw.mask), jigsaw.perm)
+    return mjp_pos_embed_ref(flat, pos, torch.zeros(pos.shape[-1]), no_mask)
+
+
+@pytest.mark.parametrize("fused", [False, None], ids=["unfused", "fused_if_standard"])
+def test_unk_false_moves_patches_and_keeps_each_position_embedding(backend_device, fused):
+    backend, device = backend_device
+    torch.manual_seed(0)
+    model = mjp_timm.convert(
+        tiny_vit().to(device), ratio=0.5, prob=1.0, dal="linear", unk=False, backend=backend, fused_patch_embed=fused
+    )
+    assert model.mjp.unk_embed is None and not model.mjp.use_unk
+    assert not any("unk_embed" in key for key in model.state_dict())
+    assert not any("unk" in name for name, _ in model.named_parameters())
+    assert "mjp.unk_embed" not in model.no_weight_decay() and "pos_embed" in model.no_weight_decay()
+    images = torch.randn(3, 3, 32, 32, device=device)
+    tokens = model._pos_embed(model.patch_embed(images))
+    jigsaw = model.mjp.last_jigsaw
+    # the real mask is kept (the DAL loss and evaluation read it), and the jigsaw moved some patches
+    assert jigsaw.mask.any() and not torch.equal(jigsaw.perm, torch.arange(16, device=device).expand(3, -1))
+    expected = _naive_shuffle_reference(model, images, jigsaw)
+    torch.testing.assert_close(tokens[:, 1:], expected)
+    torch.testing.assert_close(tokens[:, :1], (model.cls_token + model.pos_embed[:, :1]).expand(3, -1, -1))
+
+    # Gradients reach pos_embed at every position, as through the reference, and the DAL loss leaves out the
+    # positions the jigsaw masked.
+    # The patches' gradients go back to where the jigsaw took them from (proj.weight's gradient sums them).
+    weights = torch.randn_like(tokens)
+    (tokens[:, 1:] * weights[:, 1:]).sum().backward()
+    ours = model.pos_embed.grad.clone(), model.patch_embed.proj.weight.grad.clone()
+    model.zero_grad()
+    (_naive_shuffle_reference(model, images, jigsaw) * weights[:, 1:]).sum().backward()
+    torch.testing.assert_close(ours[0], model.pos_embed.grad)
+    torch.testing.assert_close(ours[1], model.patch_embed.proj.weight.grad)
+    assert bool((ours[0][0, 1:].abs().sum(-1) > 0).all())
+    aux = model.mjp_aux_loss()
+    expected_aux = mjp_fast_dal_loss(model.pos_embed[0, 1:], model.mjp.dal_regressor, (4, 4), jigsaw.mask)
+    torch.testing.assert_close(aux, expected_aux)
+    assert not torch.allclose(aux, mjp_fast_dal_loss(model.pos_embed[0, 1:], model.mjp.dal_regressor, (4, 4), None))
+
+
+def mjp_fast_dal_loss(*args, **kwargs):
+    from mjp_fast import dal_loss
+
+    return dal_loss(*args, backend="torch", **kwargs)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
+def test_unk_false_model_sees_what_a_plain_model_sees_of_a_jigsawed_image(fused):
+    # The naive shuffle is the plain model on the pixel-jigsawed image: the same numbers whichever way it is made.
+    from mjp_fast import jigsaw_images
+
+    torch.manual_seed(0)
+    plain = tiny_vit().eval()
+    model = mjp_timm.convert(copy.deepcopy(plain), ratio=0.5, prob=1.0, unk=False, fused_patch_embed=fused)
+    images = torch.randn(2, 3, 32, 32)
+    with model.mjp_eval(ratio=0.5, seed=4):
+        shuffled = model(images)
+    jigsaw = model.mjp.last_jigsaw
+    assert jigsaw is not None and jigsaw.mask.any()
+    torch.testing.assert_close(shuffled, plain(jigsaw_images(images, jigsaw, 8)))
+    torch.testing.assert_close(model(images), plain(images))  # eval mode: the plain model
+
+
+def test_unk_false_through_create_model_and_checkpoints():
+    model = timm.create_model("mjp_deit_tiny_patch16_224", mjp_unk=False, mjp_ratio=0.5, mjp_prob=1.0, **TINY_DEIT)
+    assert model.mjp.unk_embed is None
+    with_unk = timm.create_model("mjp_deit_tiny_patch16_224", **TINY_DEIT)
+    assert set(with_unk.state_dict()) - set(model.state_dict()) == {"mjp.unk_embed"}
+    missing, unexpected = model.load_state_dict(with_unk.state_dict(), strict=False)
+    assert not missing and unexpected == ["mjp.unk_embed"]
+    again = timm.create_model("mjp_deit_tiny_patch16_224", mjp_unk=False, **TINY_DEIT)
+    again.load_state_dict(model.state_dict())  # strict: the same keys
+    images = torch.randn(2, 3, 32, 32)
+    loss = model(images).logsumexp(-1).mean() + model.mjp_aux_loss()
+    loss.backward()
+    assert model.pos_embed.grad.abs().sum() > 0 and model.mjp.last_jigsaw.mask.any()
+    model.half()  # the zero row for the kernels follows the model's dtype, and is never saved
+    assert model.mjp.unused_unk_row.dtype == torch.float16 and "mjp.unused_unk_row" not in model.state_dict()
+    with pytest.raises(TypeError, match="unk must be a bool"):
+        timm.create_model("mjp_deit_tiny_patch16_224", mjp_unk="no", **TINY_DEIT)
+
+
+def test_dal_reduction_sum_is_twice_the_mean():
+    torch.manual_seed(0)
+    mean = mjp_timm.convert(tiny_vit(), ratio=0.5, prob=1.0, dal="nonlinear")
+    assert mean.mjp.dal_scale == 0.5  # the default: the paper's code (F.l1_loss)
+    total = mjp_timm.convert(copy.deepcopy(tiny_vit()), ratio=0.5, prob=1.0, dal="nonlinear", dal_reduction="sum")
+    total.load_state_dict(mean.state_dict())
+    images = torch.randn(2, 3, 32, 32)
+    mean(images), total(images)
+    assert torch.equal(mean.mjp.last_jigsaw.mask, total.mjp.last_jigsaw.mask)
+    torch.testing.assert_close(total.mjp_aux_loss(), 2 * mean.mjp_aux_loss())
+    expected = mjp_fast_dal_loss(
+        mean.pos_embed[0, 1:], mean.mjp.dal_regressor, (4, 4), mean.mjp.last_jigsaw.mask, reduction="mean"
+    )
+    torch.testing.assert_close(mean.mjp_aux_loss(), expected)
+    assert "dal_scale" not in str(list(total.state_dict()))  # a plain attribute: old checkpoints load as they were
+    created = timm.create_model("mjp_deit_tiny_patch16_224", mjp_dal_reduction="sum", **TINY_DEIT)
+    assert created.mjp.dal_scale == 1.0
+    with pytest.raises(ValueError, match="dal_reduction must be one of mean, sum"):
+        mjp_timm.convert(tiny_vit(), dal_reduction="median")
+
+
+def test_a_model_pickled_before_the_options_existed_still_runs():
+    model = mjp_timm.convert(tiny_vit(), ratio=0.5, prob=1.0, dal="linear")
+    del model.mjp.__dict__["use_unk"], model.mjp.__dict__["dal_scale"]  # as an object saved by an older version
+    assert model.mjp.use_unk and model.mjp.dal_scale == 0.5
+    model(torch.randn(1, 3, 32, 32))
+    assert torch.isfinite(model.mjp_aux_loss())
+
+
+def test_a_vit_without_position_embeddings_gets_the_pixel_jigsaw():
+    from mjp_fast import jigsaw_images
+
+    torch.manual_seed(0)
+    plain = tiny_vit(pos_embed="none").eval()
+    assert plain.pos_embed is None and plain.cls_token is not None
+    model = mjp_timm.convert(copy.deepcopy(plain), ratio=0.5, prob=1.0, dal=None, unk=False)
+    assert isinstance(model, mjp_timm.MJPPixelVisionTransformer) and model.mjp.unk_embed is None
+    model.train(), plain.train()
+    images = torch.randn(2, 3, 32, 32)
+    out = model(images)
+    jigsaw = model.mjp.last_jigsaw
+    assert jigsaw is not None and jigsaw.mask.shape == (2, 16)
+    torch.testing.assert_close(out, plain(jigsaw_images(images, jigsaw, 8)))
+    assert float(model.mjp_aux_loss()) == 0.0
+    with pytest.raises(ValueError, match="position embeddings"):
+        mjp_timm.convert(tiny_vit(pos_embed="none"), dal="nonlinear")
+    created = timm.create_model("mjp_deit_tiny_patch16_224", pos_embed="none", **TINY_DEIT)
+    assert created.pos_embed is None and created.mjp.dal_regressor is None  # DAL off by default without them

@@ -11,6 +11,7 @@ same weight (0.01). The paper's code regresses raw integer coordinates; ``normal
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -71,49 +72,49 @@ def _coordinates(rows: int, cols: int, normalize: bool, device: str) -> torch.Te
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Fused kernels: the compiled extension (cpu, cuda) and Triton, one autograd node
+# Fused kernels: the compiled extension (cpu, cuda: its operator carries its own autograd, in C++) and Triton (one
+# autograd node here)
 # ----------------------------------------------------------------------------------------------------------------
 
 if backend_module.triton_importable():
     from mjp_fast.triton import dal_loss as _triton_kernels
 
 
-class _FusedDAL(torch.autograd.Function):
-    """The regressor and the weighted L1 in one operation forward and one backward.
+@functools.cache
+def _extension_operator() -> Callable[..., torch.Tensor]:
+    """``dal_loss_extension_autograd`` (the extension's fused DAL with its autograd in C++), looked up once: each
+    attribute of ``torch.ops`` is a Python lookup, and this runs every step."""
+    return torch.ops.mjp_fast.dal_loss_extension_autograd.default
+
+
+class _FusedDALTriton(torch.autograd.Function):
+    """The Triton kernels of the regressor and the weighted L1 as one autograd node: one operation forward, one
+    backward.
 
     pos: the position table, contiguous, its last two dims ``[skip_rows + N, D]`` (the model's whole table: its
     first ``skip_rows`` rows, the prefix tokens', are not regressed, and get zero gradient); the regressor's layers
     ``w1 [H, D]``, ``b1 [H]`` (None for the linear regressor), ``w2 [2, H]`` (``[2, D]``), ``b2 [2]`` or None;
-    coords float32 ``[N, 2]``; mask bool ``[B, N]`` or None. Computes in float32. Eager Triton calls launch the
-    kernels directly; under torch.compile they go through their operators.
+    coords float32 ``[N, 2]``; mask bool ``[B, N]`` or None. Computes in float32. Eager calls launch the kernels
+    directly; under torch.compile they go through their operators.
     """
 
     @staticmethod
-    def forward(ctx, pos, skip_rows, w1, b1, w2, b2, coords, mask, scale, backend):  # type: ignore[override]
+    def forward(ctx, pos, skip_rows, w1, b1, w2, b2, coords, mask, scale):  # type: ignore[override]
         arguments = (pos, skip_rows, w1, b1, w2, b2, coords, mask, scale)
-        if backend != "triton":
-            outputs = torch.ops.mjp_fast.dal_loss_extension(*arguments)
-        elif torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():
             outputs = torch.ops.mjp_fast.dal_loss_triton(*arguments)
         else:
             outputs = _triton_kernels.dal_forward_launch(*arguments)
         loss, pred, hidden, weights = outputs
         ctx.save_for_backward(pos, w1, w2, coords, pred, hidden, weights)
-        ctx.scale, ctx.skip_rows, ctx.backend, ctx.has_bias = (
-            scale,
-            skip_rows,
-            backend,
-            (b1 is not None, b2 is not None),
-        )
+        ctx.scale, ctx.skip_rows, ctx.has_bias = scale, skip_rows, (b1 is not None, b2 is not None)
         return loss
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         pos, w1, w2, coords, pred, hidden, weights = ctx.saved_tensors
         arguments = (grad, pos, ctx.skip_rows, w1, w2, coords, pred, hidden, weights, ctx.scale, *ctx.has_bias)
-        if ctx.backend != "triton":
-            grads = torch.ops.mjp_fast.dal_loss_extension_backward(*arguments)
-        elif torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():
             grads = torch.ops.mjp_fast.dal_loss_triton_backward(*arguments)
         else:
             grads = _triton_kernels.dal_backward_launch(*arguments)
@@ -126,7 +127,6 @@ class _FusedDAL(torch.autograd.Function):
             grad_b1 if has_b1 else None,
             grad_w2,
             grad_b2 if has_b2 else None,
-            None,
             None,
             None,
             None,
@@ -154,8 +154,10 @@ def dal_loss_unchecked(
     ``mask`` bool ``[B, N]`` on its device or None; ``scale`` the reduction's factor (:func:`dal_scale`: 0.5 for the
     default mean over the two coordinates)."""
     layers = _fused_layers(regressor) if backend != "torch" else None
-    if layers is not None and not (backend == "triton" and pos.dtype == torch.float64):
-        return _FusedDAL.apply(pos.contiguous(), skip_rows, *layers, coords, mask, scale, backend)
+    if layers is not None and backend != "triton":
+        return _extension_operator()(pos.contiguous(), skip_rows, *layers, coords, mask, scale)
+    if layers is not None and pos.dtype != torch.float64:
+        return _FusedDALTriton.apply(pos.contiguous(), skip_rows, *layers, coords, mask, scale)
     num_positions = coords.shape[0]
     prediction = regressor(pos[..., skip_rows:, :].reshape(num_positions, pos.shape[-1]))
     if not isinstance(prediction, torch.Tensor) or tuple(prediction.shape) != (num_positions, 2):

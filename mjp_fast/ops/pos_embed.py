@@ -23,11 +23,15 @@ composition's 5.5 ms.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
 from mjp_fast import backend as backend_module
 from mjp_fast._validate import check_float_dtype, check_same_device, check_tensor
+from mjp_fast.ops.dal_loss import _fused_layers
 from mjp_fast.ops.permute import _move
 from mjp_fast.ops.sample_jigsaw import Jigsaw, check_jigsaw
 
@@ -142,7 +146,8 @@ class _MJPPosEmbed(torch.autograd.Function):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Kernels: the compiled extension (cpu) and Triton, one autograd node for both
+# Kernels: the compiled extension (cpu: its operator carries its own autograd, in C++) and Triton (one autograd
+# node here)
 # ----------------------------------------------------------------------------------------------------------------
 
 
@@ -150,12 +155,19 @@ if backend_module.triton_importable():
     from mjp_fast.triton import pos_embed as _triton_kernels
 
 
-class _PosEmbedKernels(torch.autograd.Function):
-    """The ``cpu`` and ``triton`` kernels as one autograd node: one pass forward, one pass backward.
+@functools.cache
+def _extension_operator() -> Callable[..., torch.Tensor]:
+    """``pos_embed_extension_autograd`` (the ``cpu`` kernels with their autograd in C++), looked up once: each
+    attribute of ``torch.ops`` is a Python lookup, and this runs every step."""
+    return torch.ops.mjp_fast.pos_embed_extension_autograd.default
 
-    Eager Triton calls launch the kernels directly (the operator wrapper costs host time that a training step feels
-    on a GPU); under torch.compile the same kernels are called through their operators, which Inductor sees. The
-    extension's operators are registered with the dispatcher in C++, cheap to call in both modes.
+
+class _PosEmbedTriton(torch.autograd.Function):
+    """The ``triton`` kernels as one autograd node: one pass forward, one pass backward.
+
+    Eager calls launch the kernels directly (the operator wrapper costs host time that a training step feels on a
+    GPU); under torch.compile the same kernels are called through their operators, which Inductor sees. (The
+    ``cpu`` backend needs no node here: ``pos_embed_extension_autograd`` is differentiable by itself.)
 
     tokens ``[B, N, D]``, perm int64 and mask bool ``[B, N]`` (contiguous); pos_embed: the table, contiguous, its
     last two dims ``[Q + N, D]`` (the model's whole table: no slicing); unk_embed ``[D]``; prefix: the class and
@@ -164,17 +176,14 @@ class _PosEmbedKernels(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, tokens, perm, mask, pos_embed, unk_embed, prefix, prefix_positions, backend):  # type: ignore[override]
+    def forward(ctx, tokens, perm, mask, pos_embed, unk_embed, prefix, prefix_positions):  # type: ignore[override]
         ctx.save_for_backward(perm, mask)
         prefix_shape = list(prefix.shape) if prefix is not None else [0]
         prefix_count = prefix.numel() // tokens.shape[2] if prefix is not None else 0
         ctx.layout = (prefix_count, prefix_positions, list(pos_embed.shape), prefix_shape)
         prefix_dtype = prefix.dtype if prefix is not None else pos_embed.dtype
         ctx.dtypes = (tokens.dtype, pos_embed.dtype, unk_embed.dtype, prefix_dtype)
-        ctx.backend = backend
         arguments = (tokens, perm, mask, pos_embed, unk_embed, prefix, prefix_positions)
-        if backend == "cpu":
-            return torch.ops.mjp_fast.pos_embed_extension(*arguments)
         if torch.compiler.is_compiling():
             return torch.ops.mjp_fast.pos_embed_triton(*arguments)
         return _triton_kernels.pos_embed_forward_launch(*arguments)
@@ -183,14 +192,12 @@ class _PosEmbedKernels(torch.autograd.Function):
     def backward(ctx, grad):  # type: ignore[override]
         perm, mask = ctx.saved_tensors
         arguments = (grad.contiguous(), perm, mask, *ctx.layout, *ctx.dtypes)
-        if ctx.backend == "cpu":
-            grads = torch.ops.mjp_fast.pos_embed_extension_backward(*arguments)
-        elif torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():
             grads = torch.ops.mjp_fast.pos_embed_triton_backward(*arguments)
         else:
             grads = _triton_kernels.pos_embed_backward_launch(*arguments)
         grad_tokens, grad_pos, grad_unk, grad_prefix = grads
-        return grad_tokens, None, None, grad_pos, grad_unk, grad_prefix if ctx.layout[0] else None, None, None
+        return grad_tokens, None, None, grad_pos, grad_unk, grad_prefix if ctx.layout[0] else None, None
 
 
 def has_kernels(backend: str, dtype: torch.dtype) -> bool:
@@ -259,16 +266,70 @@ def mjp_position_step(
         return prepend_prefix(moved, pos_embed, prefix, prefix_positions)
     # The table, unk_embed and the prefix rounded to the output dtype here, as the oracle rounds them (autograd casts
     # their gradients back): no copy at all in the usual case (float32 parameters).
-    return _PosEmbedKernels.apply(
+    table_dtype = pos_embed.dtype
+    return (_extension_operator() if backend == "cpu" else _PosEmbedTriton.apply)(
         tokens.contiguous(),
         jigsaw.perm,
         jigsaw.mask,
-        pos_embed.to(dtype).contiguous(),
-        unk_embed.to(pos_embed.dtype).to(dtype).contiguous(),
-        prefix.to(dtype).contiguous() if prefix is not None else None,
+        _as_dtype(pos_embed, dtype).contiguous(),
+        _as_dtype(_as_dtype(unk_embed, table_dtype), dtype).contiguous(),
+        _as_dtype(prefix, dtype).contiguous() if prefix is not None else None,
         prefix_positions,
-        backend,
     )
+
+
+@functools.cache
+def _extension_step_with_dal() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """``mjp_step_extension_autograd``: the ``cpu`` position step and DAL loss as one operator (autograd in C++)."""
+    return torch.ops.mjp_fast.mjp_step_extension_autograd.default
+
+
+def mjp_position_dal_step(
+    tokens: torch.Tensor,
+    pos_embed: torch.Tensor,
+    unk_embed: torch.Tensor,
+    jigsaw: Jigsaw,
+    prefix: torch.Tensor | None,
+    prefix_positions: int,
+    regressor: torch.nn.Module,
+    coords: torch.Tensor,
+    dal_mask: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """:func:`mjp_position_step` and the DAL loss of the same table (:func:`mjp_fast.ops.dal_loss.dal_loss_unchecked`
+    with ``skip_rows = prefix_positions``) as one operator of the ``cpu`` backend: one call, one autograd node, for
+    the timm models' training step. Returns ``(out, dal_loss)``, or None where that operator does not apply (then
+    call the two functions): a regressor the fused kernels do not compute, a table the step would cast, or
+    torch.compile (which sees the two operators and fuses what it likes).
+
+    ``jigsaw``: the position step's (its mask says which positions get ``unk_embed``); ``dal_mask``: the positions
+    the DAL loss leaves out (the sampled mask; they differ without unk). ``coords`` float32 ``[N, 2]``.
+    """
+    layers = _fused_layers(regressor)
+    if layers is None or torch.compiler.is_compiling():
+        return None
+    dtype = _promoted(tokens.dtype, pos_embed.dtype)
+    if dtype != pos_embed.dtype or not has_kernels("cpu", dtype):
+        return None
+    out, loss = _extension_step_with_dal()(
+        tokens.contiguous(),
+        jigsaw.perm,
+        jigsaw.mask,
+        pos_embed.contiguous(),
+        _as_dtype(unk_embed, dtype).contiguous(),
+        _as_dtype(prefix, dtype).contiguous() if prefix is not None else None,
+        prefix_positions,
+        *layers,
+        coords,
+        dal_mask,
+        scale,
+    )
+    return out, loss
+
+
+def _as_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``tensor.to(dtype)`` without the call when it has that dtype already (the usual case, every step)."""
+    return tensor if tensor.dtype == dtype else tensor.to(dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -424,6 +424,21 @@ class SamplerPlan(NamedTuple):
         )  # fmt: skip
         return Jigsaw(mask, perm)
 
+    def sample_step(
+        self, batch_size: int, counter: torch.Tensor, counter_scale: int = 1, stream_shift: int = 0
+    ) -> Jigsaw:
+        """:meth:`sample`, then ``counter += batch_size`` in place: a module's training step (``counter``: its int64
+        one-element stream counter on the plan's device). On the CPU, one call of the extension does both."""
+        if self.backend == "cpu" and not torch.compiler.is_compiling():
+            mask, perm = backend_module.extension().sample_jigsaw_step(
+                counter, counter_scale, stream_shift, batch_size, self.rows, self.cols, self.target, self.min_block,
+                self.seed, self.shared, self.prob_threshold, self.h_thresholds, self.w_thresholds,
+            )  # fmt: skip
+            return Jigsaw(mask, perm)
+        jigsaw = self.sample(batch_size, counter, counter_scale, stream_shift)
+        counter.add_(batch_size)  # a buffer that needs no gradient: nothing is recorded
+        return jigsaw
+
 
 def make_sampler_plan(
     grid_size: tuple[int, int],

@@ -57,6 +57,13 @@ class TrainConfig:
     embed_dim: int | None = _field(None, "model", "ViT token width (none: the model's default)")
     depth: int | None = _field(None, "model", "ViT number of blocks (none: the model's default)")
     num_heads: int | None = _field(None, "model", "ViT attention heads (none: the model's default)")
+    pos_embed: str = _field(
+        "learned",
+        "model",
+        "ViT absolute position embeddings: learned (timm's), or none (no position embeddings; the class token "
+        "stays; with mjp=true the jigsaw is then pixel-space only and mjp_dal must be none)",
+        ("learned", "none"),
+    )
     num_classes: int | None = _field(None, "model", "classifier outputs (none: the number of dataset classes)")
     drop_path: float = _field(0.1, "model", "stochastic depth rate")
 
@@ -66,6 +73,19 @@ class TrainConfig:
     mjp_prob: float = _field(0.5, "mjp", "probability that a sample is jigsawed, in [0, 1]")
     mjp_dal: str = _field(
         "nonlinear", "mjp", "DAL position regressor (none: no DAL loss)", ("nonlinear", "linear", "pca", "none")
+    )
+    dal_reduction: str = _field(
+        "mean",
+        "mjp",
+        "DAL loss over the two coordinates: mean (the paper's code, F.l1_loss) or sum (the paper's formula, twice "
+        "the mean at the same dal_weight)",
+        ("mean", "sum"),
+    )
+    mjp_unk: bool = _field(
+        True,
+        "mjp",
+        "jigsawed positions get the learned unknown position embedding (false: the shuffled patches keep the "
+        "position embeddings of where they land, the paper's naive-shuffle ablation; no unk_embed)",
     )
     dal_weight: float = _field(0.01, "mjp", "DAL loss weight at the start of training")
     dal_weight_end: float = _field(0.005, "mjp", "DAL loss weight at the end (cosine decay from dal_weight)")
@@ -206,6 +226,11 @@ class TrainConfig:
             raise ConfigError(f"mjp_seed must be in [0, 2**64) or none, got {self.mjp_seed}")
         if self.mjp_from_epoch is not None and self.mjp_from_epoch < 0:
             raise ConfigError(f"mjp_from_epoch must be >= 0 or none, got {self.mjp_from_epoch}")
+        if self.pos_embed == "none" and (self.mjp or self.compare) and self.mjp_dal != "none":
+            raise ConfigError(
+                f"mjp_dal={self.mjp_dal} regresses the position embeddings, which pos_embed=none removes; set "
+                "mjp_dal=none (or train only the plain model: mjp=false compare=false)"
+            )
         if self.smoothing >= 1.0:
             raise ConfigError(f"smoothing must be < 1, got {self.smoothing}")
         if self.warmup_epochs > self.epochs:

@@ -3,8 +3,10 @@
 A checkpoint names its model the timm way: ``timm.create_model(model_name, pretrained=False, **model_kwargs)``
 rebuilds it. MJP models are ``mjp_<base>`` (``mjp_deit_small_patch16_224`` and friends are registered by
 ``mjp_fast.timm``; :func:`ensure_registered` registers the same kind of entry point for any other timm base);
-their ``model_kwargs`` carry ``mjp_ratio``, ``mjp_prob``, ``mjp_dal`` and ``mjp_seed``. Baselines are the plain
-timm model.
+their ``model_kwargs`` carry ``mjp_ratio``, ``mjp_prob``, ``mjp_dal``, ``mjp_seed``, ``mjp_unk`` and
+``mjp_dal_reduction`` (checkpoints written before the last two existed rebuild with their defaults: unk on, the
+mean reduction). Baselines are the plain timm model. ``pos_embed=none`` adds timm's ``pos_embed="none"`` keyword
+(a ViT without absolute position embeddings), for either.
 """
 
 from __future__ import annotations
@@ -50,6 +52,9 @@ def model_spec(config: TrainConfig, num_classes: int, *, mjp: bool | None = None
         value = getattr(config, key)
         if value is not None:
             kwargs[key] = value
+    if config.pos_embed == "none":
+        # timm's VisionTransformer keyword; left out for "learned" (timm's default), which other models lack.
+        kwargs["pos_embed"] = "none"
     if not use_mjp:
         return base, kwargs
     kwargs.update(
@@ -57,6 +62,8 @@ def model_spec(config: TrainConfig, num_classes: int, *, mjp: bool | None = None
         mjp_prob=config.mjp_prob,
         mjp_dal=config.mjp_dal,  # "none" too: timm drops None-valued keywords
         mjp_seed=config.seed if config.mjp_seed is None else config.mjp_seed,
+        mjp_unk=config.mjp_unk,
+        mjp_dal_reduction=config.dal_reduction,
     )
     return MJP_PREFIX + base, kwargs
 
@@ -72,6 +79,8 @@ def create_model(model_name: str, model_kwargs: dict[str, Any]) -> nn.Module:
     except (TypeError, ValueError, AssertionError, RuntimeError) as error:
         settings = ", ".join(f"{key}={value}" for key, value in model_kwargs.items())
         message = str(error).splitlines()[0] if str(error) else type(error).__name__
+        if "pos_embed" in model_kwargs and isinstance(error, TypeError) and "pos_embed" in message:
+            message = f"pos_embed=none needs a timm VisionTransformer (deit_*, vit_*), which {model_name} is not"
         raise ConfigError(f"cannot build model {model_name} with {settings}: {message}") from None
 
 

@@ -157,6 +157,29 @@ def test_sample_jigsaw_rejects_bad_arguments():
             _C.sample_jigsaw(**{**good, **bad})
 
 
+@pytest.mark.parametrize("stream", [dict(counter=0, scale=1, shift=0), dict(counter=2**31 + 5, scale=3, shift=7)])
+def test_sample_jigsaw_step_samples_then_advances_the_counter(stream):
+    # JigsawSampler's CPU step: the samples of stream position counter * scale + shift, then counter += batch.
+    h, w = sampler_tables(4, 5, 0.3, "cpu")
+    counter = torch.tensor(stream["counter"], dtype=torch.int64)
+    version = counter._version
+    mask, perm = _C.sample_jigsaw_step(counter, stream["scale"], stream["shift"], 6, 4, 5, 8, 2, 9, False, 2**31, h, w)
+    offset = stream["counter"] * stream["scale"] + stream["shift"]
+    expected = _C.sample_jigsaw(6, 4, 5, 8, 2, 9, offset, False, 2**31, h, w)
+    assert torch.equal(mask, expected[0]) and torch.equal(perm, expected[1])
+    assert counter.item() == stream["counter"] + 6 and counter._version > version
+
+
+def test_sample_jigsaw_step_rejects_bad_counters():
+    h, w = sampler_tables(4, 5, 0.3, "cpu")
+    arguments = (1, 0, 2, 4, 5, 3, 8, 1, False, 2**32, h, w)
+    for bad in (torch.zeros((), dtype=torch.int32), torch.zeros(2, dtype=torch.int64), torch.zeros(())):
+        with pytest.raises(RuntimeError, match="counter"):
+            _C.sample_jigsaw_step(bad, *arguments)
+    with pytest.raises(RuntimeError, match="counter_scale"):
+        _C.sample_jigsaw_step(torch.zeros((), dtype=torch.int64), -1, *arguments[1:])
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Patch embedding
 # ----------------------------------------------------------------------------------------------------------------

@@ -521,7 +521,9 @@ class DalCase:
         return pos, skip_rows, *params, self.coords, self.mask
 
 
-DAL_SHAPES = [  # rows, cols, D, H
+# rows, cols, D, H. The CPU kernels run their GEMMs as loops up to N * H * D = 2**16 and through ATen above: the
+# last shape takes the second path.
+DAL_SHAPES = [
     (1, 1, 1, 1),
     (1, 1, 5, 3),
     (3, 5, 7, 11),
@@ -583,7 +585,7 @@ def _check_dal(case, pos_dtype, param_dtype, scale, device="cpu", skip_rows=0, t
 @pytest.mark.parametrize("dtypes", DAL_DTYPES, ids=lambda p: f"{str(p[0])[6:]}-{str(p[1])[6:]}")
 @pytest.mark.parametrize("mask_kind", [None, "random"], ids=str)
 @pytest.mark.parametrize("kind", ["nonlinear", "linear"])
-@pytest.mark.parametrize("shape", [(1, 1, 5, 3), (3, 5, 7, 11)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("shape", [(1, 1, 5, 3), (3, 5, 7, 11), (14, 14, 48, 24)], ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize(("skip_rows", "table"), [(0, "3d"), (2, "2d"), (2, "3d")], ids=str)
 def test_dal_loss_on_the_whole_table(skip_rows, table, shape, kind, mask_kind, dtypes):
     # The model's table [1, skip_rows + N, D] (or flat): the prefix rows are not regressed, their gradient is zero.
@@ -768,6 +770,80 @@ def test_dal_loss_opcheck(kind, mask_kind, skip_rows):
         True,
     )
     torch.library.opcheck(ops.dal_loss_extension_backward.default, backward_args)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# pos_embed_extension_autograd, dal_loss_extension_autograd: the same kernels with their autograd in C++
+
+
+@pytest.mark.parametrize("prefix_layout", [None, (1, 1, "3d", "3d"), (3, 0, "2d", "3d")], ids=str)
+def test_pos_embed_autograd_operator_gradcheck(prefix_layout):
+    tokens, perm, mask, pos_embed, unk_embed, _ = _pos_embed_inputs(3, 2, 3, 4, "random", *[torch.float64] * 2)
+    prefix, table, positions = None, pos_embed, 0
+    if prefix_layout is not None:
+        prefix, table = _prefix_inputs(tokens, pos_embed, prefix_layout)
+        positions = prefix_layout[1]
+    leaves = [t.detach().requires_grad_() for t in (tokens, table, unk_embed)]
+    prefix_leaf = None if prefix is None else prefix.detach().requires_grad_()
+
+    def call(tokens, table, unk_embed, prefix):
+        return ops.pos_embed_extension_autograd(tokens, perm, mask, table, unk_embed, prefix, positions)
+
+    assert torch.autograd.gradcheck(call, (*leaves, prefix_leaf))
+    out = call(*leaves, prefix_leaf)
+    expected = ops.pos_embed_extension(*(t.detach() for t in (tokens, perm, mask, table, unk_embed)), prefix, positions)
+    assert torch.equal(out, expected) and out.grad_fn is not None
+    out.backward(torch.ones_like(out))
+    assert all(leaf.grad is not None and leaf.grad.shape == leaf.shape for leaf in leaves)
+    assert prefix_leaf is None or prefix_leaf.grad.shape == prefix_leaf.shape
+
+
+@pytest.mark.parametrize("mask_kind", [None, "random"], ids=str)
+@pytest.mark.parametrize("kind", ["nonlinear", "linear"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_dal_loss_autograd_operator_gradcheck(kind, mask_kind, bias):
+    case = DalCase(3, 4, 5, 6, kind=kind, mask_kind=mask_kind, bias=bias, seed=2)
+    pos, skip_rows, *params, coords, mask = case.args(torch.float64, torch.float64, skip_rows=1, table="3d")
+    leaves = [None if t is None else t.detach().requires_grad_() for t in (pos, *params)]
+
+    def call(pos, w1, b1, w2, b2):
+        return ops.dal_loss_extension_autograd(pos, skip_rows, w1, b1, w2, b2, coords, mask, 0.5)
+
+    assert torch.autograd.gradcheck(call, leaves)
+    loss = call(*leaves)
+    assert torch.equal(loss, ops.dal_loss_extension(pos, skip_rows, *params, coords, mask, 0.5)[0])
+    loss.backward()
+    assert not leaves[0].grad[0, :skip_rows].any()  # the prefix rows are not regressed
+
+
+def test_autograd_operators_without_autograd():
+    # Inference mode skips the Autograd key: the CompositeExplicitAutograd kernels give the same values, no graph.
+    tokens, perm, mask, pos_embed, unk_embed, _ = _pos_embed_inputs(2, 3, 3, 4, "random", *[torch.float32] * 2)
+    case = DalCase(3, 3, 4, 5, kind="nonlinear", mask_kind="random")
+    dal_args = (*case.args(torch.float32, torch.float32), 0.5)
+    pos_args = (tokens, perm, mask, pos_embed.requires_grad_(), unk_embed, None, 0)
+    with torch.inference_mode():
+        out = ops.pos_embed_extension_autograd(*pos_args)
+        loss = ops.dal_loss_extension_autograd(*dal_args)
+    assert out.grad_fn is None and loss.grad_fn is None
+    assert torch.equal(out, ops.pos_embed_extension(*pos_args))
+    assert torch.equal(loss, ops.dal_loss_extension(*dal_args)[0])
+
+
+@pytest.mark.parametrize("kind", ["nonlinear", "linear"])
+def test_autograd_operators_opcheck(kind):
+    tokens, perm, mask, pos_embed, unk_embed, _ = _pos_embed_inputs(3, 2, 3, 4, "random", *[torch.float32] * 2)
+    prefix, table = _prefix_inputs(tokens, pos_embed, (1, 1, "3d", "3d"))
+    pos_args = [t.requires_grad_() for t in (tokens, table, unk_embed, prefix)]
+    torch.library.opcheck(
+        ops.pos_embed_extension_autograd.default, (pos_args[0], perm, mask, pos_args[1], pos_args[2], pos_args[3], 1)
+    )
+    case = DalCase(3, 4, 5, 6, kind=kind, mask_kind="random")
+    pos, skip_rows, *params, coords, dal_mask = case.args(torch.float32, torch.float32, skip_rows=1, table="3d")
+    leaves = [None if t is None else t.requires_grad_() for t in (pos, *params)]
+    torch.library.opcheck(
+        ops.dal_loss_extension_autograd.default, (leaves[0], skip_rows, *leaves[1:], coords, dal_mask, 0.5)
+    )
 
 
 def test_operators_compile_in_one_graph():

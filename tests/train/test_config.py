@@ -114,3 +114,43 @@ def test_digits_preset_and_help_table_cover_every_key():
     table = help_table()
     for name in FIELDS:
         assert f"  {name}=" in table
+
+
+def test_the_ablation_variants_keys():
+    defaults = TrainConfig().validate()
+    assert (defaults.pos_embed, defaults.mjp_unk, defaults.dal_reduction) == ("learned", True, "mean")
+    for section, names in (("model", ["pos_embed"]), ("mjp", ["mjp_unk", "dal_reduction"])):
+        assert all(FIELDS[name].metadata["section"] == section for name in names)
+    # the paper's rows as plain overrides
+    assert load_config(None, ["mjp=false", "pos_embed=none"]).pos_embed == "none"  # B
+    assert load_config(None, ["pos_embed=null", "mjp_dal=none"]).pos_embed == "none"  # with the jigsaw, no DAL
+    d_row = load_config(None, ["mjp_ratio=0", "mjp_dal=nonlinear"])  # D
+    assert d_row.mjp_ratio == 0.0 and d_row.mjp_dal == "nonlinear"
+    assert load_config(None, ["mjp_unk=false"]).mjp_unk is False  # E
+    assert load_config(None, ["dal_reduction=sum"]).dal_reduction == "sum"
+    text = help_table()
+    for name in ("pos_embed=learned", "mjp_unk=True", "dal_reduction=mean"):
+        assert f"  {name}  " in text
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["pos_embed=rope"], "pos_embed must be one of learned, none, got 'rope'"),
+        (["mjp_unk=maybe"], "mjp_unk must be true or false, got 'maybe'"),
+        (["dal_reduction=median"], "dal_reduction must be one of mean, sum, got 'median'"),
+        (["pos_embed=none"], "mjp_dal=nonlinear regresses the position embeddings, which pos_embed=none removes"),
+        (["pos_embed=none", "mjp=false", "compare=true", "mjp_dal=linear"], "set mjp_dal=none"),
+    ],
+)
+def test_the_ablation_keys_bad_values_name_the_key(overrides, message):
+    with pytest.raises(ConfigError) as error:
+        load_config(None, overrides)
+    assert message in str(error.value)
+
+
+def test_the_ablation_keys_round_trip_through_a_saved_config(tmp_path):
+    config = load_config(None, ["pos_embed=none", "mjp_dal=none", "mjp_unk=false", "dal_reduction=sum"])
+    save_config(config, tmp_path / "config.yaml")
+    again = load_config(tmp_path / "config.yaml")
+    assert (again.pos_embed, again.mjp_unk, again.dal_reduction) == ("none", False, "sum")

@@ -1,8 +1,9 @@
 """How ``mjp train`` names and builds its models."""
 
+import pytest
 import torch
 
-from mjp_fast.train.config import load_config
+from mjp_fast.train.config import ConfigError, load_config
 from mjp_fast.train.models import create_model, model_spec
 from tests.train.helpers import tiny_overrides
 
@@ -41,3 +42,33 @@ def test_mjp_dal_none_on_the_command_line_and_in_yaml(tmp_path):
     path = tmp_path / "recipe.yaml"
     path.write_text("mjp:\n  mjp_dal: null\n")
     assert load_config(path).mjp_dal == "none"
+
+
+def test_the_ablation_keys_reach_the_model():
+    model, kwargs = _build("mjp_unk=false", "dal_reduction=sum")
+    assert kwargs["mjp_unk"] is False and kwargs["mjp_dal_reduction"] == "sum" and "pos_embed" not in kwargs
+    assert model.mjp.unk_embed is None and model.mjp.dal_scale == 1.0
+    default, kwargs = _build()
+    assert kwargs["mjp_unk"] is True and default.mjp.unk_embed is not None and default.mjp.dal_scale == 0.5
+
+
+def test_pos_embed_none_builds_both_models_without_position_embeddings():
+    config = load_config(overrides=[*tiny_overrides(), "pos_embed=none", "mjp_dal=none"])
+    for use_mjp in (False, True):
+        name, kwargs = model_spec(config, num_classes=3, mjp=use_mjp)
+        assert kwargs["pos_embed"] == "none"
+        model = create_model(name, kwargs)
+        assert model.pos_embed is None and model.cls_token is not None  # timm's: the class token stays
+        assert ("mjp" in dict(model.named_children())) == use_mjp
+    config = load_config(overrides=["pos_embed=none", "mjp=false", "model=resnet18"])
+    name, kwargs = model_spec(config, num_classes=3)
+    with pytest.raises(ConfigError, match="pos_embed=none needs a timm VisionTransformer"):
+        create_model(name, kwargs)
+
+
+def test_checkpoints_written_before_the_ablation_keys_still_load():
+    model, kwargs = _build()
+    old_kwargs = {key: value for key, value in kwargs.items() if key not in ("mjp_unk", "mjp_dal_reduction")}
+    rebuilt = create_model("mjp_vit_tiny_patch16_224", old_kwargs)
+    rebuilt.load_state_dict(model.state_dict())  # strict: the same keys
+    assert rebuilt.mjp.unk_embed is not None and rebuilt.mjp.dal_scale == 0.5
