@@ -107,8 +107,8 @@ class JigsawSampler(nn.Module):
         The per-step path of the modules: in training, the sampler's plan (settings, tables, resolved backend) is
         made on the first call and kept while the settings, the device and the grid stay the same, so a step only
         launches the sampler. The sampler reads the stream position from ``sample_counter`` on the device, then the
-        counter advances on the device: two dispatched operations in all, no host sync on the Triton backend. (The
-        backend is resolved when the plan is made: set ``MJP_FAST_BACKEND`` before the first step.)
+        counter advances on the device: no host sync on the Triton backend; on the CPU, one call of the extension
+        does both. (The backend is resolved when the plan is made: set ``MJP_FAST_BACKEND`` before the first step.)
         """
         if not self.active:
             return None
@@ -120,7 +120,7 @@ class JigsawSampler(nn.Module):
             # compiled graph's guards depend: a recompile on the next step).
             plan = self._make_plan(device, grid_size)
         else:
-            key = (device, grid_size, self.ratio, self.prob, self.seed, self.min_block, self.min_aspect, self.shared)
+            key = (device, grid_size, self.backend, self.ratio, self.prob, self.seed, self.min_block, self.shared)
             if key != self._plan_key:
                 self._plan, self._plan_key = self._make_plan(device, grid_size), key
             plan = self._plan

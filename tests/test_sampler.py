@@ -13,6 +13,27 @@ def test_training_calls_advance_the_stream():
     assert torch.equal(torch.cat((first.perm, second.perm)), expected.perm)
 
 
+def test_settings_changed_between_steps_take_effect():
+    # The sampler keeps its plan between steps; a changed setting (the loop sets prob per epoch), backend or dtype
+    # move makes it again, so each call draws what sample_jigsaw draws with the settings of that call.
+    sampler = mjp_fast.JigsawSampler((4, 5), ratio=0.5, prob=1.0, seed=9, min_block=2)
+    cpu = torch.device("cpu")
+    calls = [dict(), dict(prob=0.5), dict(ratio=0.25, seed=4), dict(backend="torch"), dict(backend=None)]
+    seen = 0
+    for changes in calls:
+        for name, value in changes.items():
+            setattr(sampler, name, value)
+        if changes.get("backend") is None and "backend" in changes:
+            sampler.double()  # an nn.Module conversion: the buffers the plan holds are replaced
+        jigsaw = sampler(3, cpu)
+        expected = mjp_fast.sample_jigsaw(
+            3, (4, 5), sampler.ratio, seed=sampler.seed, offset=seen, prob=sampler.prob, min_block=2
+        )
+        assert torch.equal(jigsaw.mask, expected.mask) and torch.equal(jigsaw.perm, expected.perm), changes
+        seen += 3
+    assert sampler.samples_seen == seen
+
+
 def test_eval_mode_is_plain_unless_asked():
     sampler = mjp_fast.JigsawSampler(4, ratio=0.5, prob=1.0).eval()
     assert sampler(2, torch.device("cpu")) is None
