@@ -33,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     from mjp_fast.demo import BUILTIN_IMAGES
     from mjp_fast.evaluate.cli import register as register_eval
     from mjp_fast.privacy.cli import register as register_attack
+    from mjp_fast.reproduce.cli import register as register_reproduce
     from mjp_fast.train.cli import register as register_train
 
     parser = argparse.ArgumentParser(
@@ -117,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     register_attack(commands)
     register_train(commands)
     register_eval(commands)
+    register_reproduce(commands)
     return parser
 
 

@@ -119,6 +119,12 @@ class TrainConfig:
     std: list[float] | None = _field(None, "data", "normalization std (none: the model's)")
     crop_pct: float | None = _field(None, "data", "center-crop fraction at evaluation (none: the model's)")
     interpolation: str = _field("bicubic", "data", "resize interpolation", ("bicubic", "bilinear", "nearest"))
+    cache_images: bool = _field(
+        False,
+        "data",
+        "decode a folder dataset's images once into memory (uint8 pixels, shared by the loader workers and by "
+        "every run of the process): for datasets that fit in memory, such as CIFAR",
+    )
 
     # augmentation
     auto_augment: str | None = _field(

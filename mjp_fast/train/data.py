@@ -7,6 +7,11 @@ Transforms are timm's (``create_transform``): the training one with RandAugment,
 recipe; the evaluation one resizes and center-crops and returns uint8 tensors, so corruptions can be applied to
 the pixels before the loop normalizes them on the device.
 
+``cache_images=true`` decodes a folder dataset once into memory (:class:`InMemoryImageDataset`: uint8 pixels in one
+NumPy array when the images share a size): the loader workers then read pixels instead of files (fork shares the
+array), and every later run of the same process on the same split reuses the decoded pixels (``mjp reproduce``
+trains many variants on one dataset). :func:`clear_image_cache` frees them.
+
 Reproducibility: every sample a training epoch draws gets its own seed from ``(seed, rank, epoch, position in the
 epoch)``, set before its transform runs. Augmentations are then a pure function of those four numbers, whatever
 the number of loader workers, and a run resumed in the middle of an epoch draws exactly what it would have drawn.
@@ -16,7 +21,8 @@ from __future__ import annotations
 
 import os
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -130,12 +136,101 @@ def fixed_subset(dataset: Dataset, size: int | None) -> Dataset:
     return subset
 
 
+class InMemoryImageDataset(Dataset):
+    """Decoded images held in memory: ``(PIL RGB image through transform, target)`` per sample, as the folder
+    dataset it was decoded from gives them, without reading files.
+
+    Args:
+        pixels: uint8 ``[N, H, W, 3]`` (one array: images of one size) or a sequence of ``[H, W, 3]`` arrays.
+        targets: ``N`` class indices.
+        classes: the class names.
+        transform: applied to each PIL image (set later by the training loop).
+    """
+
+    def __init__(
+        self,
+        pixels: np.ndarray | Sequence[np.ndarray],
+        targets: Sequence[int],
+        classes: list[str],
+        transform: Any = None,
+    ) -> None:
+        if len(pixels) != len(targets):
+            raise ValueError(f"pixels and targets must have one entry per image, got {len(pixels)} and {len(targets)}")
+        self.pixels = pixels
+        self.targets = list(targets)
+        self.classes = list(classes)
+        self.transform = transform
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def __getitem__(self, index: int) -> tuple[Any, int]:
+        image = Image.fromarray(self.pixels[index])  # uint8 [H, W, 3]: an RGB image
+        if self.transform is not None:
+            image = self.transform(image)
+        return image, self.targets[index]
+
+    def view(self) -> InMemoryImageDataset:
+        """Another dataset over the same pixels, with its own transform (no copy)."""
+        return InMemoryImageDataset(self.pixels, self.targets, self.classes)
+
+
+def _decode_rgb(path: str) -> np.ndarray:
+    with Image.open(path) as image:
+        return np.asarray(image.convert("RGB"))
+
+
+def decode_in_memory(dataset: Dataset) -> InMemoryImageDataset:
+    """Decodes every image of a folder dataset (a timm ``ImageDataset``, or a ``Subset`` of one) into memory,
+    in threads (Pillow's decoders release the GIL). Raises ConfigError for an unreadable image."""
+    base, indices = (dataset.dataset, dataset.indices) if isinstance(dataset, Subset) else (dataset, None)
+    samples = base.reader.samples
+    chosen = [samples[index] for index in indices] if indices is not None else list(samples)
+    paths = [str(path) for path, _ in chosen]
+    workers = max(1, min(16, default_workers(1)))
+    try:
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            decoded = list(pool.map(_decode_rgb, paths, chunksize=256))
+    except OSError as error:
+        raise ConfigError(f"cannot decode an image for cache_images: {error}") from None
+    shapes = {array.shape for array in decoded}
+    pixels = np.stack(decoded) if len(shapes) == 1 else decoded  # one array shares best across forked workers
+    return InMemoryImageDataset(pixels, [int(target) for _, target in chosen], base.classes)
+
+
+# (split folder, classes, subset size) -> decoded images: one decode per process, whatever the number of runs.
+_IMAGE_CACHE: dict[tuple[str, tuple[str, ...] | None, int | None], InMemoryImageDataset] = {}
+
+
+def cached_folder_dataset(split_dir: Path, classes: list[str] | None, size: int | None) -> InMemoryImageDataset:
+    """:func:`folder_dataset` of ``split_dir`` cut to :func:`fixed_subset` ``size``, decoded into memory once per
+    process: later calls with the same arguments reuse the pixels (the folder is not listed again)."""
+    key = (str(split_dir.resolve()), tuple(classes) if classes is not None else None, size)
+    if key not in _IMAGE_CACHE:
+        _IMAGE_CACHE[key] = decode_in_memory(fixed_subset(folder_dataset(split_dir, classes), size))
+    return _IMAGE_CACHE[key].view()
+
+
+def clear_image_cache() -> None:
+    """Frees the images that ``cache_images=true`` decoded."""
+    _IMAGE_CACHE.clear()
+
+
 def build_datasets(config: TrainConfig, *, need_train: bool = True) -> tuple[Dataset | None, Dataset, list[str]]:
     """(training set or None, validation set, class names), without transforms. Raises ConfigError."""
     if config.dataset_kind == "digits":
         train = DigitsDataset("train") if need_train else None
         val = DigitsDataset("val")
         classes = val.classes
+    elif config.cache_images:
+        root = Path(config.data)
+        train, classes = None, None
+        if need_train:
+            train = cached_folder_dataset(resolve_split(root, config.train_split), None, config.max_train_samples)
+            classes = train.classes
+        val_dir = resolve_split(root, config.val_split, validation=True)
+        val = cached_folder_dataset(val_dir, classes, config.max_val_samples)
+        return train, val, val.classes
     else:
         root = Path(config.data)
         if need_train:
@@ -294,9 +389,13 @@ def normalize_batch(images: torch.Tensor, mean: torch.Tensor, std: torch.Tensor)
 
 __all__ = [
     "DigitsDataset",
+    "InMemoryImageDataset",
     "SeededDataset",
     "SeededEpochSampler",
     "build_datasets",
+    "cached_folder_dataset",
+    "clear_image_cache",
+    "decode_in_memory",
     "draw_seed",
     "eval_loader",
     "eval_transform",

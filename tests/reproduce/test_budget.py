@@ -1,0 +1,34 @@
+"""Epochs from a training budget (the gpu preset's way): measured throughput -> the same epochs for every run."""
+
+import dataclasses
+import json
+
+from mjp_fast.reproduce.run import THROUGHPUT_RECORD, choose_epochs, plan_runs
+from mjp_fast.reproduce.variants import get_preset
+
+
+def _budget_preset(budget: float):
+    smoke = get_preset("smoke")
+    config = {key: value for key, value in smoke.config.items() if key != "epochs"}
+    return dataclasses.replace(smoke, config=config, training_budget_s=budget, epoch_bounds=(1, 4))
+
+
+def test_epochs_come_from_the_measured_throughput(cifar_sample, tmp_path, monkeypatch):
+    plan = plan_runs(_budget_preset(1e6), data=cifar_sample, runs_dir=tmp_path, rows=("A", "J"), sweep=())
+    choice = choose_epochs(plan)
+    assert choice["images_per_second"] > 0 and choice["runs"] == 2 and choice["train_images"] == 40
+    assert choice["epochs"] == 4  # a huge budget: the upper bound
+    assert [(run.config.epochs, run.config.eval_interval) for run in plan.runs] == [(4, 4), (4, 4)]
+    record = json.loads((tmp_path / THROUGHPUT_RECORD).read_text())
+    assert record["images_per_second"] == choice["images_per_second"]
+
+    # the same probe config again: the recorded throughput is reused (train is not called)
+    import mjp_fast.reproduce.run as run_module
+
+    monkeypatch.setattr(run_module, "train", lambda config: (_ for _ in ()).throw(AssertionError("trained again")))
+    tight = plan_runs(_budget_preset(1e-3), data=cifar_sample, runs_dir=tmp_path, rows=("A", "J"), sweep=())
+    assert choose_epochs(tight)["epochs"] == 1  # a tiny budget: the lower bound
+    fixed = plan_runs(
+        _budget_preset(1e-3), data=cifar_sample, runs_dir=tmp_path, rows=("A",), sweep=(), overrides={"epochs": 2}
+    )
+    assert choose_epochs(fixed) is None and fixed.runs[0].config.epochs == 2
