@@ -49,7 +49,7 @@ from mjp_fast.evaluate.position import model_position_regression, patch_position
 from mjp_fast.evaluate.run import checkpoint_config
 from mjp_fast.reproduce.variants import BASELINE, MJP, Preset, Variant, preset_variants
 from mjp_fast.train.checkpoint import load_model
-from mjp_fast.train.config import ConfigError, TrainConfig, build_config, coerce
+from mjp_fast.train.config import ConfigError, TrainConfig, build_config, parse_overrides
 from mjp_fast.train.data import (
     build_datasets,
     default_workers,
@@ -111,17 +111,12 @@ def _run_id(key: str, seed: int) -> str:
 def parse_override_values(overrides: Iterable[str]) -> dict[str, Any]:
     """``["epochs=3"]`` -> ``{"epochs": 3}``, type-checked against TrainConfig; the keys the command's options own
     (data, output, seed, compare, dataset) are refused. Raises ConfigError naming the key."""
-    values: dict[str, Any] = {}
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"overrides are KEY=VALUE, got {item!r}")
-        key, _, text = item.partition("=")
-        key = key.strip().replace("-", "_")
+    values = parse_overrides(overrides)
+    for key in values:
         if key in RESERVED_KEYS:
             option = RESERVED_KEYS[key]
             how = f"use {option}" if option else "mjp reproduce sets it for every run"
             raise ConfigError(f"override {key}= is not allowed here: {how}")
-        values[key] = coerce(key, text, from_text=True)
     return values
 
 

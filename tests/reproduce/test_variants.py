@@ -77,7 +77,7 @@ def test_bad_input_names_the_argument(data_dir, tmp_path):
         parse_override_values(["epochz=3"])
     with pytest.raises(ConfigError, match="override seed= is not allowed here: use --seeds"):
         parse_override_values(["seed=3"])
-    with pytest.raises(ConfigError, match="overrides are KEY=VALUE"):
+    with pytest.raises(ConfigError, match="overrides are key=value"):
         parse_override_values(["epochs"])
     with pytest.raises(ConfigError, match="variant A: lr must be > 0"):
         plan_runs(preset, data=data_dir, runs_dir=tmp_path, overrides={"lr": -1.0})
