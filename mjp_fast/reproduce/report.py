@@ -424,8 +424,10 @@ def render_markdown(report: Mapping[str, Any]) -> str:
     add("## Variants (the paper's ablation rows)")
     add("")
     add(
-        f"Δ: the row minus {BASELINE}; top-1 intervals from the paired bootstrap over test images, consistency "
-        "intervals normal (two proportions). Direction: whether our Δ has the paper's sign."
+        f"Δ: the row minus {BASELINE}. Top-1 seed by seed (a row trained with one seed is compared with "
+        f"{BASELINE}'s run of that seed, not with {BASELINE}'s mean over seeds), its interval from the paired "
+        f"bootstrap over test images; consistency: the row's mean minus {BASELINE}'s mean over their seeds, its "
+        "interval normal (two proportions). Direction: whether our Δ has the paper's sign."
     )
     add("")
     add(

@@ -19,7 +19,7 @@ def test_rows_are_the_issue_table():
     assert {key: dict(row.overrides) for key, row in ROWS.items()} == {
         "A": {"mjp": False},
         "B": {"mjp": False, "pos_embed": "none"},
-        "D": {"mjp": True, "mjp_ratio": 0.0, "mjp_dal": "nonlinear"},
+        "D": {"mjp": True, "mjp_ratio": 0.0, "mjp_dal": "nonlinear", "mjp_unk": False},
         "E": {"mjp": True, "mjp_unk": False, "mjp_dal": "none"},
         "G": {"mjp": True, "mjp_dal": "none"},
         "I": {"mjp": True, "mjp_dal": "linear"},
