@@ -54,7 +54,7 @@ PLAIN = "timm PatchEmbed + pos_embed"
 
 
 class PaperPixelJigsaw:
-    """The paper code's way of jigsawing a batch, written from its description (DESIGN.md section 3).
+    """The paper code's way of jigsawing a batch, written from its description (docs/design.md section 6).
 
     One mask (BEiT's Python loop) and one permutation of its masked patches per call, shared by the batch;
     ``Unfold`` into ``[B, C*P*P, N]``, a deep copy of it, fancy indexing, ``Fold`` back to ``[B, C, H, W]``.

@@ -44,7 +44,8 @@ std::tuple<at::Tensor, at::Tensor> sample_jigsaw(int64_t batch_size, int64_t row
   const int64_t num_positions = rows * cols;
   TORCH_CHECK(target >= 0 && target <= num_positions, "sample_jigsaw: target must be in [0, ", num_positions,
               "], got ", target);
-  TORCH_CHECK(min_block >= 0 && min_block <= kMaxGridPositions, "sample_jigsaw: min_block must be in [0, 2**30], got ",
+  // As sample_jigsaw in Python: BEiT's smallest block is at least one cell.
+  TORCH_CHECK(min_block >= 1 && min_block <= kMaxGridPositions, "sample_jigsaw: min_block must be in [1, 2**30], got ",
               min_block);
   TORCH_CHECK(prob_threshold >= 0 && prob_threshold <= (int64_t(1) << 32),
               "sample_jigsaw: prob_threshold must be in [0, 2**32], got ", prob_threshold);

@@ -99,3 +99,13 @@ def to_device(device: torch.device | str | None) -> torch.device:
         except RuntimeError as error:
             raise ValueError(f"device: not a valid torch device: {device!r} ({error})") from None
     raise TypeError(f"device must be a str, torch.device or None, got {type(device).__name__}")
+
+
+def check_position_table(pos_embed: object, num_positions: int, dim: int, positions: str) -> torch.Tensor:
+    """``pos_embed`` ``[N, D]`` or ``[1, N, D]``, returned as ``[N, D]``; ``positions`` says where N comes from."""
+    pos_embed = check_tensor("pos_embed", pos_embed, ndims=(2, 3))
+    if tuple(pos_embed.shape[-2:]) != (num_positions, dim) or (pos_embed.dim() == 3 and pos_embed.shape[0] != 1):
+        raise ValueError(
+            f"pos_embed must be [N, D] or [1, N, D] with {positions} and D = {dim}, got shape {list(pos_embed.shape)}"
+        )
+    return pos_embed.reshape(num_positions, dim)

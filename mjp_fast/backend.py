@@ -62,8 +62,9 @@ def triton_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _triton_kernels() -> bool:
-    """Whether Triton imports (the operations import their kernels, which registers their operators)."""
+def triton_importable() -> bool:
+    """Whether the ``triton`` package imports (the operations then import their kernels, which registers their
+    operators). Tried once; why it failed is kept for the error of an explicit ``backend="triton"``."""
     global _triton_loaded, _triton_error
     if _triton_loaded is None:
         try:
@@ -76,13 +77,8 @@ def _triton_kernels() -> bool:
     return _triton_loaded
 
 
-def triton_importable() -> bool:
-    """Whether the ``triton`` package imports (its kernels are then defined and registered)."""
-    return _triton_kernels()
-
-
 def _has_triton() -> bool:
-    return (torch.cuda.is_available() or triton_interpreting()) and _triton_kernels()
+    return (torch.cuda.is_available() or triton_interpreting()) and triton_importable()
 
 
 def _has_cuda_kernels() -> bool:

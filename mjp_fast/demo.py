@@ -120,7 +120,7 @@ def jigsaw_panels(
         ratios: mask ratios in [0, 1].
         patch_size: the side of a patch in pixels.
         seed: the sampler's seed; every panel uses stream 0, so adding a ratio does not change the others.
-        backend: ``torch``, ``cpu`` or ``cuda`` (default: the fastest available on the CPU).
+        backend: the sampler's, ``torch``, ``cpu`` or ``cuda`` (default: the fastest available on the CPU).
 
     Returns:
         One :class:`JigsawPanel` per ratio, in order.
@@ -134,7 +134,7 @@ def jigsaw_panels(
     panels = []
     for ratio in ratios:
         jigsaw = sample_jigsaw(1, grid, ratio, seed=seed, backend=backend)
-        shuffled = jigsaw_images(images, jigsaw, patch_size, backend=backend)
+        shuffled = jigsaw_images(images, jigsaw, patch_size)
         mask, perm = jigsaw.mask[0], jigsaw.perm[0]
         moved = int((perm != torch.arange(perm.numel())).sum())
         panels.append(
@@ -228,7 +228,7 @@ def make_demo_image(
         patch_size: patch side in pixels; ``size`` must be a multiple of it.
         size: the side in pixels of each panel.
         seed: the sampler's seed.
-        backend: ``torch``, ``cpu`` or ``cuda``; default the fastest available on the CPU.
+        backend: the sampler's, ``torch``, ``cpu`` or ``cuda``; default the fastest available on the CPU.
 
     Returns:
         An RGB image of :func:`demo_canvas_size` ``(size, len(ratios))`` pixels.

@@ -6,22 +6,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mjp_fast._validate import check_int
+from mjp_fast._validate import check_grid_size, check_int
 from mjp_fast.ops.dal_loss import DAL_REDUCTIONS, dal_loss
 from mjp_fast.ops.patch_embed import mjp_patch_embed
 from mjp_fast.ops.sample_jigsaw import Jigsaw, check_jigsaw
 from mjp_fast.sampler import JigsawSampler
 
 DAL_KINDS = ("nonlinear", "linear", "pca")
-
-
-def _as_pair(name: str, value: int | tuple[int, int]) -> tuple[int, int]:
-    if isinstance(value, (tuple, list)):
-        if len(value) != 2:
-            raise ValueError(f"{name} must be an int or a pair, got {value!r}")
-        return check_int(f"{name}[0]", value[0], minimum=1), check_int(f"{name}[1]", value[1], minimum=1)
-    value = check_int(name, value, minimum=1)
-    return value, value
 
 
 class DALRegressor(nn.Module):
@@ -101,7 +92,7 @@ class MJPPatchEmbed(nn.Module):
         img_size, patch_size, in_chans, embed_dim: as timm's ``PatchEmbed``.
         ratio, prob, seed, min_block, min_aspect, shared: as :func:`mjp_fast.sample_jigsaw`.
         bias: whether ``proj`` has a bias.
-        dal: None, or the kind of :class:`DALRegressor` that :meth:`dal_loss` uses.
+        dal: None (then :meth:`dal_loss` is zero), or the kind of :class:`DALRegressor` that :meth:`dal_loss` uses.
         dal_normalize: regress coordinates scaled to [0, 1] instead of raw integers.
         dal_reduction: :meth:`dal_loss`'s reduction over the two coordinates: ``"mean"`` (default, the paper's
             code) or ``"sum"`` (the paper's formula, twice the mean); see :func:`mjp_fast.dal_loss`.
@@ -142,7 +133,7 @@ class MJPPatchEmbed(nn.Module):
         if not isinstance(unk, bool):
             raise TypeError(f"unk must be a bool, got {type(unk).__name__}")
         self.dal_reduction = dal_reduction
-        self.img_size = _as_pair("img_size", img_size)
+        self.img_size = check_grid_size(img_size, "img_size")  # (height, width), an int for a square
         self.patch_size = check_int("patch_size", patch_size, minimum=1)
         if self.img_size[0] % self.patch_size or self.img_size[1] % self.patch_size:
             raise ValueError(f"img_size {self.img_size} must be a multiple of patch_size {self.patch_size}")
@@ -220,9 +211,11 @@ class MJPPatchEmbed(nn.Module):
         )
 
     def dal_loss(self) -> torch.Tensor:
-        """The DAL loss over the positions the last forward left unmasked (all of them if it had no jigsaw)."""
+        """The DAL loss over the positions the last forward left unmasked (all of them if it had no jigsaw): a
+        float32 scalar, unweighted. Built with ``dal=None``, a float32 zero on the module's device, as a timm MJP
+        model's ``mjp_aux_loss()`` without DAL: a training loop adds it either way."""
         if self.dal_regressor is None:
-            raise RuntimeError("this MJPPatchEmbed was built with dal=None; pass dal='nonlinear' (or linear, pca)")
+            return self.pos_embed.new_zeros((), dtype=torch.float32)
         mask = self.last_jigsaw.mask if self.last_jigsaw is not None else None
         return dal_loss(
             self.pos_embed,

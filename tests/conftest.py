@@ -17,6 +17,7 @@ import pytest  # noqa: E402
 
 import mjp_fast  # noqa: E402
 from mjp_fast import backend as backend_module  # noqa: E402
+from tests.train.helpers import make_cifar_tree  # noqa: E402
 
 
 def backends_for(device: str) -> list[str]:
@@ -37,3 +38,10 @@ BACKEND_DEVICE_PAIRS = [(backend, device) for device in DEVICES for backend in b
 @pytest.fixture(params=BACKEND_DEVICE_PAIRS, ids=[f"{b}-{d}" for b, d in BACKEND_DEVICE_PAIRS])
 def backend_device(request):
     return request.param
+
+
+@pytest.fixture(scope="session")
+def cifar_tree(tmp_path_factory):
+    """A small ImageFolder tree of links to real CIFAR-10 (tests.train.helpers.make_cifar_tree), made once for the
+    training, evaluation and reproduce tests."""
+    return make_cifar_tree(tmp_path_factory.mktemp("cifar"))

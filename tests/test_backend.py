@@ -1,3 +1,5 @@
+import sys
+
 import pytest
 import torch
 
@@ -44,5 +46,15 @@ def test_backend_on_the_wrong_device_is_refused():
         backend.resolve_backend(3, torch.device("cpu"))
 
 
-def test_the_extension_state_is_reported():
-    assert (backend.extension() is None) == (backend.extension_error() is not None)
+def test_a_missing_extension_is_said_once_and_its_reason_kept(monkeypatch):
+    # As on a machine where the build failed: the import of mjp_fast._C fails (None in sys.modules makes it raise).
+    monkeypatch.setitem(sys.modules, "mjp_fast._C", None)
+    monkeypatch.delattr(mjp_fast, "_C", raising=False)
+    monkeypatch.setattr(backend, "_extension", None)
+    monkeypatch.setattr(backend, "_extension_error", None)
+    monkeypatch.setattr(backend, "_extension_loaded", False)
+    with pytest.warns(RuntimeWarning, match="'torch' backend runs instead") as record:
+        assert backend.extension() is None
+        assert backend.extension() is None
+    assert len(record) == 1
+    assert "mjp_fast._C" in backend.extension_error()

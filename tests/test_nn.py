@@ -78,8 +78,19 @@ def test_dal_loss_reaches_every_parameter():
         assert parameter.grad is not None, name
     assert module.unk_embed.grad.abs().sum() > 0
     assert "unk_embed" in module.no_weight_decay()
-    with pytest.raises(RuntimeError, match="dal"):
-        make_module().dal_loss()
+
+
+def test_without_dal_the_loss_is_a_float32_zero_as_a_timm_models_aux_loss():
+    module = make_module().to(torch.float64)  # the zero is float32 whatever the parameters' dtype
+    module(torch.randn(2, 3, 32, 32, dtype=torch.float64))
+    loss = module.dal_loss()
+    assert loss.dtype == torch.float32 and loss.shape == () and loss.item() == 0.0
+    assert loss.device == module.pos_embed.device and not loss.requires_grad
+    timm = pytest.importorskip("timm")
+    mjp_timm = pytest.importorskip("mjp_fast.timm")
+    model = mjp_timm.convert(timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=1), dal=None)
+    aux = model.mjp_aux_loss()
+    assert (aux.dtype, aux.shape, aux.item()) == (loss.dtype, loss.shape, loss.item())
 
 
 def test_timm_patch_embed_weights_load():

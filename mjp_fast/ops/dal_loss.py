@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from mjp_fast import backend as backend_module
-from mjp_fast._validate import check_grid_size, check_tensor
+from mjp_fast._validate import check_grid_size, check_position_table, check_tensor
 
 
 def grid_coordinates(
@@ -202,14 +202,11 @@ def dal_loss(
         batch's unmasked tokens (zero when every token is masked).
     """
     scale = dal_scale(reduction)
-    pos_embed = check_tensor("pos_embed", pos_embed, ndims=(2, 3))
     rows, cols = check_grid_size(grid_size)
     num_positions = rows * cols
-    if pos_embed.shape[-2] != num_positions or (pos_embed.dim() == 3 and pos_embed.shape[0] != 1):
-        raise ValueError(
-            f"pos_embed must be [N, D] or [1, N, D] with N = {rows}x{cols} = {num_positions}, "
-            f"got shape {list(pos_embed.shape)}"
-        )
+    pos_embed = check_tensor("pos_embed", pos_embed, ndims=(2, 3))
+    # Any D (the regressor checks its own); the table goes on as given, [1, N, D] too.
+    check_position_table(pos_embed, num_positions, pos_embed.shape[-1], f"N = {rows}x{cols} = {num_positions}")
     if not isinstance(regressor, nn.Module) and not callable(regressor):
         raise TypeError(f"regressor must be an nn.Module mapping [N, D] to [N, 2], got {type(regressor).__name__}")
     chosen = backend_module.resolve_backend(backend, pos_embed.device)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import torch
 
-from mjp_fast import backend as backend_module
 from mjp_fast._validate import check_int, check_tensor
 from mjp_fast.ops.permute import permute_rows
 from mjp_fast.ops.sample_jigsaw import Jigsaw, check_jigsaw
@@ -61,22 +60,21 @@ def jigsaw_images(
     jigsaw: Jigsaw,
     patch_size: int,
     *,
-    backend: str | None = None,
     validate: bool = True,
 ) -> torch.Tensor:
     """Applies a jigsaw to images in pixel space.
+
+    Pure data movement, one ``index_select`` of whole patches on any device: there is no kernel to choose, so
+    unlike the other operations it takes no ``backend``.
 
     Args:
         images: ``[B, C, H, W]`` of any dtype (uint8 pictures too); ``H`` and ``W`` multiples of ``patch_size``.
         jigsaw: ``Jigsaw(mask [B, N], perm [B, N])`` for the grid ``(H / patch_size, W / patch_size)``.
         patch_size: P.
-        backend: ``torch``, ``cpu`` or ``cuda`` (checked as for every operation; this pure data movement runs
-            as one index_select on every backend).
         validate: check that ``jigsaw.perm`` permutes exactly the masked positions (a host sync on a GPU).
 
     Returns:
         ``[B, C, H, W]``: patch ``n`` of the result is patch ``perm[b, n]`` of the input. Differentiable.
     """
     rows, cols, jigsaw = _check_args(images, jigsaw, patch_size, validate=validate)
-    backend_module.resolve_backend(backend, images.device)
     return _jigsaw_images_torch(images, jigsaw.perm, rows, cols, patch_size)

@@ -5,8 +5,17 @@
 In this file, in order: argument checks, the oracle ``mjp_patch_embed_ref`` (shuffles the patches, then embeds
 them), the ``torch`` backend (embeds with a convolution, then shuffles the tokens: ``P(XW) = (PX)W``), the
 operators over the compiled kernels (``cpu``, ``cuda``) and the Triton kernels (``triton``), registered with
-torch.library with their autograd (the gather happens inside the patch extraction, the position term in the
-GEMM's epilogue), and the public ``mjp_patch_embed``.
+torch.library with their autograd, and the public ``mjp_patch_embed``.
+
+No backend makes a jigsawed image; where the jigsaw and the position term happen differs:
+
+- ``triton``: one GEMM whose loads gather the permuted patches straight from the images (no im2col matrix); its
+  epilogue adds the bias and the position term in float32 and rounds once.
+- ``cpu``: the permuted im2col rows are gathered chunk by chunk, each chunk small enough to stay in cache through
+  its GEMM and the epilogue that adds the bias and the position term; float accumulation, rounded once.
+- ``cuda``: one kernel gathers the whole permuted im2col matrix ``[B*N, C*P*P]`` in the images' dtype, cuBLAS
+  multiplies it (its output rounded to that dtype), then a second kernel adds the bias and the position term and
+  rounds again: the gather is fused into the im2col, the epilogue is a pass of its own.
 """
 
 from __future__ import annotations
@@ -17,14 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from mjp_fast import backend as backend_module
-from mjp_fast._validate import check_float_dtype, check_same_device, check_tensor
-from mjp_fast.ops.pos_embed import (
-    _MJPPosEmbed,
-    check_position_table,
-    check_unk_embed,
-    position_term,
-    prepend_prefix,
-)
+from mjp_fast._validate import check_float_dtype, check_position_table, check_same_device, check_tensor
+from mjp_fast.ops.pos_embed import _MJPPosEmbed, check_unk_embed, position_term, prepend_prefix
 from mjp_fast.ops.sample_jigsaw import Jigsaw, check_jigsaw
 
 

@@ -30,20 +30,10 @@ import torch
 import torch.nn.functional as F
 
 from mjp_fast import backend as backend_module
-from mjp_fast._validate import check_float_dtype, check_same_device, check_tensor
+from mjp_fast._validate import check_float_dtype, check_position_table, check_same_device, check_tensor
 from mjp_fast.ops.dal_loss import _fused_layers
 from mjp_fast.ops.permute import _move
 from mjp_fast.ops.sample_jigsaw import Jigsaw, check_jigsaw
-
-
-def check_position_table(pos_embed: object, num_positions: int, dim: int, positions: str) -> torch.Tensor:
-    """``pos_embed`` ``[N, D]`` or ``[1, N, D]``, returned as ``[N, D]``; ``positions`` says where N comes from."""
-    pos_embed = check_tensor("pos_embed", pos_embed, ndims=(2, 3))
-    if tuple(pos_embed.shape[-2:]) != (num_positions, dim) or (pos_embed.dim() == 3 and pos_embed.shape[0] != 1):
-        raise ValueError(
-            f"pos_embed must be [N, D] or [1, N, D] with {positions} and D = {dim}, got shape {list(pos_embed.shape)}"
-        )
-    return pos_embed.reshape(num_positions, dim)
 
 
 def check_unk_embed(unk_embed: object, dim: int, jigsaw: object) -> torch.Tensor | None:
@@ -360,15 +350,27 @@ def mjp_pos_embed(
         unk_embed: ``[D]``, the unknown position embedding (may be None without a jigsaw).
         jigsaw: from :func:`sample_jigsaw`, or None.
         backend: ``triton`` runs the Triton kernels and ``cpu`` the compiled extension's (one pass forward, one
-            backward, each); ``torch`` the autograd node of torch operations above. ``cuda`` has no kernels of its
-            own for this operation and runs that node. Default ``MJP_FAST_BACKEND``, else the fastest for the
-            device (``triton`` on a GPU, ``cpu`` on the CPU).
+            backward, each); ``torch`` the autograd node of torch operations above. ``cuda`` is refused: the
+            extension has no CUDA kernels for this operation. Default ``MJP_FAST_BACKEND``, else the fastest for
+            the device (``triton`` on a GPU, ``cpu`` on the CPU); where that resolves to ``cuda`` (a GPU without
+            Triton, or ``MJP_FAST_BACKEND=cuda`` for the other operations' sake) the torch node runs.
         validate: check that ``jigsaw.perm`` permutes exactly the masked positions (a host sync on a GPU; the
             timm models skip it for the jigsaws they sample themselves).
 
     Returns:
         ``[B, N, D]``.
+
+    Raises:
+        ValueError: ``backend="cuda"``; a backend that is unknown, not available here or not for the tokens' device.
+        TypeError/ValueError: other bad arguments, named.
     """
+    if backend == "cuda":
+        # Asked for by name, a backend that would silently run the torch node misleads; the automatic choice may
+        # still land on cuda (below), and then the node is simply the best this device has.
+        raise ValueError(
+            "backend='cuda' has no kernels for mjp_pos_embed; use 'triton' (CUDA tensors), 'cpu' (CPU tensors) "
+            "or 'torch' (any device)"
+        )
     tokens, pos_embed, unk_embed, jigsaw = check_pos_embed_args(tokens, pos_embed, unk_embed, jigsaw, validate=validate)
     chosen = backend_module.resolve_backend(backend, tokens.device)
     if jigsaw is None:

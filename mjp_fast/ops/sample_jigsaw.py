@@ -1,4 +1,4 @@
-"""Block-wise jigsaw masks and permutations, one per sample (DESIGN.md section 1, docs/sampler.md).
+"""Block-wise jigsaw masks and permutations, one per sample (docs/design.md section 1, docs/sampler.md).
 
 In this file, in order: the Philox generator and the pure-PyTorch oracle ``sample_jigsaw_ref``, the
 straightforward Python loop of BEiT and the paper's code (``block_mask_python``, kept as the distributional
@@ -270,7 +270,7 @@ def block_mask_python(
 ) -> np.ndarray:
     """One block-wise mask by the plain Python loop, with Python's float ``random``.
 
-    This is the algorithm of BEiT's masking generator as DESIGN.md section 1 states it, written here from that
+    This is the algorithm of BEiT's masking generator as docs/design.md section 1 states it, written here from that
     description: the distributional reference for our integer sampler and the baseline of the sampler
     benchmark.
 

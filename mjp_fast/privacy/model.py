@@ -151,7 +151,7 @@ class PrivacyViT(nn.Module):
         """
         weight, bias = self.patch_embed.weight, self.patch_embed.bias
         if jigsaw is not None and not use_unk:
-            images, jigsaw = jigsaw_images(images, jigsaw, self.patch_size, backend="torch"), None
+            images, jigsaw = jigsaw_images(images, jigsaw, self.patch_size), None
         unk = self.unk_embed if jigsaw is not None else None
         patches = mjp_patch_embed(images, weight, bias, self.pos_embed, unk, jigsaw, backend="torch")
         return torch.cat([self.cls_token.expand(patches.shape[0], -1, -1), patches], dim=1)

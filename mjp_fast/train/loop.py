@@ -24,7 +24,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,9 +62,6 @@ CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
 SCHEDULE_KEYS = ("epochs", "sched", "warmup_epochs", "warmup_lr", "min_lr", "cooldown_epochs", "lr")
 FINAL_KEYS = ("top1", "top5", "consistency", "diff_norm", "val_loss", "pos_mae_1d", "pos_mae_2d")
-
-# Called after every optimizer step with (step, epoch, batch_in_epoch); tests use it to interrupt a run.
-AFTER_UPDATE_HOOKS: list[Callable[[int, int, int], None]] = []
 
 
 class TrainingDiverged(RuntimeError):
@@ -702,8 +699,6 @@ def _train(config: TrainConfig, context: Distributed, resume: bool | str | Path)
                         reading = tally.read(all_ranks=ddp)
                         _check_divergence(reading, epoch, f"at batch {batch_index}", dal_on, last_path, lr)
                         save(epoch, done, reading.sums)
-                    for hook in AFTER_UPDATE_HOOKS:
-                        hook(step, epoch, done)
             if bar is not None:
                 bar.close()
             seconds = time.perf_counter() - started

@@ -15,7 +15,6 @@ import difflib
 from typing import Any
 
 import timm
-import torch
 from timm.models import is_model
 from torch import nn
 
@@ -84,10 +83,6 @@ def create_model(model_name: str, model_kwargs: dict[str, Any]) -> nn.Module:
         raise ConfigError(f"cannot build model {model_name} with {settings}: {message}") from None
 
 
-def has_position_embeddings(model: nn.Module) -> bool:
-    return isinstance(getattr(model, "pos_embed", None), torch.Tensor)
-
-
 def is_mjp_model(model: nn.Module) -> bool:
     return isinstance(model, mjp_timm._MJPMixin)
 
@@ -109,14 +104,3 @@ def patch_size_of(model: nn.Module) -> int | None:
         mjp = getattr(model, "mjp", None)
         return getattr(mjp, "patch_size", None)
     return int(patch[0] if isinstance(patch, (tuple, list)) else patch)
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The bare model inside DDP and torch.compile wrappers."""
-    while True:
-        if hasattr(model, "_orig_mod"):
-            model = model._orig_mod
-        elif isinstance(model, nn.parallel.DistributedDataParallel):
-            model = model.module
-        else:
-            return model

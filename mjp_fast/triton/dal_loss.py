@@ -470,7 +470,9 @@ def dal_forward_launch(
     partial_kept = torch.empty(splits, num_positions, dtype=torch.int32, device=device) if mask is not None else None
     # Mixed dtypes, and bfloat16 in the interpreter (which multiplies it wrongly), multiply in float32.
     upcast = nonlinear and (w1.dtype != pos.dtype or (interpreting and pos.dtype == torch.bfloat16))
-    precision = "ieee" if pos.dtype == torch.float32 or upcast else "tf32"  # half types: exact products anyway
+    # Read by tl.dot for float32 operands only ("ieee": no TF32 rounding); ignored for half types (see
+    # patch_embed._precision).
+    precision = "ieee" if pos.dtype == torch.float32 or upcast else "tf32"
     # Stands for absent tensors (never read nor written): a read-only input, so that no pointer a kernel stores
     # through is passed twice (torch.compile's analysis of which arguments a kernel mutates stays simple).
     dummy = coords

@@ -613,7 +613,10 @@ def _check_contiguous(**tensors: torch.Tensor | None) -> None:
 
 
 def _precision(dtype: torch.dtype) -> str:
-    # float32 stays IEEE float32 (torch's default for matmul); half types use the tensor cores natively.
+    """``tl.dot``'s ``input_precision`` for operands of ``dtype``. Triton reads it for float32 operands only:
+    "ieee" keeps their products exact, as torch's matmul does by default (no TF32 rounding). For float16 and
+    bfloat16 it is ignored (their products are exact in the float32 accumulator on the tensor cores), so the "tf32"
+    returned for them rounds nothing; it is kept so that the compiled kernels stay the ones measured."""
     return "ieee" if dtype == torch.float32 else "tf32"
 
 

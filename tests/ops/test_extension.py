@@ -149,6 +149,7 @@ def test_sample_jigsaw_rejects_bad_arguments():
         dict(gh=5),  # tables are for 4 rows
         dict(prob_threshold=2**32 + 1),
         dict(min_block=-1),
+        dict(min_block=0),  # refused as sample_jigsaw refuses it in Python
         dict(h_thresholds=h.to(torch.int32)),
         dict(w_thresholds=w[:, :4]),
     ]
@@ -178,6 +179,16 @@ def test_sample_jigsaw_step_rejects_bad_counters():
             _C.sample_jigsaw_step(bad, *arguments)
     with pytest.raises(RuntimeError, match="counter_scale"):
         _C.sample_jigsaw_step(torch.zeros((), dtype=torch.int64), -1, *arguments[1:])
+
+
+def test_min_block_zero_is_refused_by_both_entry_points_and_the_counter_stays():
+    h, w = sampler_tables(4, 5, 0.3, "cpu")
+    with pytest.raises(RuntimeError, match=r"min_block must be in \[1, 2\*\*30\], got 0"):
+        _C.sample_jigsaw(2, 4, 5, 8, 0, 1, 0, False, 2**32, h, w)
+    counter = torch.tensor(7, dtype=torch.int64)
+    with pytest.raises(RuntimeError, match="min_block"):
+        _C.sample_jigsaw_step(counter, 1, 0, 2, 4, 5, 8, 0, 1, False, 2**32, h, w)
+    assert counter.item() == 7  # nothing sampled, nothing advanced
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -5,10 +5,11 @@ import pytest
 import torch
 
 from mjp_fast import Jigsaw, mjp_pos_embed, sample_jigsaw
+from mjp_fast.ops import pos_embed as pos_embed_module
 from mjp_fast.ops.pos_embed import mjp_pos_embed_ref
 from tests.conftest import backends_for
 
-BACKENDS = backends_for("cpu")  # torch; cpu (runs the torch node); triton in the interpreter
+BACKENDS = backends_for("cpu")  # torch; cpu (the extension's kernels); triton in the interpreter
 
 # Per output dtype: the node sums the position gradients with one matmul, the oracle with reductions.
 TOLERANCES = {
@@ -103,6 +104,21 @@ def test_triton_refuses_float64():
     tokens, pos, unk, jigsaw, _ = _inputs(1, 2, 2, 3, torch.float64)
     with pytest.raises(TypeError, match="triton backend supports float32, float16 and bfloat16"):
         mjp_pos_embed(tokens, pos, unk, jigsaw, backend="triton")
+
+
+def test_cuda_by_name_is_refused_and_an_automatic_cuda_runs_the_torch_node(monkeypatch):
+    tokens, pos, unk, jigsaw, grad = _inputs(2, 2, 3, 4, torch.float32)
+    # Refused before anything else, on any device: the extension has no CUDA kernels for this operation.
+    with pytest.raises(ValueError, match=r"backend='cuda' has no kernels for mjp_pos_embed; use 'triton'.*'cpu'"):
+        mjp_pos_embed(tokens, pos, unk, jigsaw, backend="cuda")
+    # The automatic choice (or MJP_FAST_BACKEND=cuda, set for the other operations) lands on cuda on a GPU without
+    # Triton: no error there, the torch node runs.
+    monkeypatch.setattr(pos_embed_module.backend_module, "resolve_backend", lambda backend, device: "cuda")
+    out, grads = _forward_backward(mjp_pos_embed, tokens, pos, unk, jigsaw, grad)
+    expected, expected_grads = _forward_backward(mjp_pos_embed_ref, tokens, pos, unk, jigsaw, grad)
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)
+    for got, want in zip(grads, expected_grads):
+        torch.testing.assert_close(got, want, **TOLERANCES[torch.float32])
 
 
 def test_without_jigsaw_is_the_plain_add():

@@ -7,12 +7,7 @@ import pytest
 
 from mjp_fast.train.config import load_config
 from mjp_fast.train.data import InMemoryImageDataset, build_datasets, clear_image_cache, eval_transform, set_transform
-from tests.train.helpers import make_cifar_tree, tiny_overrides
-
-
-@pytest.fixture(scope="module")
-def cifar_tree(tmp_path_factory):
-    return make_cifar_tree(tmp_path_factory.mktemp("cifar"))
+from tests.train.helpers import tiny_overrides
 
 
 def test_cached_folder_gives_the_folder_samples(cifar_tree):

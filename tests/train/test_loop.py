@@ -1,5 +1,6 @@
 """The training loop on real CIFAR-10 images: outputs, checkpoints, exact resumption, schedules, divergence."""
 
+import contextlib
 import json
 import math
 import sys
@@ -7,6 +8,7 @@ import sys
 import pytest
 import torch
 from timm.loss import SoftTargetCrossEntropy
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from mjp_fast.train import loop
 from mjp_fast.train.checkpoint import load_checkpoint, load_model
@@ -23,12 +25,24 @@ class _Interrupt(Exception):
     pass
 
 
-def _interrupt_after(step_to_stop: int):
-    def hook(step, epoch, batch_in_epoch):
-        if step == step_to_stop:
-            raise _Interrupt(f"stopped after step {step}")
+@contextlib.contextmanager
+def _killed_after(steps: int):
+    """Within this context a run dies in its optimizer step number ``steps + 1``: after step ``steps`` and anything
+    that step saved, before the next one can save. A hook of torch's own on every optimizer's step: the loop keeps
+    nothing for tests."""
+    taken = 0
 
-    return hook
+    def hook(optimizer, args, kwargs):
+        nonlocal taken
+        taken += 1
+        if taken > steps:
+            raise _Interrupt(f"stopped after step {steps}")
+
+    handle = register_optimizer_step_post_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def test_tiny_run_end_to_end(cifar_tree, tmp_path):
@@ -69,22 +83,18 @@ def test_tiny_run_end_to_end(cifar_tree, tmp_path):
     [(5, 2, 4), (7, 0, 6)],
     ids=["within-an-epoch", "at-an-epoch-boundary"],
 )
-def test_resume_matches_an_uninterrupted_run(
-    cifar_tree, tmp_path, monkeypatch, stop_step, checkpoint_steps, saved_step
-):
+def test_resume_matches_an_uninterrupted_run(cifar_tree, tmp_path, stop_step, checkpoint_steps, saved_step):
     # RandAugment, random erasing, mixup/cutmix, drop-path, repeated augmentation and MJP all on: every random
     # draw must come back the same after the restart.
     changes = {"auto_augment": "rand-m9-mstd0.5-inc1", "reprob": 0.25, "mixup": 0.8, "cutmix": 1.0}
     reference = train(_config(cifar_tree, tmp_path / "straight", **changes))
 
-    monkeypatch.setattr(loop, "AFTER_UPDATE_HOOKS", [_interrupt_after(stop_step)])
     interrupted = _config(cifar_tree, tmp_path / "resumed", checkpoint_steps=checkpoint_steps, **changes)
-    with pytest.raises(_Interrupt):
+    with _killed_after(stop_step), pytest.raises(_Interrupt):
         train(interrupted)
     saved = load_checkpoint(tmp_path / "resumed" / "last.pt")
     # killed after step stop_step: the run loses what came after its last checkpoint, no more
     assert saved["step"] == saved_step and not saved["finished"]
-    monkeypatch.setattr(loop, "AFTER_UPDATE_HOOKS", [])
     resumed = train(interrupted, resume=True)
 
     straight_state = load_checkpoint(tmp_path / "straight" / "last.pt")["state_dict"]
