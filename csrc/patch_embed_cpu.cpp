@@ -15,7 +15,8 @@
 // (P(XW) = (PX)W: the inverse of perm), which makes it the weight gradient of a plain stride-P convolution of the
 // images, computed by ATen's convolution_backward (oneDNN) as timm's Conv2d computes its own. Measured on 2 cores,
 // batch 64, 224 px, P 16, D 384, the bench's forward + backward: 1.13-1.15x timm's with the chunked GEMMs below,
-// 0.97-1.04x this way. The other dtypes keep the chunked GEMMs (float accumulation for half and bfloat16).
+// 0.97-1.04x this way. The other dtypes, and small problems (host time), keep the chunked GEMMs (float accumulation
+// for half and bfloat16).
 //
 // At the end of the file, the dispatcher operators over this path and the CUDA one (cuda_ops.cpp):
 // torch.ops.mjp_fast.patch_embed_extension and patch_embed_extension_backward, with their argument checks and Meta
@@ -50,6 +51,9 @@ namespace {
 // pos add; the whole-batch im2col followed by one GEMM took about 1.1x.)
 constexpr int64_t kChunkBytes = 512 * 1024;
 constexpr int64_t kWeightGradChunkBytes = 1024 * 1024;
+// The float32 weight gradient goes through convolution_backward from this many multiply-adds (B * N * K * D) on
+// (see the top of the file); below, the chunked GEMMs. 2**22: a batch of 4 at 32 px, patch 4, D 384 is above it.
+constexpr int64_t kConvolutionWeightGradMacs = int64_t(1) << 22;
 
 int64_t rows_per_chunk(const PatchGeometry& g, int64_t bytes) {
   return std::clamp<int64_t>(bytes / (g.patch_size * static_cast<int64_t>(sizeof(float))), 8, 1 << 20);
@@ -316,7 +320,10 @@ std::vector<std::optional<at::Tensor>> patch_embed_backward_cpu(
   const bool grad_is_acc = dtype == acc_dtype && g.prefix_rows == 0;
   const int64_t* perm_data = optional_data<int64_t>(perm);
 
-  if (need_weight && dtype == at::kFloat) {
+  // Below kConvolutionWeightGradMacs multiply-adds the chunked GEMMs cost less host time than the convolution's
+  // set-up (a tiny model's step on the CPU is host time).
+  const int64_t weight_grad_macs = total_rows * g.patch_size * g.dim;
+  if (need_weight && dtype == at::kFloat && weight_grad_macs >= kConvolutionWeightGradMacs) {
     // float32: the convolution's own weight gradient (oneDNN) on the images as they are. P(XW) = (PX)W, so moving
     // each token's gradient row back to the patch it was cut from (the inverse of perm: a copy of [B, N, D]) gives
     // the gradient of the unjigsawed embedding, a stride-P convolution, whose weight gradient needs no im2col.

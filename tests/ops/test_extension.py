@@ -280,8 +280,9 @@ SHAPES = [
     (2, 2, 7, 11, 3, 5),  # H, W not multiples of P: trailing pixels are not patches
     (2, 3, 32, 48, 16, 24),  # 2x3 grid, ViT-sized patches
     (3, 4, 6, 30, 3, 9),  # 2x10 grid
+    (4, 3, 32, 32, 4, 384),  # B*N*K*D above 2**22: the float32 weight gradient through convolution_backward
 ]
-SHAPE_IDS = ["grid4x3", "P1C1B1", "grid1x1", "ragged", "P16", "grid2x10"]
+SHAPE_IDS = ["grid4x3", "P1C1B1", "grid1x1", "ragged", "P16", "grid2x10", "conv-weight-grad"]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -520,7 +521,8 @@ PREFIX_LAYOUTS = [(0, 0, None, table) for table in ("3d", "2d")] + [
     for table in ("3d", "2d")
 ]
 # batch, channels, height, width, patch, dim: odd N (3x5, 1x3) and D
-PREFIX_SHAPES = {1: (1, 2, 9, 15, 3, 7), 3: (3, 3, 3, 9, 3, 5)}
+# Batch 4: B*N*K*D above 2**22, where the float32 weight gradient goes through convolution_backward.
+PREFIX_SHAPES = {1: (1, 2, 9, 15, 3, 7), 3: (3, 3, 3, 9, 3, 5), 4: (4, 3, 32, 32, 4, 384)}
 
 
 def _layout_id(layout):
@@ -531,7 +533,7 @@ def _layout_id(layout):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("mask_kind", ["none", "some", "all"])
-@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("batch", [1, 3, 4])
 @pytest.mark.parametrize("layout", PREFIX_LAYOUTS, ids=_layout_id)
 def test_patch_embed_with_prefix_matches_reference(layout, batch, mask_kind, dtype, device):
     prefix_count, positions, prefix_shape, table = layout
