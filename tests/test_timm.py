@@ -5,6 +5,7 @@ import pytest
 import timm
 import torch
 
+import mjp_fast
 import mjp_fast.timm as mjp_timm
 
 TINY = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=5)
@@ -524,3 +525,42 @@ def test_a_vit_without_position_embeddings_gets_the_pixel_jigsaw():
         mjp_timm.convert(tiny_vit(pos_embed="none"), dal="nonlinear")
     created = timm.create_model("mjp_deit_tiny_patch16_224", pos_embed="none", **TINY_DEIT)
     assert created.pos_embed is None and created.mjp.dal_regressor is None  # DAL off by default without them
+
+
+@pytest.mark.parametrize("variant", ["class_token", "registers", "no_embed_class"])
+def test_one_operator_for_the_position_step_and_dal_gives_the_separate_operators_values(variant, monkeypatch):
+    # On the cpu backend a training forward computes the DAL loss with the position step, in one operator and node
+    # (mjp_aux_loss hands that loss out). Outputs, loss and every gradient equal the two operators' and the torch
+    # backend's.
+    if "cpu" not in mjp_fast.available_backends():
+        pytest.skip("needs mjp_fast._C")
+    settings = dict(ratio=0.5, prob=1.0, dal="nonlinear", min_block=2, fused_patch_embed=False)
+    torch.manual_seed(3)
+    base = tiny_vit(**VARIANTS[variant])
+    models = {name: mjp_timm.convert(copy.deepcopy(base), backend=backend, **settings)
+              for name, backend in (("one", "cpu"), ("two", "cpu"), ("torch", "torch"))}  # fmt: skip
+    for name in ("two", "torch"):  # the same unk_embed and regressor (convert initialises them at random)
+        models[name].load_state_dict(models["one"].state_dict())
+    images = torch.randn(3, 3, 32, 32)
+    results = {}
+    for name, model in models.items():
+        model.train()
+        with monkeypatch.context() as patched:
+            if name == "two":  # the merged operator declines: the two operators run
+                patched.setattr(mjp_timm, "mjp_position_dal_step", lambda *args: None)
+            tokens = model.forward_features(images)
+            aux = model.mjp_aux_loss()
+        if name == "one":
+            assert "MjpStepFunction" in aux.grad_fn.name()
+            assert model.mjp_aux_loss() is not aux  # handed out once; a second call computes it again
+            torch.testing.assert_close(model.mjp_aux_loss(), aux)
+        (tokens.square().mean() + 0.5 * aux).backward()
+        grads = {key: p.grad.clone() for key, p in model.named_parameters() if p.grad is not None}  # no head
+        assert {"pos_embed", "mjp.unk_embed", "mjp.dal_regressor.net.0.weight"} <= grads.keys()
+        results[name] = (tokens.detach(), aux.detach(), grads)
+    for name in ("two", "torch"):
+        torch.testing.assert_close(results["one"][0], results[name][0])
+        torch.testing.assert_close(results["one"][1], results[name][1])
+        assert results["one"][2].keys() == results[name][2].keys()
+        for key, grad in results["one"][2].items():
+            torch.testing.assert_close(grad, results[name][2][key], msg=lambda m, key=key: f"{key}: {m}")
