@@ -21,6 +21,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
+#include <array>
 #include <optional>
 #include <tuple>
 
@@ -79,6 +80,64 @@ const auto& dal_backward_op() {
 
 int64_t dtype_code(at::ScalarType dtype) { return static_cast<int64_t>(dtype); }
 
+// ---- What each backward needs, saved by its forward, and the gradients it computes from it (shared by the nodes)
+
+// The position step: what gives each gradient its input's shape and dtype (no tensor kept for it).
+void save_position_layout(AutogradContext* ctx, const at::Tensor& tokens, const at::Tensor& pos_embed,
+                          const at::Tensor& unk_embed, const std::optional<at::Tensor>& prefix,
+                          int64_t prefix_positions) {
+  const bool has_prefix = present(prefix);
+  const auto& dim = tokens.sym_size(2);
+  auto& saved = ctx->saved_data;
+  saved["prefix_count"] = has_prefix ? (prefix->sym_numel() / dim).guard_int(__FILE__, __LINE__) : int64_t{0};
+  saved["prefix_positions"] = prefix_positions;
+  // Shapes as IValues: an int list, or a SymInt list under torch.compile's dynamic shapes.
+  saved["pos_shape"] = c10::IValue(pos_embed.sym_sizes());
+  saved["prefix_shape"] = has_prefix ? c10::IValue(prefix->sym_sizes()) : c10::IValue(std::vector<int64_t>{0});
+  saved["dtypes"] = c10::List<int64_t>({dtype_code(tokens.scalar_type()), dtype_code(pos_embed.scalar_type()),
+                                        dtype_code(unk_embed.scalar_type()),
+                                        dtype_code(has_prefix ? prefix->scalar_type() : pos_embed.scalar_type())});
+}
+
+// {grad_tokens, grad_pos, grad_unk, grad_prefix} of the position step (grad_prefix undefined without a prefix).
+std::array<at::Tensor, 4> position_gradients(AutogradContext* ctx, const at::Tensor& grad, const at::Tensor& perm,
+                                             const at::Tensor& mask) {
+  const auto& saved = ctx->saved_data;
+  const int64_t prefix_count = saved.at("prefix_count").toInt();
+  const auto dtypes = saved.at("dtypes").toIntList();
+  auto [grad_tokens, grad_pos, grad_unk, grad_prefix] = pos_embed_backward_op().call(
+      grad.is_contiguous() ? grad : grad.contiguous(), perm, mask, prefix_count, saved.at("prefix_positions").toInt(),
+      saved.at("pos_shape").toSymIntVector(), saved.at("prefix_shape").toSymIntVector(),
+      static_cast<at::ScalarType>(dtypes.get(0)), static_cast<at::ScalarType>(dtypes.get(1)),
+      static_cast<at::ScalarType>(dtypes.get(2)), static_cast<at::ScalarType>(dtypes.get(3)));
+  return {grad_tokens, grad_pos, grad_unk, prefix_count > 0 ? grad_prefix : at::Tensor()};
+}
+
+// The DAL loss: its settings (its tensors go into the node's own save_for_backward list).
+void save_dal_settings(AutogradContext* ctx, int64_t skip_rows, double scale, const std::optional<at::Tensor>& b1,
+                       const std::optional<at::Tensor>& b2) {
+  auto& saved = ctx->saved_data;
+  saved["skip_rows"] = skip_rows;
+  saved["scale"] = scale;
+  saved["has_b1"] = present(b1);
+  saved["has_b2"] = present(b2);
+}
+
+// {grad_pos, grad_w1, grad_b1, grad_w2, grad_b2} of the DAL loss, undefined for the layers that are absent. w1:
+// undefined for the linear regressor (as saved).
+std::array<at::Tensor, 5> dal_gradients(AutogradContext* ctx, const at::Tensor& grad, const at::Tensor& pos,
+                                        const at::Tensor& w1, const at::Tensor& w2, const at::Tensor& coords,
+                                        const at::Tensor& pred, const at::Tensor& hidden, const at::Tensor& weights) {
+  const auto& saved = ctx->saved_data;
+  const bool has_w1 = w1.defined(), has_b1 = saved.at("has_b1").toBool(), has_b2 = saved.at("has_b2").toBool();
+  auto [grad_pos, grad_w1, grad_b1, grad_w2, grad_b2] = dal_backward_op().call(
+      grad, pos, saved.at("skip_rows").toInt(), has_w1 ? std::optional<at::Tensor>(w1) : std::nullopt, w2, coords,
+      pred, hidden, weights, saved.at("scale").toDouble(), has_b1, has_b2);
+  // The absent layers' empty [0] gradients become none.
+  return {grad_pos, has_w1 ? grad_w1 : at::Tensor(), has_b1 ? grad_b1 : at::Tensor(), grad_w2,
+          has_b2 ? grad_b2 : at::Tensor()};
+}
+
 // ---- The position step
 
 class PosEmbedFunction : public torch::autograd::Function<PosEmbedFunction> {
@@ -88,42 +147,15 @@ class PosEmbedFunction : public torch::autograd::Function<PosEmbedFunction> {
                             const std::optional<at::Tensor>& prefix, int64_t prefix_positions) {
     auto out = pos_embed_forward_op().call(tokens, perm, mask, pos_embed, unk_embed, prefix, prefix_positions);
     ctx->save_for_backward({perm, mask});
-    save_layout(ctx, tokens, pos_embed, unk_embed, prefix, prefix_positions);
+    save_position_layout(ctx, tokens, pos_embed, unk_embed, prefix, prefix_positions);
     return out;
   }
 
-  // What the backward needs to give each gradient its input's shape and dtype (no tensor kept for it).
-  static void save_layout(AutogradContext* ctx, const at::Tensor& tokens, const at::Tensor& pos_embed,
-                          const at::Tensor& unk_embed, const std::optional<at::Tensor>& prefix,
-                          int64_t prefix_positions) {
-    const bool has_prefix = present(prefix);
-    const auto& dim = tokens.sym_size(2);
-    auto& saved = ctx->saved_data;
-    saved["prefix_count"] = has_prefix ? (prefix->sym_numel() / dim).guard_int(__FILE__, __LINE__) : int64_t{0};
-    saved["prefix_positions"] = prefix_positions;
-    // Shapes as IValues: an int list, or a SymInt list under torch.compile's dynamic shapes.
-    saved["pos_shape"] = c10::IValue(pos_embed.sym_sizes());
-    saved["prefix_shape"] = has_prefix ? c10::IValue(prefix->sym_sizes()) : c10::IValue(std::vector<int64_t>{0});
-    saved["dtypes"] = c10::List<int64_t>({dtype_code(tokens.scalar_type()), dtype_code(pos_embed.scalar_type()),
-                                          dtype_code(unk_embed.scalar_type()),
-                                          dtype_code(has_prefix ? prefix->scalar_type() : pos_embed.scalar_type())});
-  }
-
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
-    const auto saved_tensors = ctx->get_saved_variables();
-    const auto& saved = ctx->saved_data;
-    const int64_t prefix_count = saved.at("prefix_count").toInt();
-    const auto pos_shape = saved.at("pos_shape").toSymIntVector();
-    const auto prefix_shape = saved.at("prefix_shape").toSymIntVector();
-    const auto dtypes = saved.at("dtypes").toIntList();
-    auto grad = grad_outputs[0].is_contiguous() ? grad_outputs[0] : grad_outputs[0].contiguous();
-    auto [grad_tokens, grad_pos, grad_unk, grad_prefix] = pos_embed_backward_op().call(
-        grad, saved_tensors[0], saved_tensors[1], prefix_count, saved.at("prefix_positions").toInt(), pos_shape,
-        prefix_shape, static_cast<at::ScalarType>(dtypes.get(0)), static_cast<at::ScalarType>(dtypes.get(1)),
-        static_cast<at::ScalarType>(dtypes.get(2)), static_cast<at::ScalarType>(dtypes.get(3)));
-    // One entry per forward argument: perm, mask and the int get none; so does an absent prefix.
-    return {grad_tokens, at::Tensor(), at::Tensor(), grad_pos, grad_unk,
-            prefix_count > 0 ? grad_prefix : at::Tensor(), at::Tensor()};
+    const auto s = ctx->get_saved_variables();
+    const auto [grad_tokens, grad_pos, grad_unk, grad_prefix] = position_gradients(ctx, grad_outputs[0], s[0], s[1]);
+    // One entry per forward argument: perm, mask and the int get none.
+    return {grad_tokens, at::Tensor(), at::Tensor(), grad_pos, grad_unk, grad_prefix, at::Tensor()};
   }
 };
 
@@ -150,25 +182,17 @@ class DalLossFunction : public torch::autograd::Function<DalLossFunction> {
     auto [loss, pred, hidden, weights] = dal_forward_op().call(pos, skip_rows, w1, b1, w2, b2, coords, mask, scale);
     // An absent w1 is saved as an undefined tensor (the linear regressor).
     ctx->save_for_backward({pos, present(w1) ? *w1 : at::Tensor(), w2, coords, pred, hidden, weights});
-    auto& saved = ctx->saved_data;
-    saved["skip_rows"] = skip_rows;
-    saved["scale"] = scale;
-    saved["has_b1"] = present(b1);
-    saved["has_b2"] = present(b2);
+    save_dal_settings(ctx, skip_rows, scale, b1, b2);
     return loss;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
     const auto s = ctx->get_saved_variables();
-    const auto& saved = ctx->saved_data;
-    const bool has_w1 = s[1].defined(), has_b1 = saved.at("has_b1").toBool(), has_b2 = saved.at("has_b2").toBool();
-    const std::optional<at::Tensor> w1 = has_w1 ? std::optional<at::Tensor>(s[1]) : std::nullopt;
-    auto [grad_pos, grad_w1, grad_b1, grad_w2, grad_b2] =
-        dal_backward_op().call(grad_outputs[0], s[0], saved.at("skip_rows").toInt(), w1, s[2], s[3], s[4], s[5],
-                               s[6], saved.at("scale").toDouble(), has_b1, has_b2);
-    // One entry per forward argument; the absent layers (empty [0] gradients) and the non-tensors get none.
-    return {grad_pos,    at::Tensor(), has_w1 ? grad_w1 : at::Tensor(), has_b1 ? grad_b1 : at::Tensor(),
-            grad_w2,     has_b2 ? grad_b2 : at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    const auto [grad_pos, grad_w1, grad_b1, grad_w2, grad_b2] =
+        dal_gradients(ctx, grad_outputs[0], s[0], s[1], s[2], s[3], s[4], s[5], s[6]);
+    // One entry per forward argument; the non-tensors get none.
+    return {grad_pos, at::Tensor(), grad_w1,      grad_b1,      grad_w2,
+            grad_b2,  at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -199,15 +223,12 @@ class MjpStepFunction : public torch::autograd::Function<MjpStepFunction> {
                                const at::Tensor& w2, const std::optional<at::Tensor>& b2, const at::Tensor& coords,
                                const std::optional<at::Tensor>& dal_mask, double scale) {
     auto out = pos_embed_forward_op().call(tokens, perm, mask, pos_embed, unk_embed, prefix, prefix_positions);
-    PosEmbedFunction::save_layout(ctx, tokens, pos_embed, unk_embed, prefix, prefix_positions);
+    save_position_layout(ctx, tokens, pos_embed, unk_embed, prefix, prefix_positions);
     auto [loss, pred, hidden, weights] =
         dal_forward_op().call(pos_embed, prefix_positions, w1, b1, w2, b2, coords, dal_mask, scale);
     ctx->save_for_backward(
         {perm, mask, pos_embed, present(w1) ? *w1 : at::Tensor(), w2, coords, pred, hidden, weights});
-    auto& saved = ctx->saved_data;
-    saved["scale"] = scale;
-    saved["has_b1"] = present(b1);
-    saved["has_b2"] = present(b2);
+    save_dal_settings(ctx, prefix_positions, scale, b1, b2);
     // Gradients that never come are not made up as zeros: either output may go unused (DAL's weight 0).
     ctx->set_materialize_grads(false);
     return {out, loss};
@@ -215,44 +236,16 @@ class MjpStepFunction : public torch::autograd::Function<MjpStepFunction> {
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
     const auto s = ctx->get_saved_variables();
-    const auto& saved = ctx->saved_data;
-    const bool has_w1 = s[3].defined(), has_b1 = saved.at("has_b1").toBool(), has_b2 = saved.at("has_b2").toBool();
-    const int64_t prefix_count = saved.at("prefix_count").toInt();
-    const int64_t prefix_positions = saved.at("prefix_positions").toInt();
-    const auto pos_shape = saved.at("pos_shape").toSymIntVector();
-    const auto dtypes = saved.at("dtypes").toIntList();
-    at::Tensor grad_tokens, grad_pos, grad_unk, grad_prefix, grad_w1, grad_b1, grad_w2, grad_b2;
-    if (grad_outputs[0].defined()) {
-      const auto& grad = grad_outputs[0];
-      std::tie(grad_tokens, grad_pos, grad_unk, grad_prefix) = pos_embed_backward_op().call(
-          grad.is_contiguous() ? grad : grad.contiguous(), s[0], s[1], prefix_count, prefix_positions, pos_shape,
-          saved.at("prefix_shape").toSymIntVector(), static_cast<at::ScalarType>(dtypes.get(0)),
-          static_cast<at::ScalarType>(dtypes.get(1)), static_cast<at::ScalarType>(dtypes.get(2)),
-          static_cast<at::ScalarType>(dtypes.get(3)));
-    }
-    if (grad_outputs[1].defined()) {
-      const std::optional<at::Tensor> w1 = has_w1 ? std::optional<at::Tensor>(s[3]) : std::nullopt;
-      at::Tensor dal_grad_pos;
-      std::tie(dal_grad_pos, grad_w1, grad_b1, grad_w2, grad_b2) =
-          dal_backward_op().call(grad_outputs[1], s[2], prefix_positions, w1, s[4], s[5], s[6], s[7], s[8],
-                                 saved.at("scale").toDouble(), has_b1, has_b2);
-      // The table's two gradients, summed into the position step's (a fresh tensor of the same shape and dtype).
-      grad_pos = grad_pos.defined() ? grad_pos.add_(dal_grad_pos) : dal_grad_pos;
-    }
-    return {grad_tokens,
-            at::Tensor(),
-            at::Tensor(),
-            grad_pos,
-            grad_unk,
-            prefix_count > 0 ? grad_prefix : at::Tensor(),
-            at::Tensor(),
-            has_w1 ? grad_w1 : at::Tensor(),
-            has_b1 ? grad_b1 : at::Tensor(),
-            grad_w2,
-            has_b2 ? grad_b2 : at::Tensor(),
-            at::Tensor(),
-            at::Tensor(),
-            at::Tensor()};
+    std::array<at::Tensor, 4> position{};  // tokens, pos, unk, prefix
+    std::array<at::Tensor, 5> dal{};       // pos, w1, b1, w2, b2
+    if (grad_outputs[0].defined()) position = position_gradients(ctx, grad_outputs[0], s[0], s[1]);
+    if (grad_outputs[1].defined()) dal = dal_gradients(ctx, grad_outputs[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8]);
+    // The table's two gradients, summed into the position step's (a fresh tensor of the same shape and dtype).
+    auto grad_pos = position[1];
+    if (dal[0].defined()) grad_pos = grad_pos.defined() ? grad_pos.add_(dal[0]) : dal[0];
+    // One entry per forward argument: perm, mask, the ints, coords, dal_mask and scale get none.
+    return {position[0], at::Tensor(), at::Tensor(), grad_pos,     position[2],  position[3], at::Tensor(),
+            dal[1],      dal[2],       dal[3],       dal[4],       at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 

@@ -156,22 +156,26 @@ at::Tensor regressed_rows(const at::Tensor& table, int64_t skip_rows, int64_t po
   return skip_rows == 0 ? rows : rows.narrow(0, skip_rows, positions);
 }
 
-// The gradient of the table `pos` whose regressed rows get d_features @ weight (computed in `dtype`): pos's shape and
-// dtype, zeros in the skipped rows. Without skipped rows the product itself, reshaped; else one zero-filled table
-// whose regressed rows receive the product (written there directly when pos has the computation dtype).
-at::Tensor table_gradient(const at::Tensor& pos, int64_t skip_rows, const at::Tensor& d_features,
-                          const at::Tensor& weight, at::ScalarType dtype) {
+// `rows` ([N, D], the gradient of the regressed rows) as the gradient of the table `pos`: pos's shape and dtype, zeros
+// in the skipped rows. Without skipped rows the rows themselves, cast and reshaped.
+at::Tensor table_from_rows(const at::Tensor& pos, int64_t skip_rows, const at::Tensor& rows) {
   if (skip_rows == 0) {
-    const auto grad = as_dtype(at::mm(d_features, weight), pos.scalar_type());
+    const auto grad = as_dtype(rows, pos.scalar_type());
     return pos.dim() == 2 ? grad : grad.view(pos.sizes());
   }
   auto grad = at::zeros(pos.sizes(), pos.options());
+  regressed_rows(grad, skip_rows, rows.size(0)).copy_(rows);
+  return grad;
+}
+
+// The gradient of the table `pos` whose regressed rows get d_features @ weight (computed in `dtype`): as
+// table_from_rows, the product written straight into the zero-filled table when pos has the computation dtype.
+at::Tensor table_gradient(const at::Tensor& pos, int64_t skip_rows, const at::Tensor& d_features,
+                          const at::Tensor& weight, at::ScalarType dtype) {
+  if (skip_rows == 0 || pos.scalar_type() != dtype) return table_from_rows(pos, skip_rows, at::mm(d_features, weight));
+  auto grad = at::zeros(pos.sizes(), pos.options());
   auto rows = regressed_rows(grad, skip_rows, d_features.size(0));
-  if (pos.scalar_type() == dtype) {
-    at::mm_out(rows, d_features, weight);
-  } else {
-    rows.copy_(at::mm(d_features, weight));
-  }
+  at::mm_out(rows, d_features, weight);
   return grad;
 }
 
@@ -444,15 +448,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> dal_loss_
   const auto grad_b2_out = has_b2 ? as_dtype(grad_b2, w2.scalar_type()) : no_gradient(w2);
   if (!present(w1)) {
     // The linear regressor: d_features is already the gradient of pos's rows.
-    at::Tensor grad_pos;
-    if (skip_rows == 0) {
-      grad_pos = as_dtype(d_features, pos.scalar_type());
-      grad_pos = pos.dim() == 2 ? grad_pos : grad_pos.view(pos.sizes());
-    } else {
-      grad_pos = at::zeros(pos.sizes(), pos.options());
-      regressed_rows(grad_pos, skip_rows, positions).copy_(d_features);
-    }
-    return {grad_pos, no_gradient(pos), no_gradient(pos), as_dtype(grad_w2, w2.scalar_type()), grad_b2_out};
+    return {table_from_rows(pos, skip_rows, d_features), no_gradient(pos), no_gradient(pos),
+            as_dtype(grad_w2, w2.scalar_type()), grad_b2_out};
   }
   const auto grad_b1_out = has_b1 ? as_dtype(grad_b1, w1->scalar_type()) : no_gradient(*w1);
   const auto w1_c = as_dtype(*w1, dtype).contiguous();
@@ -476,13 +473,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> dal_loss_
     }
     gemm_nn(d_data, w1_c.data_ptr<scalar_t>(), table, positions, width, dim, dim);
   });
-  at::Tensor grad_pos = grad_table;
-  if (!direct) {
-    grad_pos = at::zeros(pos.sizes(), pos.options());
-    regressed_rows(grad_pos, skip_rows, positions).copy_(grad_table);
-  }
-  return {grad_pos, as_dtype(grad_w1, w1->scalar_type()), grad_b1_out, as_dtype(grad_w2, w2.scalar_type()),
-          grad_b2_out};
+  return {direct ? grad_table : table_from_rows(pos, skip_rows, grad_table), as_dtype(grad_w1, w1->scalar_type()),
+          grad_b1_out, as_dtype(grad_w2, w2.scalar_type()), grad_b2_out};
 }
 
 // ---- Meta kernels: checks and output shapes only (symbolic sizes, for torch.compile's dynamic shapes).

@@ -114,7 +114,6 @@ class JigsawSampler(nn.Module):
             return None
         if not self.training:
             return self._sample_eval(batch, with_index(torch.device(device)), grid_size)
-        rank, world = self._rank_and_world()
         if torch.compiler.is_compiling():
             # Traced once into the graph: nothing to keep (storing it would change the module's state, on which the
             # compiled graph's guards depend: a recompile on the next step).
@@ -124,30 +123,53 @@ class JigsawSampler(nn.Module):
             if key != self._plan_key:
                 self._plan, self._plan_key = self._make_plan(device, grid_size), key
             plan = self._plan
-        counter = self.sample_counter
-        # Sample i of this call has the global stream index counter * world + rank * batch + i: with a constant
-        # per-rank batch, distinct on every rank and the same after a resume.
-        if plan is not None:
-            return plan.sample_step(batch, counter, world, rank * batch)
-        jigsaw = self._sample_general(batch, device, grid_size, counter * world + rank * batch)
-        counter.add_(batch)  # a buffer that needs no gradient: nothing is recorded
-        return jigsaw
+        return self._draw(plan, batch, device, grid_size, self.sample_counter)
 
-    def _make_plan(self, device: torch.device, grid_size: tuple[int, int] | None) -> SamplerPlan | None:
-        """The plan of the training path for ``device`` and ``grid_size``, or None where the general sampler runs
-        (the torch backend, another grid than the tables', tables on another device)."""
+    def _make_plan(
+        self, device: torch.device, grid_size: tuple[int, int] | None, settings: dict[str, Any] | None = None
+    ) -> SamplerPlan | None:
+        """The plan for ``device`` and ``grid_size``, or None where the general sampler runs (the torch backend,
+        another grid than the tables', tables on another device). Training (no ``settings``): the module's ratio,
+        prob and seed, whose Triton parameters live in the ``params`` buffer; :meth:`jigsaw_eval`: its
+        ``settings``'."""
         device = with_index(torch.device(device))  # "cuda" and "cuda:0" must compare equal below
         grid = self.grid_size if grid_size is None else tuple(grid_size)
         backend = resolve_backend(self.backend, device)
         if backend == "torch" or grid != self.grid_size or self.h_thresholds.device != device:
             return None
-        if (self.seed, self.prob) != self._params_key:  # refreshed in place: a captured CUDA graph keeps reading it
-            self.params.copy_(sampler_params(self.seed, self.prob, "cpu"))
-            self._params_key = (self.seed, self.prob)
+        if settings is None:
+            ratio, prob, seed = self.ratio, self.prob, self.seed
+            if (seed, prob) != self._params_key:  # refreshed in place: a captured CUDA graph keeps reading it
+                self.params.copy_(sampler_params(seed, prob, "cpu"))
+                self._params_key = (seed, prob)
+            params = self.params
+        else:
+            ratio, prob, seed = settings["ratio"], settings["prob"], settings["seed"]
+            params = sampler_params(seed, prob, device)
         return SamplerPlan(
-            backend, *grid, _target_count(self.ratio, grid[0] * grid[1]), self.min_block, self.shared, self.seed,
-            _prob_threshold(self.prob), self.h_thresholds, self.w_thresholds, self.params,
+            backend, *grid, _target_count(ratio, grid[0] * grid[1]), self.min_block, self.shared, seed,
+            _prob_threshold(prob), self.h_thresholds, self.w_thresholds, params,
         )  # fmt: skip
+
+    def _draw(
+        self,
+        plan: SamplerPlan | None,
+        batch: int,
+        device: torch.device,
+        grid_size: tuple[int, int] | None,
+        counter: torch.Tensor,
+        settings: dict[str, Any] | None = None,
+    ) -> Jigsaw:
+        """The next ``batch`` jigsaws of the stream whose position ``counter`` holds, which then advances by
+        ``batch``: through ``plan``, or the general sampler where there is none."""
+        rank, world = self._rank_and_world()
+        # Sample i of this call has the global stream index counter * world + rank * batch + i: with a constant
+        # per-rank batch, distinct on every rank and the same after a resume.
+        if plan is not None:
+            return plan.sample_step(batch, counter, world, rank * batch)
+        jigsaw = self._sample_general(batch, device, grid_size, counter * world + rank * batch, settings)
+        counter.add_(batch)  # a buffer that needs no gradient: nothing is recorded
+        return jigsaw
 
     def _sample_general(
         self,
@@ -179,21 +201,8 @@ class JigsawSampler(nn.Module):
         settings = self._eval_settings
         if self._eval_counter is None or self._eval_counter.device != device:
             self._eval_counter = torch.full((), settings["start"], dtype=torch.int64, device=device)
-        counter = self._eval_counter
-        rank, world = self._rank_and_world()
-        grid = self.grid_size if grid_size is None else tuple(grid_size)
-        backend = resolve_backend(self.backend, device)
-        if backend == "torch" or grid != self.grid_size or self.h_thresholds.device != device:
-            jigsaw = self._sample_general(batch, device, grid_size, counter * world + rank * batch, settings)
-        else:
-            plan = SamplerPlan(
-                backend, *grid, _target_count(settings["ratio"], grid[0] * grid[1]), self.min_block, self.shared,
-                settings["seed"], _prob_threshold(settings["prob"]), self.h_thresholds, self.w_thresholds,
-                sampler_params(settings["seed"], settings["prob"], device),
-            )  # fmt: skip
-            return plan.sample_step(batch, counter, world, rank * batch)
-        counter.add_(batch)
-        return jigsaw
+        plan = self._make_plan(device, grid_size, settings)
+        return self._draw(plan, batch, device, grid_size, self._eval_counter, settings)
 
     def _apply(self, fn, recurse: bool = True):  # noqa: ANN001 - nn.Module's signature
         # .to(), .cuda(), .half(), ...: the buffers the plan holds are replaced, so the plan is made again.

@@ -254,15 +254,28 @@ def mjp_position_step(
         patch_rows = pos_embed[..., prefix_positions:, :].reshape(-1, dim)
         moved = _MJPPosEmbed.apply(tokens, jigsaw.perm, jigsaw.mask, patch_rows, unk_embed)
         return prepend_prefix(moved, pos_embed, prefix, prefix_positions)
-    # The table, unk_embed and the prefix rounded to the output dtype here, as the oracle rounds them (autograd casts
-    # their gradients back): no copy at all in the usual case (float32 parameters).
-    table_dtype = pos_embed.dtype
-    return (_extension_operator() if backend == "cpu" else _PosEmbedTriton.apply)(
+    operator = _extension_operator() if backend == "cpu" else _PosEmbedTriton.apply
+    return operator(*_kernel_inputs(tokens, pos_embed, unk_embed, jigsaw, prefix, prefix_positions, dtype))
+
+
+def _kernel_inputs(
+    tokens: torch.Tensor,
+    pos_embed: torch.Tensor,
+    unk_embed: torch.Tensor,
+    jigsaw: Jigsaw,
+    prefix: torch.Tensor | None,
+    prefix_positions: int,
+    dtype: torch.dtype,
+) -> tuple:
+    """The position-step kernels' arguments, contiguous: the table, unk_embed and the prefix rounded to the output
+    ``dtype`` here, as the oracle rounds them (autograd casts their gradients back): no copy at all in the usual case
+    (float32 parameters)."""
+    return (
         tokens.contiguous(),
         jigsaw.perm,
         jigsaw.mask,
         _as_dtype(pos_embed, dtype).contiguous(),
-        _as_dtype(_as_dtype(unk_embed, table_dtype), dtype).contiguous(),
+        _as_dtype(_as_dtype(unk_embed, pos_embed.dtype), dtype).contiguous(),
         _as_dtype(prefix, dtype).contiguous() if prefix is not None else None,
         prefix_positions,
     )
@@ -299,22 +312,10 @@ def mjp_position_dal_step(
     if layers is None or torch.compiler.is_compiling():
         return None
     dtype = _promoted(tokens.dtype, pos_embed.dtype)
-    if dtype != pos_embed.dtype or not has_kernels("cpu", dtype):
+    if dtype != pos_embed.dtype:  # DAL regresses the table as it is, the step would round it
         return None
-    out, loss = _extension_step_with_dal()(
-        tokens.contiguous(),
-        jigsaw.perm,
-        jigsaw.mask,
-        pos_embed.contiguous(),
-        _as_dtype(unk_embed, dtype).contiguous(),
-        _as_dtype(prefix, dtype).contiguous() if prefix is not None else None,
-        prefix_positions,
-        *layers,
-        coords,
-        dal_mask,
-        scale,
-    )
-    return out, loss
+    inputs = _kernel_inputs(tokens, pos_embed, unk_embed, jigsaw, prefix, prefix_positions, dtype)
+    return _extension_step_with_dal()(*inputs, *layers, coords, dal_mask, scale)
 
 
 def _as_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
