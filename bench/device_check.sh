@@ -54,7 +54,7 @@ tests() {
 '| timm', timm.__version__, '|', torch.cuda.get_device_name(), '|', mjp_fast.available_backends())" | tee "$out/device.txt"
   local start=$SECONDS
   timeout "$(budget 150)" python3 -m pytest -q -p no:cacheprovider -n 8 tests/ops tests/test_compile.py tests/test_timm.py \
-    tests/test_timm_patch_embed.py tests/test_nn.py tests/test_sampler.py tests/test_host_cost.py tests/test_gpu.py \
+    tests/test_timm_patch_embed.py tests/test_nn.py tests/sampler tests/test_host_cost.py tests/test_gpu.py \
     -k "cuda or triton or compile or gpu" >"$out/tests.log" 2>&1
   local status=$?
   tail -25 "$out/tests.log"

@@ -442,7 +442,7 @@ MJP_HOST_DEVICE MJP_FORCE_INLINE void mark_fresh_cells(bool* mask_row, int64_t n
 
 // Samples one jigsaw (docs/sampler.md, "Per sample") into mask_row[0, N) and perm_row[0, N), N = rows * cols.
 //
-// rows, cols: the grid, N <= 2**30; target: floor(ratio * N) in [0, N]; min_block in [0, 2**30];
+// rows, cols: the grid, N <= 2**30; target: floor(ratio * N) in [0, N]; min_block in [1, 2**30];
 // stream: the stream index s (offset + i, or offset when shared); prob_threshold in [0, 2**32];
 // h_thresholds: int64 [1024, rows] and w_thresholds: int64 [1024, cols], row-major and contiguous.
 // perm_row doubles as the scratch space of the permutation's sort.

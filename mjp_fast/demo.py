@@ -20,7 +20,8 @@ from PIL import Image, ImageDraw, ImageFont
 
 from mjp_fast import backend as backend_module
 from mjp_fast._atomic import write_atomically
-from mjp_fast.ops import jigsaw_images, sample_jigsaw
+from mjp_fast.ops import jigsaw_images
+from mjp_fast.sampler import sample_jigsaw
 
 # Photos that scikit-image ships inside its package: no download needed.
 BUILTIN_IMAGES = ("astronaut", "chelsea", "coffee", "rocket")

@@ -9,7 +9,7 @@ from torch import nn
 from mjp_fast._validate import check_grid_size, check_int
 from mjp_fast.ops.dal_loss import DAL_REDUCTIONS, dal_loss
 from mjp_fast.ops.patch_embed import mjp_patch_embed
-from mjp_fast.ops.sample_jigsaw import Jigsaw, check_jigsaw
+from mjp_fast.sampler.jigsaw import Jigsaw, check_jigsaw
 from mjp_fast.sampler import JigsawSampler
 
 DAL_KINDS = ("nonlinear", "linear", "pca")
@@ -100,7 +100,7 @@ class MJPPatchEmbed(nn.Module):
             still permuted among themselves, but every position keeps its own ``pos_embed[n]`` (the paper's naive
             shuffle); there is then no ``unk_embed`` parameter (``unk_embed`` is None, no state dict key), and
             :meth:`dal_loss` still leaves the masked positions out.
-        backend: forced backend for the sampler and the embedding, default automatic.
+        backend: forced backend for the sampler, the embedding and the DAL loss, default automatic.
 
     Shapes: ``forward`` takes images ``[B, C, H, W]`` and returns tokens ``[B, N, D]``.
     """
@@ -224,6 +224,7 @@ class MJPPatchEmbed(nn.Module):
             mask,
             normalize=self.dal_normalize,
             reduction=self.dal_reduction,
+            backend=self.backend,
         )
 
     def extra_repr(self) -> str:

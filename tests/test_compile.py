@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import mjp_fast
-from mjp_fast.ops.sample_jigsaw import sampler_tables
+from mjp_fast.sampler.reference import sampler_tables
 
 from .conftest import backends_for
 
@@ -72,21 +72,6 @@ def test_opcheck_patch_embed(backend):
 def test_opcheck_sampler(backend):
     operator = {"cpu": torch.ops.mjp_fast.sample_jigsaw_extension, "triton": torch.ops.mjp_fast.sample_jigsaw_triton}
     h_thresholds, w_thresholds = sampler_tables(3, 4, 0.3)
-    if backend == "triton":  # counter, params (seed bits, prob threshold), tables, sizes, counter scale and shift
-        arguments = (
-            torch.tensor(5),
-            torch.tensor([123, 2**32]),
-            h_thresholds,
-            w_thresholds,
-            3,
-            3,
-            4,
-            6,
-            2,
-            2,
-            1,
-            False,
-        )
-    else:
-        arguments = (torch.tensor(5), h_thresholds, w_thresholds, 3, 3, 4, 6, 2, 123, False, 2**32, 2, 1)
+    # One schema for both: counter, params (seed bits, prob threshold), tables, sizes, counter scale and shift
+    arguments = (torch.tensor(5), torch.tensor([123, 2**32]), h_thresholds, w_thresholds, 3, 3, 4, 6, 2, 2, 1, False)
     torch.library.opcheck(operator[backend].default, arguments, test_utils=("test_schema", "test_faketensor"))

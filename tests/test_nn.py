@@ -1,3 +1,5 @@
+import importlib
+
 import pytest
 import torch
 
@@ -175,3 +177,26 @@ def test_fused_layers_are_the_regressors_parameters_and_a_parametrized_one_runs_
     torch.nn.utils.parametrize.register_parametrization(regressor.net[0], "weight", torch.nn.Identity())
     assert regressor.fused_layers() is None
     torch.testing.assert_close(mjp_fast.dal_loss(pos, regressor, (3, 4)), expected)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_dal_loss_runs_on_the_module_backend(backend, monkeypatch):
+    dal_loss_module = importlib.import_module("mjp_fast.ops.dal_loss")  # the package exports the function
+
+    if backend not in mjp_fast.available_backends():
+        pytest.skip(f"{backend} is not available")
+    seen = []
+    unchecked = dal_loss_module.dal_loss_unchecked
+    monkeypatch.setattr(
+        dal_loss_module,
+        "dal_loss_unchecked",
+        lambda *args, **kwargs: seen.append(args[4]) or unchecked(*args, **kwargs),
+    )
+    module = make_module(dal="nonlinear", backend=backend)
+    module(torch.randn(2, 3, 32, 32))
+    loss = module.dal_loss()
+    assert seen == [backend]
+    expected = mjp_fast.dal_loss(
+        module.pos_embed, module.dal_regressor, (4, 4), module.last_jigsaw.mask, backend="torch"
+    )
+    torch.testing.assert_close(loss, expected)

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mjp_fast.ops.jigsaw_images import jigsaw_images
-from mjp_fast.ops.sample_jigsaw import sample_jigsaw
+from mjp_fast.sampler import sample_jigsaw
 
 JIGSAW_MODES = ("auto", "unk", "pixel", "none")
 

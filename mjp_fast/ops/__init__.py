@@ -1,14 +1,12 @@
-"""One file per operation: the pure-PyTorch oracle ``*_ref``, the fast paths, and the public function."""
+"""The operations that apply a jigsaw, one file each: the pure-PyTorch oracle ``*_ref``, the fast paths, and the
+public function. (The jigsaw itself comes from :mod:`mjp_fast.sampler`.)"""
 
 from mjp_fast.ops.dal_loss import dal_loss, dal_loss_ref, grid_coordinates
 from mjp_fast.ops.jigsaw_images import jigsaw_images, jigsaw_images_ref
 from mjp_fast.ops.patch_embed import mjp_patch_embed, mjp_patch_embed_ref
 from mjp_fast.ops.pos_embed import mjp_pos_embed, mjp_pos_embed_ref
-from mjp_fast.ops.sample_jigsaw import Jigsaw, block_mask_python, sample_jigsaw, sample_jigsaw_ref
 
 __all__ = [
-    "Jigsaw",
-    "block_mask_python",
     "dal_loss",
     "dal_loss_ref",
     "grid_coordinates",
@@ -18,6 +16,4 @@ __all__ = [
     "mjp_patch_embed_ref",
     "mjp_pos_embed",
     "mjp_pos_embed_ref",
-    "sample_jigsaw",
-    "sample_jigsaw_ref",
 ]

@@ -11,7 +11,7 @@ import torch
 
 from mjp_fast._validate import check_int, check_tensor
 from mjp_fast.ops.permute import permute_rows
-from mjp_fast.ops.sample_jigsaw import Jigsaw, check_jigsaw
+from mjp_fast.sampler.jigsaw import Jigsaw, check_jigsaw
 
 
 def _check_args(images: object, jigsaw: object, patch_size: object, *, validate: bool) -> tuple[int, int, Jigsaw]:

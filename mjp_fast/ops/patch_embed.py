@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from mjp_fast import backend as backend_module
 from mjp_fast._validate import check_float_dtype, check_position_table, check_same_device, check_tensor
 from mjp_fast.ops.pos_embed import _MJPPosEmbed, check_unk_embed, position_term, prepend_prefix
-from mjp_fast.ops.sample_jigsaw import Jigsaw, check_jigsaw
+from mjp_fast.sampler.jigsaw import Jigsaw, check_jigsaw
 
 
 @dataclass(frozen=True)

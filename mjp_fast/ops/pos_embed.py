@@ -33,7 +33,7 @@ from mjp_fast import backend as backend_module
 from mjp_fast._validate import check_float_dtype, check_position_table, check_same_device, check_tensor
 from mjp_fast.ops.dal_loss import _fused_layers
 from mjp_fast.ops.permute import _move
-from mjp_fast.ops.sample_jigsaw import Jigsaw, check_jigsaw
+from mjp_fast.sampler.jigsaw import Jigsaw, check_jigsaw
 
 
 def check_unk_embed(unk_embed: object, dim: int, jigsaw: object) -> torch.Tensor | None:

@@ -28,7 +28,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from mjp_fast.ops import Jigsaw, jigsaw_images, mjp_patch_embed
+from mjp_fast.ops import jigsaw_images, mjp_patch_embed
+from mjp_fast.sampler import Jigsaw
 
 
 class Attention(nn.Module):

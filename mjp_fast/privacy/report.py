@@ -73,6 +73,8 @@ def _to_pixels(image: torch.Tensor, scale: int) -> Image.Image:
 def save_grid(attacks: Sequence[ImageAttack], path: str | Path, *, patch_size: int, scale: int = 2) -> Path:
     """One row per image: the original, the jigsawed image (masked patches outlined), each reconstruction.
 
+    Columns are ``max(panel width, widest caption)`` wide, panels at their left edge.
+
     Args:
         attacks: from :func:`~mjp_fast.privacy.settings.run_settings`.
         path: the PNG to write.
@@ -84,21 +86,25 @@ def save_grid(attacks: Sequence[ImageAttack], path: str | Path, *, patch_size: i
     channels, height, width = attacks[0].original.shape
     panel_w, panel_h = width * scale, height * scale
     font = ImageFont.load_default()
+    # A column is as wide as its panel or the widest caption, whichever is wider: at CIFAR's 32 px the captions
+    # are wider than the panels and would run into one another.
+    caption_w = max(math.ceil(font.getlength(title)) for _, title in GRID_COLUMNS)
+    column_w = max(panel_w, caption_w)
     columns = len(GRID_COLUMNS)
     canvas = Image.new(
         "RGB",
-        (GAP + columns * (panel_w + GAP), CAPTION_HEIGHT + GAP + len(attacks) * (panel_h + GAP)),
+        (GAP + columns * (column_w + GAP), CAPTION_HEIGHT + GAP + len(attacks) * (panel_h + GAP)),
         BACKGROUND,
     )
     draw = ImageDraw.Draw(canvas)
     for column, (_, title) in enumerate(GRID_COLUMNS):
-        draw.text((GAP + column * (panel_w + GAP), 2), title, fill=TEXT_COLOR, font=font)
+        draw.text((GAP + column * (column_w + GAP), 2), title, fill=TEXT_COLOR, font=font)
     cols = width // patch_size
     for row, attack in enumerate(attacks):
         top = CAPTION_HEIGHT + GAP + row * (panel_h + GAP)
         for column, (key, _) in enumerate(GRID_COLUMNS):
             image = attack.reference(key) if key in ("original", "jigsawed") else attack.reconstructions[key]
-            left = GAP + column * (panel_w + GAP)
+            left = GAP + column * (column_w + GAP)
             canvas.paste(_to_pixels(image, scale), (left, top))
             if key == "jigsawed":
                 step = patch_size * scale

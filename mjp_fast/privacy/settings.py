@@ -26,7 +26,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from mjp_fast.ops import Jigsaw, jigsaw_images, sample_jigsaw
+from mjp_fast.ops import jigsaw_images
+from mjp_fast.sampler import Jigsaw, sample_jigsaw
 from mjp_fast.privacy.metrics import METRICS, reconstruction_metrics
 from mjp_fast.privacy.model import PrivacyViT, client_gradients
 

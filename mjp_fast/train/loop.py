@@ -6,8 +6,9 @@ One process per GPU under ``torchrun`` (DDP), or one process on a CPU or GPU:
 
 Per step: mixup/cutmix on the batch, then the model's forward (which jigsaws the batch: MJP comes after mixup, as
 in the paper's code), the classification loss plus ``dal_weight(step) * model.mjp_aux_loss()``, backward, gradient
-clipping, the optimizer step and the schedule. The jigsaw starts at ``mjp_from_epoch`` (default: the end of
-warm-up); the DAL weight decays from ``dal_weight`` to ``dal_weight_end`` along a cosine over the whole run.
+clipping and the optimizer step (all four in :class:`TrainStep`), then the schedule. The jigsaw starts at
+``mjp_from_epoch`` (default: the end of warm-up); the DAL weight decays from ``dal_weight`` to ``dal_weight_end``
+along a cosine over the whole run.
 
 Reproducibility and resumption: each step seeds the global generators from ``(seed, rank, epoch, batch)`` (mixup,
 drop-path) and each sample its transform (see :mod:`mjp_fast.train.data`); the jigsaw stream is the model's
@@ -35,8 +36,10 @@ from timm.data import Mixup, resolve_data_config
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from timm.optim import create_optimizer_v2
 from timm.scheduler import create_scheduler_v2
+from timm.scheduler.scheduler import Scheduler
 from timm.utils import dispatch_clip_grad
 from torch import nn
+from torch.utils.data import DataLoader, Dataset
 
 from mjp_fast._atomic import write_atomically
 from mjp_fast.evaluate.metrics import evaluate_model
@@ -44,6 +47,7 @@ from mjp_fast.evaluate.position import model_position_regression
 from mjp_fast.train import checkpoint as checkpoint_io
 from mjp_fast.train.config import ConfigError, TrainConfig, save_config
 from mjp_fast.train.data import (
+    SeededEpochSampler,
     build_datasets,
     default_workers,
     draw_seed,
@@ -279,6 +283,103 @@ def _check_divergence(
     )
 
 
+@dataclass
+class StepLosses:
+    """One micro-batch's losses: 0-d float tensors on the training device, not read back (see :class:`_StepTally`)."""
+
+    total: torch.Tensor  # what the backward ran on (before the division by accum_steps): loss + dal_weight * dal
+    loss: torch.Tensor  # the classification loss
+    dal: torch.Tensor | None  # the unweighted DAL loss; None without DAL
+
+
+@dataclass
+class TrainStep:
+    """One micro-batch of training: forward, loss plus the weighted DAL loss, backward, and, when the micro-batch
+    ends an accumulation, gradient clipping and the optimizer's (and fp16 scaler's) step.
+
+    Built once per run, called once per batch; the loop around it keeps the step count, the schedule and the
+    checkpoints. ``forward_model`` runs the forward (the model itself, or it compiled and/or DDP-wrapped);
+    ``model`` is the bare model, whose parameters are clipped and whose ``mjp_aux_loss`` is read.
+    """
+
+    model: nn.Module
+    forward_model: nn.Module
+    optimizer: torch.optim.Optimizer
+    criterion: nn.Module
+    config: TrainConfig  # accum_steps, clip_grad, clip_mode, and whether DAL is on (mjp, mjp_dal)
+    amp_dtype: torch.dtype | None = None  # autocast's dtype; None: no autocast
+    scaler: torch.amp.GradScaler | None = None  # fp16's loss scaler; None: plain backward and step
+    ddp: bool = False  # forward_model is DDP-wrapped: gradients are all-reduced at updates only
+
+    @property
+    def dal_on(self) -> bool:
+        """Whether the DAL loss joins the total, as the config says: mjp on and mjp_dal not none."""
+        return self.config.mjp and self.config.mjp_dal != "none"
+
+    def __call__(
+        self,
+        images: torch.Tensor,
+        targets: torch.Tensor,
+        *,
+        dal_weight: float,
+        update: bool,
+        tally: _StepTally,
+        batch_index: int,
+        step: int,
+    ) -> StepLosses:
+        """Trains on one micro-batch; device work only (no read back to the host).
+
+        Args:
+            images: float ``[B, C, H, W]`` on the training device (after mixup, if any).
+            targets: int64 ``[B]`` class indices, or float ``[B, num_classes]`` soft targets (mixup).
+            dal_weight: the DAL loss's weight in the total (unused without DAL).
+            update: this micro-batch ends an accumulation: clip the gradients, step the optimizer, zero the
+                gradients. Else the gradients only accumulate (and DDP does not all-reduce them).
+            tally: the epoch's running sums; this batch is added to them, a non-finite total recorded.
+            batch_index: the batch's index in its epoch, and ``step`` the optimizer steps taken before it: where a
+                non-finite loss happened, for the tally.
+
+        Returns:
+            The batch's losses (``total`` before the division by ``accum_steps``).
+        """
+        sync = contextlib.nullcontext() if (update or not self.ddp) else self.forward_model.no_sync()
+        with sync:
+            dtype = self.amp_dtype
+            # images are on the training device: their device type is autocast's
+            with torch.autocast(images.device.type, dtype=dtype, enabled=dtype is not None):
+                logits = self.forward_model(images)
+                loss = self.criterion(logits, targets)
+                total = loss
+                dal = None
+                if self.dal_on:
+                    dal = self.model.mjp_aux_loss()
+                    total = total + dal_weight * dal
+                unk = getattr(getattr(self.model, "mjp", None), "unk_embed", None) if self.ddp else None
+                if unk is not None:
+                    total = total + 0.0 * unk.sum()  # keeps unk_embed in the graph while the jigsaw is off
+            # a non-finite total is only recorded here; it is raised at the next read (see _StepTally)
+            tally.add(total, loss, dal, images.shape[0], batch_index, step)
+            scaled = total / self.config.accum_steps
+            (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+        if update:
+            self._update()
+        return StepLosses(total, loss, dal)
+
+    def _update(self) -> None:
+        """Clips the accumulated gradients, steps the optimizer (through the scaler), zeros the gradients."""
+        config, optimizer, scaler = self.config, self.optimizer, self.scaler
+        if config.clip_grad is not None:
+            if scaler is not None:
+                scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
+            dispatch_clip_grad(self.model.parameters(), config.clip_grad, mode=config.clip_mode)
+        if scaler is not None:
+            scaler.step(optimizer)  # skips the step when the unscaled gradients hold an inf or NaN
+            scaler.update()
+        else:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
 class _Writers:
     """Rank 0's outputs: metrics.jsonl and, optionally, TensorBoard."""
 
@@ -421,16 +522,35 @@ def train(config: TrainConfig, *, resume: bool | str | Path = False) -> RunResul
 
 
 def _train(config: TrainConfig, context: Distributed, resume: bool | str | Path) -> RunResult:
+    """Opens the run's output folder, builds the run and trains the epochs it has left (a finished run: none)."""
+    config, output, state = _open_output(config, context, resume)
+    if state is not None and state.get("finished") and state.get("epoch", 0) >= config.epochs + config.cooldown_epochs:
+        _say(context, f"{output}: this run finished already ({plural(config.epochs, 'epoch')}); nothing to do")
+        history = list(state.get("metrics", []))
+        return RunResult(output, output / LAST_CHECKPOINT, config, history, state.get("final", {}))
+    return _build_run(config, context, output, state).fit()
+
+
+def _open_output(
+    config: TrainConfig, context: Distributed, resume: bool | str | Path
+) -> tuple[TrainConfig, Path, dict[str, Any] | None]:
+    """Where the run goes, and the checkpoint it continues from.
+
+    Returns:
+        The config with its output folder filled in, that folder, and the loaded checkpoint (None: a new run).
+
+    Raises:
+        ConfigError: ``resume=True`` with no checkpoint in the folder, or a new run into a folder that holds one.
+    """
     # Rank 0 decides where the run goes and whether that folder holds a run: the default folder is named by the
     # clock, and a rank that raised alone would leave the others waiting in a collective.
     chosen = config.output or default_output(config)
     output_name, holds_run = broadcast_from_main((chosen, (Path(chosen) / LAST_CHECKPOINT).exists()), context)
     output = Path(output_name)
     config = config.replace(output=str(output))
-    last_path = output / LAST_CHECKPOINT
     state = None
     if resume:
-        resume_path = last_path if resume is True else Path(resume)
+        resume_path = output / LAST_CHECKPOINT if resume is True else Path(resume)
         if resume is True and not holds_run:
             raise ConfigError(f"nothing to resume: {str(resume_path)!r} does not exist")
         state = checkpoint_io.load_checkpoint(resume_path)
@@ -439,11 +559,16 @@ def _train(config: TrainConfig, context: Distributed, resume: bool | str | Path)
             f"output folder {str(output)!r} already holds a run ({LAST_CHECKPOINT}); pass --resume to continue it "
             "or choose another --output"
         )
-    if state is not None and state.get("finished") and state.get("epoch", 0) >= config.epochs + config.cooldown_epochs:
-        _say(context, f"{output}: this run finished already ({plural(config.epochs, 'epoch')}); nothing to do")
-        history = list(state.get("metrics", []))
-        return RunResult(output, last_path, config, history, state.get("final", {}))
+    return config, output, state
 
+
+def _build_run(config: TrainConfig, context: Distributed, output: Path, state: dict[str, Any] | None) -> _Run:
+    """Builds the datasets, model, optimizer, schedule and losses of a run, and restores ``state`` (a checkpoint;
+    None: a new run) into them.
+
+    The order is the random streams': the generators are seeded before the datasets and the model (whose
+    initialization draws from them), and a resumed run's generators are restored after everything that draws.
+    """
     device = context.device
     if config.threads is not None:
         torch.set_num_threads(config.threads)
@@ -454,6 +579,58 @@ def _train(config: TrainConfig, context: Distributed, resume: bool | str | Path)
     model = create_model(model_name, model_kwargs)
     if config.mjp and not is_mjp_model(model):  # pragma: no cover - model_spec always names an MJP model
         raise ConfigError(f"model {model_name} is not an MJP model")
+    data_config = _data_config(config, model)
+    global_batch = config.batch_size * context.world_size * config.accum_steps
+    lr = config.lr if config.lr is not None else config.lr_base * global_batch / 512
+    config = _resolve_config(config, model, data_config, num_classes, lr)
+    loader, sampler, val_loader = _build_loaders(config, context, train_set, val_set, input_size(model))
+
+    model.to(device)
+    optimizer = _build_optimizer(config, model)
+    batches_per_epoch = len(loader)
+    updates_per_epoch = math.ceil(batches_per_epoch / config.accum_steps)
+    scheduler, total_epochs = _build_scheduler(config, optimizer, updates_per_epoch)
+    dtype = amp_dtype(config, device)
+    scaler = torch.amp.GradScaler("cuda") if dtype == torch.float16 else None
+    mixup, criterion = _build_mixup_and_criterion(config, num_classes)
+    start = _restore(state, model_name, model, optimizer, scheduler, scaler, config, batches_per_epoch, context, output)
+
+    ddp = context.world_size > 1
+    forward_model = _wrap_for_training(model, config, context)
+    header = None
+    if state is None:  # a resumed run says where it resumes instead (see _restore)
+        parameters = count_parameters(sum(parameter.numel() for parameter in model.parameters()))
+        header = (
+            f"mjp train: {describe_model(model_name, model_kwargs, model)} ({parameters}, "
+            f"{num_classes} classes) on {len(train_set)} training / {len(val_set)} validation images; "
+            f"{plural(total_epochs, 'epoch')} x {plural(updates_per_epoch, 'step')}, global batch {global_batch}, "
+            f"lr {lr:.2e}, {device}{f' x {context.world_size}' if ddp else ''}; output {output}"
+        )
+    return _Run(
+        config=config,
+        context=context,
+        output=output,
+        model_name=model_name,
+        model_kwargs=model_kwargs,
+        model=model,
+        train_step=TrainStep(model, forward_model, optimizer, criterion, config, dtype, scaler, ddp),
+        scheduler=scheduler,
+        mixup=mixup,
+        loader=loader,
+        sampler=sampler,
+        val_loader=val_loader,
+        batches_per_epoch=batches_per_epoch,
+        total_epochs=total_epochs,
+        total_steps=updates_per_epoch * total_epochs,
+        start=start,
+        header=header,
+        show_progress=_progress_enabled(config, context),
+    )
+
+
+def _data_config(config: TrainConfig, model: nn.Module) -> dict[str, Any]:
+    """timm's data config of ``model`` (mean, std, crop_pct, ...), with the values the config sets; a one-channel
+    mean and std are repeated for three channels (the images are RGB)."""
     data_config = resolve_data_config(
         {
             key: value
@@ -464,14 +641,17 @@ def _train(config: TrainConfig, context: Distributed, resume: bool | str | Path)
     )
     if len(data_config["mean"]) == 1:
         data_config["mean"], data_config["std"] = data_config["mean"] * 3, data_config["std"] * 3
-    img_size = input_size(model)
-    global_batch = config.batch_size * context.world_size * config.accum_steps
-    lr = config.lr if config.lr is not None else config.lr_base * global_batch / 512
-    config = _resolve_config(config, model, data_config, num_classes, lr)
+    return data_config
 
+
+def _build_loaders(
+    config: TrainConfig, context: Distributed, train_set: Dataset, val_set: Dataset, img_size: int
+) -> tuple[DataLoader, SeededEpochSampler, DataLoader]:
+    """Sets the datasets' transforms; returns the training loader, its sampler and the validation loader (this
+    rank's shards)."""
     set_transform(train_set, train_transform(config, img_size, tuple(config.mean), tuple(config.std)))
     set_transform(val_set, eval_transform(img_size, config.interpolation, config.crop_pct))
-    pin = device.type == "cuda"
+    pin = context.device.type == "cuda"
     loader, sampler = train_loader(config, train_set, rank=context.rank, world_size=context.world_size, pin_memory=pin)
     workers = config.workers if config.workers is not None else default_workers(context.world_size)
     val_loader = eval_loader(
@@ -482,22 +662,30 @@ def _train(config: TrainConfig, context: Distributed, resume: bool | str | Path)
         world_size=context.world_size,
         pin_memory=pin,
     )
+    return loader, sampler, val_loader
 
-    model.to(device)
-    bare = model
+
+def _build_optimizer(config: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
+    """timm's optimizer ``config.opt`` over ``model`` at the peak ``config.lr``. Raises ConfigError for a bad name
+    or setting."""
     optimizer_kwargs: dict[str, Any] = {"momentum": config.momentum}
     if config.opt_eps is not None:
         optimizer_kwargs["eps"] = config.opt_eps
     try:
-        optimizer = create_optimizer_v2(
-            bare, opt=config.opt, lr=lr, weight_decay=config.weight_decay, **optimizer_kwargs
+        return create_optimizer_v2(
+            model, opt=config.opt, lr=config.lr, weight_decay=config.weight_decay, **optimizer_kwargs
         )
     except (ValueError, AssertionError, TypeError) as error:
         raise ConfigError(f"opt={config.opt!r}: {str(error).splitlines()[0]}") from None
-    batches_per_epoch = len(loader)
-    updates_per_epoch = math.ceil(batches_per_epoch / config.accum_steps)
+
+
+def _build_scheduler(
+    config: TrainConfig, optimizer: torch.optim.Optimizer, updates_per_epoch: int
+) -> tuple[Scheduler | None, int]:
+    """timm's schedule ``config.sched``, stepped per optimizer step, and the run's epochs (cooldown included).
+    ``sched=none``: no schedule. Raises ConfigError for a bad name or setting."""
     try:
-        scheduler, total_epochs = create_scheduler_v2(
+        return create_scheduler_v2(
             optimizer,
             sched=config.sched,
             num_epochs=config.epochs,
@@ -510,11 +698,11 @@ def _train(config: TrainConfig, context: Distributed, resume: bool | str | Path)
         )
     except (ValueError, AssertionError) as error:
         raise ConfigError(f"sched={config.sched!r}: {str(error).splitlines()[0]}") from None
-    total_steps = updates_per_epoch * total_epochs
-    dtype = amp_dtype(config, device)
-    scaler = torch.amp.GradScaler("cuda") if dtype == torch.float16 else None
 
-    mixup = None
+
+def _build_mixup_and_criterion(config: TrainConfig, num_classes: int) -> tuple[Mixup | None, nn.Module]:
+    """Mixup/CutMix (None when off) and the classification loss that fits its targets: soft-target cross-entropy
+    after mixing (which smooths the labels itself), else label smoothing or plain cross-entropy."""
     if config.mixing:
         mixup = Mixup(
             mixup_alpha=config.mixup,
@@ -525,237 +713,323 @@ def _train(config: TrainConfig, context: Distributed, resume: bool | str | Path)
             label_smoothing=config.smoothing,
             num_classes=num_classes,
         )
-        criterion: nn.Module = SoftTargetCrossEntropy()
-    elif config.smoothing > 0:
-        criterion = LabelSmoothingCrossEntropy(smoothing=config.smoothing)
-    else:
-        criterion = nn.CrossEntropyLoss()
-    eval_criterion = nn.CrossEntropyLoss()
+        return mixup, SoftTargetCrossEntropy()
+    if config.smoothing > 0:
+        return None, LabelSmoothingCrossEntropy(smoothing=config.smoothing)
+    return None, nn.CrossEntropyLoss()
 
-    start_epoch, start_batch, step = 0, 0, 0
-    history: list[dict[str, Any]] = []
-    running: dict[str, float] | None = None
-    if state is not None:
-        if state["model_name"] != model_name:
-            raise ConfigError(f"the checkpoint holds {state['model_name']}, this config builds {model_name}")
-        bare.load_state_dict(state["state_dict"])
-        optimizer.load_state_dict(state["optimizer"])
-        saved_config = state.get("config") or {}
-        same_schedule = all(saved_config.get(key) == getattr(config, key) for key in SCHEDULE_KEYS)
-        if scheduler is not None and state.get("scheduler") is not None and same_schedule:
-            scheduler.load_state_dict(state["scheduler"])
-        elif not same_schedule:
-            _say(context, f"the schedule changed ({', '.join(SCHEDULE_KEYS)}): it continues as the new config says")
-        if scaler is not None and state.get("scaler") is not None:
-            scaler.load_state_dict(state["scaler"])
-        start_epoch, start_batch, step = state["epoch"], state.get("batch_in_epoch", 0), state["step"]
-        history = list(state.get("metrics", []))
-        running = state.get("running")
-        if state.get("rng") is not None:
-            checkpoint_io.restore_rng_states(state["rng"])
-        if start_batch >= batches_per_epoch:
-            start_epoch, start_batch, running = start_epoch + 1, 0, None
-        _say(context, f"resuming {output} at epoch {start_epoch + 1}, batch {start_batch}, step {step}")
 
-    forward_model: nn.Module = bare
+def _wrap_for_training(model: nn.Module, config: TrainConfig, context: Distributed) -> nn.Module:
+    """What runs the training forward: ``model`` compiled (``compile=true``) and DDP-wrapped (several ranks)."""
+    forward_model = model
     if config.compile:
         forward_model = torch.compile(forward_model)
-    ddp = context.world_size > 1
-    if ddp:
+    if context.world_size > 1:
+        device = context.device
         forward_model = nn.parallel.DistributedDataParallel(
             forward_model, device_ids=[device.index] if device.type == "cuda" else None
         )
+    return forward_model
 
-    if context.is_main:
-        output.mkdir(parents=True, exist_ok=True)
-        save_config(config, output / CONFIG_FILE)
-    writers = _Writers(config, output, context, history)
-    dal_on = config.mjp and config.mjp_dal != "none"
-    unk = getattr(getattr(bare, "mjp", None), "unk_embed", None)
-    best_top1 = max((record["top1"] for record in history if record.get("top1") is not None), default=-1.0)
-    show_progress = _progress_enabled(config, context)
+
+@dataclass
+class _Start:
+    """Where training starts: a new run at the beginning, a resumed one where its checkpoint left off."""
+
+    epoch: int = 0
+    batch: int = 0  # batches of ``epoch`` already trained
+    step: int = 0  # optimizer steps taken
+    history: list[dict[str, Any]] = field(default_factory=list)  # the records of the epochs trained
+    running: dict[str, float] | None = None  # the loss sums of ``epoch``'s trained batches (None: none yet)
+
+
+def _restore(
+    state: dict[str, Any] | None,
+    model_name: str,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Scheduler | None,
+    scaler: torch.amp.GradScaler | None,
+    config: TrainConfig,
+    batches_per_epoch: int,
+    context: Distributed,
+    output: Path,
+) -> _Start:
+    """Loads a checkpoint (``state``; None: a new run) into the model, optimizer, schedule, scaler and the global
+    generators; returns where training resumes.
+
+    A checkpoint of a schedule other than the config's keeps its weights and optimizer state, and the schedule
+    continues as the config says; one written after its epoch's last batch resumes at the next epoch's start.
+    Raises ConfigError for a checkpoint of another model.
+    """
     if state is None:
-        params = sum(parameter.numel() for parameter in bare.parameters())
-        _say(
-            context,
-            f"mjp train: {describe_model(model_name, model_kwargs, bare)} ({count_parameters(params)}, "
-            f"{num_classes} classes) on {len(train_set)} training / {len(val_set)} validation images; "
-            f"{plural(total_epochs, 'epoch')} x {plural(updates_per_epoch, 'step')}, global batch {global_batch}, "
-            f"lr {lr:.2e}, {device}{f' x {context.world_size}' if ddp else ''}; output {output}",
+        return _Start()
+    if state["model_name"] != model_name:
+        raise ConfigError(f"the checkpoint holds {state['model_name']}, this config builds {model_name}")
+    model.load_state_dict(state["state_dict"])
+    optimizer.load_state_dict(state["optimizer"])
+    saved_config = state.get("config") or {}
+    same_schedule = all(saved_config.get(key) == getattr(config, key) for key in SCHEDULE_KEYS)
+    if scheduler is not None and state.get("scheduler") is not None and same_schedule:
+        scheduler.load_state_dict(state["scheduler"])
+    elif not same_schedule:
+        _say(context, f"the schedule changed ({', '.join(SCHEDULE_KEYS)}): it continues as the new config says")
+    if scaler is not None and state.get("scaler") is not None:
+        scaler.load_state_dict(state["scaler"])
+    start = _Start(
+        epoch=state["epoch"],
+        batch=state.get("batch_in_epoch", 0),
+        step=state["step"],
+        history=list(state.get("metrics", [])),
+        running=state.get("running"),
+    )
+    if state.get("rng") is not None:
+        checkpoint_io.restore_rng_states(state["rng"])
+    if start.batch >= batches_per_epoch:  # saved after its epoch's last batch
+        start = _Start(epoch=start.epoch + 1, step=start.step, history=start.history)
+    _say(context, f"resuming {output} at epoch {start.epoch + 1}, batch {start.batch}, step {start.step}")
+    return start
+
+
+@dataclass
+class _Run:
+    """A built run and its progress: :meth:`fit` trains the epochs it has left.
+
+    Per epoch: the training batches (:meth:`_train_batches`, each a :class:`TrainStep`), the epoch's record
+    (:meth:`_end_epoch`), the evaluation (:meth:`_evaluate`), then a checkpoint (:meth:`_save`); checkpoints also
+    every ``checkpoint_steps`` optimizer steps within an epoch.
+    """
+
+    config: TrainConfig  # resolved: lr, classes, input size, normalization and the jigsaw's start filled in
+    context: Distributed
+    output: Path
+    model_name: str
+    model_kwargs: dict[str, Any]
+    model: nn.Module  # the bare model (neither compiled nor DDP-wrapped): what checkpoints and evaluation see
+    train_step: TrainStep  # also holds the optimizer, the scaler and the AMP dtype
+    scheduler: Scheduler | None
+    mixup: Mixup | None
+    loader: DataLoader
+    sampler: SeededEpochSampler
+    val_loader: DataLoader
+    batches_per_epoch: int
+    total_epochs: int  # the schedule's, cooldown included
+    total_steps: int  # optimizer steps of the whole run
+    start: _Start
+    header: str | None  # the first line a new run prints; None for a resumed run
+    show_progress: bool
+    step: int = field(init=False)  # optimizer steps taken
+    history: list[dict[str, Any]] = field(init=False)  # a record per epoch trained
+    final: dict[str, Any] = field(init=False, default_factory=dict)  # the last epoch's results (FINAL_KEYS)
+
+    def __post_init__(self) -> None:
+        self.step = self.start.step
+        self.history = self.start.history
+
+    @property
+    def last_path(self) -> Path:
+        return self.output / LAST_CHECKPOINT
+
+    def fit(self) -> RunResult:
+        """Trains the epochs left, writing each epoch's record and checkpoint, and at the end the summary table."""
+        context = self.context
+        if context.is_main:
+            self.output.mkdir(parents=True, exist_ok=True)
+            save_config(self.config, self.output / CONFIG_FILE)
+        writers = _Writers(self.config, self.output, context, self.history)
+        best_top1 = max((record["top1"] for record in self.history if record.get("top1") is not None), default=-1.0)
+        if self.header is not None:
+            _say(context, self.header)
+        try:
+            for epoch in range(self.start.epoch, self.total_epochs):
+                record = self._train_epoch(epoch)
+                last_epoch = epoch + 1 == self.total_epochs
+                self._evaluate(epoch, record, last_epoch)
+                self.history.append(record)
+                writers.write(record)
+                _say(context, _format_record(record, self.total_epochs))
+                improved = record.get("top1") is not None and record["top1"] > best_top1
+                if improved:
+                    best_top1 = record["top1"]
+                self._save(epoch + 1, 0, None, finished=last_epoch, best=improved)
+        finally:
+            writers.close()
+        if context.is_main:
+            print(f"\n{summary_table(self.history)}\n\ncheckpoint: {self.last_path}", flush=True)
+        return RunResult(self.output, self.last_path, self.config, self.history, self.final)
+
+    def _train_epoch(self, epoch: int) -> dict[str, Any]:
+        """Trains one epoch (a resumed run's first from its checkpoint's batch); returns the epoch's record, before
+        evaluation."""
+        config, model = self.config, self.model
+        if is_mjp_model(model):
+            model.mjp.sampler.prob = config.mjp_prob if epoch >= config.mjp_from_epoch else 0.0
+        first_epoch = epoch == self.start.epoch  # of this process: a resumed run's goes on from its checkpoint
+        first_batch = self.start.batch if first_epoch else 0
+        self.sampler.set_epoch(epoch, start=first_batch * config.batch_size)
+        # the running sums live on the device: reading them every step would sync the host with the GPU
+        tally = _StepTally(self.context.device, self.start.running if first_epoch else None)
+        self.train_step.forward_model.train()
+        started = time.perf_counter()
+        bar = self._progress_bar(epoch, first_batch)
+        images = self._train_batches(epoch, first_batch, tally, bar)
+        if bar is not None:
+            bar.close()
+        return self._end_epoch(epoch, tally, images, time.perf_counter() - started)
+
+    def _progress_bar(self, epoch: int, first_batch: int) -> Any:
+        """The epoch's tqdm bar, counting images over every rank; None when progress bars are off."""
+        if not self.show_progress:
+            return None
+        from tqdm import tqdm
+
+        return tqdm(
+            total=(self.batches_per_epoch - first_batch) * self.config.batch_size * self.context.world_size,
+            unit="img",
+            unit_scale=True,
+            desc=f"epoch {epoch + 1}/{self.total_epochs}",
+            leave=False,
+            dynamic_ncols=True,
         )
 
-    def save(
+    def _train_batches(self, epoch: int, first_batch: int, tally: _StepTally, bar: Any) -> int:
+        """Trains the epoch's batches from ``first_batch`` on; returns the images trained (every rank's).
+
+        Reads the losses back at log intervals and before a checkpoint within the epoch only (see
+        :class:`_StepTally`). Raises TrainingDiverged at the first read after a NaN or infinite loss.
+        """
+        config, context = self.config, self.context
+        images_trained = 0
+        for batch_index, (images, targets) in enumerate(self.loader, start=first_batch):
+            seed_everything(draw_seed(config.seed, context.rank, epoch, batch_index, 1))
+            images = images.to(context.device, non_blocking=True)
+            targets = targets.to(context.device, non_blocking=True)
+            if self.mixup is not None:
+                images, targets = self.mixup(images, targets)
+            update = (batch_index + 1) % config.accum_steps == 0 or batch_index + 1 == self.batches_per_epoch
+            losses = self.train_step(
+                images,
+                targets,
+                dal_weight=dal_weight_at(config, self.step, self.total_steps),
+                update=update,
+                tally=tally,
+                batch_index=batch_index,
+                step=self.step,
+            )
+            if update:
+                self.step += 1
+                if self.scheduler is not None:
+                    self.scheduler.step_update(num_updates=self.step)
+            batch = images.shape[0] * context.world_size
+            images_trained += batch
+            if bar is not None:
+                bar.update(batch)
+            if batch_index % config.log_interval == 0:  # with or without a bar: a diverged run stops soon
+                reading = tally.read(last_loss=losses.loss)
+                self._stop_if_diverged(reading, epoch, f"at batch {batch_index}")
+                if bar is not None:
+                    lr = self.train_step.optimizer.param_groups[0]["lr"]
+                    bar.set_postfix(loss=f"{reading.last_loss:.3f}", lr=f"{lr:.2e}")
+            done = batch_index + 1
+            if update and config.checkpoint_steps and self.step % config.checkpoint_steps == 0:
+                if done < self.batches_per_epoch:  # the epoch's end has its own checkpoint
+                    # every rank reads (the flag goes round every rank): a checkpoint after a bad loss anywhere
+                    # would hold the weights that loss's gradients broke
+                    reading = tally.read(all_ranks=context.world_size > 1)
+                    self._stop_if_diverged(reading, epoch, f"at batch {batch_index}")
+                    self._save(epoch, done, reading.sums)
+        return images_trained
+
+    def _end_epoch(self, epoch: int, tally: _StepTally, images: int, seconds: float) -> dict[str, Any]:
+        """Reads the epoch's losses (under DDP every rank's), steps the schedule to the next epoch; returns the
+        epoch's training record. Raises TrainingDiverged if a loss of the epoch was NaN or infinite."""
+        ddp = self.context.world_size > 1
+        reading = tally.read(all_ranks=ddp)  # under DDP, the epoch's loss over every rank's samples
+        self._stop_if_diverged(reading, epoch, f"at the end of epoch {epoch + 1}")
+        sums = reading.all_sums if ddp else reading.sums
+        if self.scheduler is not None:
+            self.scheduler.step(epoch + 1)
+        samples = max(sums["samples"], 1.0)
+        dal_on = self.train_step.dal_on
+        return {
+            "epoch": epoch + 1,
+            "step": self.step,
+            "train_loss": sums["loss"] / samples,
+            "dal_loss": sums["dal"] / samples if dal_on else None,
+            "dal_weight": dal_weight_at(self.config, self.step, self.total_steps) if dal_on else None,
+            "lr": self.train_step.optimizer.param_groups[0]["lr"],
+            "mjp_prob": self.model.mjp.sampler.prob if is_mjp_model(self.model) else 0.0,
+            "train_images_per_second": images / max(seconds, 1e-9),
+            "epoch_seconds": seconds,
+        }
+
+    def _evaluate(self, epoch: int, record: dict[str, Any], last_epoch: bool) -> None:
+        """Adds the validation metrics to ``record`` every ``eval_interval`` epochs and after the last; after the
+        last also the position regression, and keeps the final results."""
+        config = self.config
+        if (epoch + 1) % config.eval_interval == 0 or last_epoch:
+            results = evaluate_model(
+                self.model,
+                self.val_loader,
+                device=self.context.device,
+                mean=torch.tensor(config.mean),
+                std=torch.tensor(config.std),
+                ratio=config.eval_ratio,
+                seed=config.eval_seed,
+                amp_dtype=self.train_step.amp_dtype,
+                criterion=nn.CrossEntropyLoss(),
+            )
+            record.update(
+                top1=results["top1"],
+                top5=results["top5"],
+                val_loss=results["loss"],
+                consistency=results["consistency"],
+                diff_norm=results["diff_norm"],
+            )
+        if last_epoch:
+            regression = model_position_regression(self.model)
+            record["pos_mae_1d"] = regression["mae_1d"] if regression else None
+            record["pos_mae_2d"] = regression["mae_2d"] if regression else None
+            self.final = {key: record.get(key) for key in FINAL_KEYS}
+
+    def _stop_if_diverged(self, reading: _TallyReading, epoch: int, noticed: str) -> None:
+        """Raises TrainingDiverged if ``reading`` saw a NaN or infinite loss (``noticed``: where it was read)."""
+        _check_divergence(reading, epoch, noticed, self.train_step.dal_on, self.last_path, self.config.lr)
+
+    def _save(
+        self,
         epoch: int,
         batch_in_epoch: int,
         running_sums: dict[str, float] | None,
         finished: bool = False,
         best: bool = False,
     ) -> None:
-        if not context.is_main:
+        """Rank 0 writes ``last.pt`` (and ``best.pt`` when ``best``) atomically: a run resumed from it goes on at
+        batch ``batch_in_epoch`` of ``epoch`` (0-based), the batches before it summed in ``running_sums``."""
+        if not self.context.is_main:
             return
+        optimizer, scaler = self.train_step.optimizer, self.train_step.scaler
         payload = {
-            "model_name": model_name,
-            "model_kwargs": model_kwargs,
-            "state_dict": bare.state_dict(),
+            "model_name": self.model_name,
+            "model_kwargs": self.model_kwargs,
+            "state_dict": self.model.state_dict(),
             "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "scaler": scaler.state_dict() if scaler is not None else None,
             "epoch": epoch,
             "batch_in_epoch": batch_in_epoch,
-            "step": step,
+            "step": self.step,
             "finished": finished,
             "rng": checkpoint_io.rng_states(),
-            "config": config.to_dict(),
-            "metrics": history,
+            "config": self.config.to_dict(),
+            "metrics": self.history,
             "running": running_sums,
-            "final": final,
+            "final": self.final,
             "mjp_fast_version": _version(),
         }
-        checkpoint_io.save_atomically(payload, last_path)
+        checkpoint_io.save_atomically(payload, self.last_path)
         if best:
-            checkpoint_io.save_atomically(payload, output / BEST_CHECKPOINT)
-
-    final: dict[str, Any] = {}
-    try:
-        for epoch in range(start_epoch, total_epochs):
-            if is_mjp_model(bare):
-                bare.mjp.sampler.prob = config.mjp_prob if epoch >= config.mjp_from_epoch else 0.0
-            first_batch = start_batch if epoch == start_epoch else 0
-            sampler.set_epoch(epoch, start=first_batch * config.batch_size)
-            # the running sums live on the device: reading them every step would sync the host with the GPU
-            tally = _StepTally(device, running if epoch == start_epoch else None)
-            running = None
-            forward_model.train()
-            started = time.perf_counter()
-            epoch_images = 0
-            bar = None
-            if show_progress:
-                from tqdm import tqdm
-
-                bar = tqdm(
-                    total=(batches_per_epoch - first_batch) * config.batch_size * context.world_size,
-                    unit="img",
-                    unit_scale=True,
-                    desc=f"epoch {epoch + 1}/{total_epochs}",
-                    leave=False,
-                    dynamic_ncols=True,
-                )
-            for batch_index, (images, targets) in enumerate(loader, start=first_batch):
-                seed_everything(draw_seed(config.seed, context.rank, epoch, batch_index, 1))
-                images = images.to(device, non_blocking=True)
-                targets = targets.to(device, non_blocking=True)
-                if mixup is not None:
-                    images, targets = mixup(images, targets)
-                boundary = (batch_index + 1) % config.accum_steps == 0 or batch_index + 1 == batches_per_epoch
-                weight = dal_weight_at(config, step, total_steps)
-                sync = contextlib.nullcontext() if (boundary or not ddp) else forward_model.no_sync()
-                with sync:
-                    with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-                        logits = forward_model(images)
-                        loss = criterion(logits, targets)
-                        total = loss
-                        dal = None
-                        if dal_on:
-                            dal = bare.mjp_aux_loss()
-                            total = total + weight * dal
-                        if ddp and unk is not None:
-                            total = total + 0.0 * unk.sum()  # keeps unk_embed in the graph while the jigsaw is off
-                    batch = images.shape[0]
-                    # a non-finite total is only recorded here; it is raised at the next read (see _StepTally)
-                    tally.add(total, loss, dal, batch, batch_index, step)
-                    scaled = total / config.accum_steps
-                    if scaler is not None:
-                        scaler.scale(scaled).backward()
-                    else:
-                        scaled.backward()
-                if boundary:
-                    if scaler is not None:
-                        if config.clip_grad is not None:
-                            scaler.unscale_(optimizer)
-                            dispatch_clip_grad(bare.parameters(), config.clip_grad, mode=config.clip_mode)
-                        scaler.step(optimizer)
-                        scaler.update()
-                    else:
-                        if config.clip_grad is not None:
-                            dispatch_clip_grad(bare.parameters(), config.clip_grad, mode=config.clip_mode)
-                        optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
-                    step += 1
-                    if scheduler is not None:
-                        scheduler.step_update(num_updates=step)
-                epoch_images += batch * context.world_size
-                if bar is not None:
-                    bar.update(batch * context.world_size)
-                if batch_index % config.log_interval == 0:  # with or without a bar: a diverged run stops soon
-                    reading = tally.read(last_loss=loss)
-                    _check_divergence(reading, epoch, f"at batch {batch_index}", dal_on, last_path, lr)
-                    if bar is not None:
-                        bar.set_postfix(loss=f"{reading.last_loss:.3f}", lr=f"{optimizer.param_groups[0]['lr']:.2e}")
-                if boundary:
-                    done = batch_index + 1
-                    if config.checkpoint_steps and step % config.checkpoint_steps == 0 and done < batches_per_epoch:
-                        # every rank reads (the flag goes round every rank): a checkpoint after a bad loss anywhere
-                        # would hold the weights that loss's gradients broke
-                        reading = tally.read(all_ranks=ddp)
-                        _check_divergence(reading, epoch, f"at batch {batch_index}", dal_on, last_path, lr)
-                        save(epoch, done, reading.sums)
-            if bar is not None:
-                bar.close()
-            seconds = time.perf_counter() - started
-            reading = tally.read(all_ranks=ddp)  # under DDP, the epoch's loss over every rank's samples
-            _check_divergence(reading, epoch, f"at the end of epoch {epoch + 1}", dal_on, last_path, lr)
-            sums = reading.all_sums if ddp else reading.sums
-            if scheduler is not None:
-                scheduler.step(epoch + 1)
-            samples = max(sums["samples"], 1.0)
-            record: dict[str, Any] = {
-                "epoch": epoch + 1,
-                "step": step,
-                "train_loss": sums["loss"] / samples,
-                "dal_loss": sums["dal"] / samples if dal_on else None,
-                "dal_weight": dal_weight_at(config, step, total_steps) if dal_on else None,
-                "lr": optimizer.param_groups[0]["lr"],
-                "mjp_prob": bare.mjp.sampler.prob if is_mjp_model(bare) else 0.0,
-                "train_images_per_second": epoch_images / max(seconds, 1e-9),
-                "epoch_seconds": seconds,
-            }
-            last_epoch = epoch + 1 == total_epochs
-            if (epoch + 1) % config.eval_interval == 0 or last_epoch:
-                results = evaluate_model(
-                    bare,
-                    val_loader,
-                    device=device,
-                    mean=torch.tensor(config.mean),
-                    std=torch.tensor(config.std),
-                    ratio=config.eval_ratio,
-                    seed=config.eval_seed,
-                    amp_dtype=dtype,
-                    criterion=eval_criterion,
-                )
-                record.update(
-                    top1=results["top1"],
-                    top5=results["top5"],
-                    val_loss=results["loss"],
-                    consistency=results["consistency"],
-                    diff_norm=results["diff_norm"],
-                )
-            if last_epoch:
-                regression = model_position_regression(bare)
-                record["pos_mae_1d"] = regression["mae_1d"] if regression else None
-                record["pos_mae_2d"] = regression["mae_2d"] if regression else None
-                final = {key: record.get(key) for key in FINAL_KEYS}
-            history.append(record)
-            writers.write(record)
-            _say(context, _format_record(record, total_epochs))
-            improved = record.get("top1") is not None and record["top1"] > best_top1
-            if improved:
-                best_top1 = record["top1"]
-            save(epoch + 1, 0, None, finished=last_epoch, best=improved)
-    finally:
-        writers.close()
-    if context.is_main:
-        print(f"\n{summary_table(history)}\n\ncheckpoint: {last_path}", flush=True)
-    return RunResult(output, last_path, config, history, final)
+            checkpoint_io.save_atomically(payload, self.output / BEST_CHECKPOINT)
 
 
 def _version() -> str:

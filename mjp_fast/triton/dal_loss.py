@@ -30,16 +30,23 @@ it, so nothing passes between programs.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 import triton
 import triton.language as tl
 
-from mjp_fast.triton import launcher
-from mjp_fast.triton import operator as _operator
-from mjp_fast.triton.patch_embed import _interpreting
+from mjp_fast.triton.common import (
+    dot_precision,
+    dot_upcast,
+    interpreting,
+    launcher,
+    multiprocessors,
+    power_of_two_tile,
+    tile_size,
+    warp_count,
+)
+from mjp_fast.triton.common import operator as _operator
 
 # The coordinate axis (2 wide) padded to the smallest side that tl.dot takes.
 COORD_PAD = tl.constexpr(16)
@@ -361,7 +368,7 @@ def _backward_kernel(
 # Launchers
 # ----------------------------------------------------------------------------------------------------------------
 
-# Tiles and warps on a GPU (the interpreter takes 16 everywhere, its cost grows with the tile).
+# Tiles and warps on a GPU (the interpreter's are common.INTERPRETER_TILE and INTERPRETER_WARPS everywhere).
 FORWARD_TILES = {"BLOCK_N": 16, "BLOCK_K": 32, "BLOCK_D": 64, "BLOCK_B": 32}
 FORWARD_WARPS = 2
 FINISH_WARPS = 4
@@ -369,17 +376,11 @@ BACKWARD_TILES = {"BLOCK_N": 16, "BLOCK_H": 32, "BLOCK_D": 64}
 BACKWARD_WARPS = 4
 
 
-@functools.cache
-def _cuda_multiprocessors(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _programs_wanted(device: torch.device) -> int:
     """About two programs per multiprocessor; a handful in the interpreter, so tests cover splits both ways."""
-    if _interpreting() or device.type != "cuda":
+    if interpreting() or device.type != "cuda":
         return 4
-    # asked once per device: the query costs host time on every launch
-    return 2 * _cuda_multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
+    return 2 * multiprocessors(device)
 
 
 def _check(name: str, tensor: torch.Tensor, shape: tuple[int, ...]) -> None:
@@ -459,8 +460,7 @@ def dal_forward_launch(
     hidden = torch.empty(num_positions, hidden_dim, dtype=torch.float32, device=device)
     weights = torch.empty(num_positions, dtype=torch.float32, device=device)
 
-    interpreting = _interpreting()
-    tiles = {name: 16 for name in FORWARD_TILES} if interpreting else FORWARD_TILES
+    tiles = {name: tile_size(size) for name, size in FORWARD_TILES.items()}
     position_blocks = triton.cdiv(num_positions, tiles["BLOCK_N"])
     reduced_tiles = triton.cdiv(reduced, tiles["BLOCK_K"])
     splits = max(1, min(reduced_tiles, _programs_wanted(device) // max(position_blocks, 1)))
@@ -469,10 +469,9 @@ def dal_forward_launch(
     partial_pred = torch.empty(splits, num_positions, 2, dtype=torch.float32, device=device)
     partial_kept = torch.empty(splits, num_positions, dtype=torch.int32, device=device) if mask is not None else None
     # Mixed dtypes, and bfloat16 in the interpreter (which multiplies it wrongly), multiply in float32.
-    upcast = nonlinear and (w1.dtype != pos.dtype or (interpreting and pos.dtype == torch.bfloat16))
-    # Read by tl.dot for float32 operands only ("ieee": no TF32 rounding); ignored for half types (see
-    # patch_embed._precision).
-    precision = "ieee" if pos.dtype == torch.float32 or upcast else "tf32"
+    upcast = nonlinear and dot_upcast(w1.dtype, pos.dtype)
+    # Read by tl.dot for float32 operands only ("ieee": no TF32 rounding; float32 after the upcast too).
+    precision = "ieee" if upcast else dot_precision(pos.dtype)
     # Stands for absent tensors (never read nor written): a read-only input, so that no pointer a kernel stores
     # through is passed twice (torch.compile's analysis of which arguments a kernel mutates stays simple).
     dummy = coords
@@ -499,9 +498,9 @@ def dal_forward_launch(
             PRECISION=precision,
             UPCAST=upcast,
             **tiles,
-            num_warps=1 if interpreting else FORWARD_WARPS,
+            num_warps=warp_count(FORWARD_WARPS),
         )
-    block = 16 if interpreting else min(1024, max(32, triton.next_power_of_2(num_positions)))
+    block = tile_size(power_of_two_tile(num_positions, 32, 1024))
     launcher(_forward_finish_kernel, (1,), traced)(
         partial_pred,
         partial_kept if partial_kept is not None else dummy,
@@ -516,7 +515,7 @@ def dal_forward_launch(
         HAS_B2=b2 is not None,
         HAS_MASK=mask is not None,
         BLOCK=block,
-        num_warps=1 if interpreting else FINISH_WARPS,
+        num_warps=warp_count(FINISH_WARPS),
     )
     return loss, pred, hidden, weights
 
@@ -572,8 +571,7 @@ def dal_backward_launch(
     grad_w2 = torch.empty(w2.shape, dtype=w2.dtype, device=device)
     grad_b2 = torch.empty(2 if has_b2 else 0, dtype=w2.dtype, device=device)
 
-    interpreting = _interpreting()
-    tiles = {name: 16 for name in BACKWARD_TILES} if interpreting else BACKWARD_TILES
+    tiles = {name: tile_size(size) for name, size in BACKWARD_TILES.items()}
     d_tiles = triton.cdiv(dim, tiles["BLOCK_D"])
     weight_programs = d_tiles * (triton.cdiv(hidden_dim, tiles["BLOCK_H"]) if nonlinear else 1)
     position_programs = triton.cdiv(skip_rows + num_positions, tiles["BLOCK_N"]) * d_tiles
@@ -603,7 +601,7 @@ def dal_backward_launch(
             HAS_B1=nonlinear and has_b1,
             HAS_B2=has_b2,
             **tiles,
-            num_warps=1 if interpreting else BACKWARD_WARPS,
+            num_warps=warp_count(BACKWARD_WARPS),
         )
     return grad_pos, grad_w1, grad_b1, grad_w2, grad_b2
 

@@ -18,12 +18,11 @@ Backward, only what is asked for:
 - weight: ``dW = dY^T @ A``, re-gathering ``A`` the same way (nothing of size ``B*N*K`` is saved); the reduction
   over the ``B*N`` patch tokens (the rows ``P..T-1`` of each sample) is split across programs into float32
   partials, summed in a fixed order afterwards.
-- pos_embed, unk_embed, bias, prefix: one pass over ``dY`` split over positions (all ``T`` rows: a prefix row is
-  a position that is never masked nor moved), channels and batch chunks (enough programs to fill the GPU), each
-  program writing float32 partial sums that only it owns, then a small kernel that adds them in a fixed order and
-  writes the gradients in their final dtypes and shapes: no atomics, deterministic.
-  :func:`position_gradient_plan` says how (grids, tiles, chunks, bytes moved); ``mjp_pos_embed``'s backward uses
-  the same kernels, with the inverse move of the gradient written from the same loads.
+- pos_embed, unk_embed, bias, prefix: the position gradient of ``mjp_fast/triton/common.py``
+  (:func:`~mjp_fast.triton.common.launch_position_gradient`, which ``mjp_pos_embed``'s backward uses too): one
+  pass over ``dY`` split over positions (all ``T`` rows: a prefix row is a position that is never masked nor
+  moved), channels and batch chunks, float32 partial sums that only their program owns, then a small kernel that
+  adds them in a fixed order and writes the gradients in their final dtypes and shapes: no atomics, deterministic.
 - images: ``dA = dY @ W`` over the patch rows, stored back to the permuted patch locations; ``perm`` permutes
   each sample's positions, so every pixel is written exactly once.
 
@@ -33,18 +32,29 @@ that launches through ``torch.library.wrap_triton``, for torch.compile.
 
 from __future__ import annotations
 
-import functools
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from mjp_fast.triton import interpreting as _interpreting
-from mjp_fast.triton import launcher
-from mjp_fast.triton import operator as _operator
+from mjp_fast.triton.common import (
+    INTERPRETER_TILE,
+    INTERPRETER_WARPS,
+    MAX_CHANNEL_TILE,
+    check_row_layout,
+    dot_precision,
+    dot_upcast,
+    interpreting,
+    launch_position_gradient,
+    launcher,
+    multiprocessors,
+    power_of_two_tile,
+    prefix_rows,
+    prefix_rows_tile,
+    tile_size,
+)
+from mjp_fast.triton.common import operator as _operator
 
 
 @triton.jit
@@ -124,40 +134,13 @@ GPU_GEMM_SHAPES = (
 
 def _gemm_configs() -> list[triton.Config]:
     """Tiles tried on the GPU: large ones for Hopper and Ampere tensor cores, small ones as a safe default."""
-    if _interpreting():
-        # the interpreter's cost grows with the tile; tl.dot needs at least 16
-        return [triton.Config({"BLOCK_M": 16, "BLOCK_D": 16, "BLOCK_K": 16}, num_warps=1, num_stages=1)]
+    if interpreting():
+        tiles = dict.fromkeys(("BLOCK_M", "BLOCK_D", "BLOCK_K"), INTERPRETER_TILE)
+        return [triton.Config(tiles, num_warps=INTERPRETER_WARPS, num_stages=1)]
     return [
         triton.Config({"BLOCK_M": m, "BLOCK_D": d, "BLOCK_K": k}, num_warps=warps, num_stages=stages)
         for m, d, k, warps, stages in GPU_GEMM_SHAPES
     ]
-
-
-@triton.jit
-def _prefix_rows_tile(
-    prefix_ptr,  # [P, D]
-    pos_ptr,  # [Q + N, D]
-    out_ptr,  # [B, P + N, D]
-    rows,  # [BLOCK] flat (sample, prefix token) indices, of B * P
-    channels,  # [BLOCK_D]
-    total_prefix,  # B * P
-    num_positions,  # N
-    prefix_count,  # P
-    prefix_positions,  # Q: 0 or P
-    D,
-):
-    """Stores ``out[b, t] = prefix[t] + (pos[t] if t < Q else 0)`` for the prefix rows ``rows``: a sum in float32,
-    rounded once."""
-    token = rows % prefix_count
-    sample = rows // prefix_count
-    ok = (rows < total_prefix)[:, None] & (channels[None, :] < D)
-    offsets = token[:, None].to(tl.int64) * D + channels[None, :]
-    value = tl.load(prefix_ptr + offsets, mask=ok, other=0.0).to(tl.float32)
-    value += tl.load(pos_ptr + offsets, mask=ok & (token < prefix_positions)[:, None], other=0.0).to(tl.float32)
-    out_rows = sample * (prefix_count + num_positions) + token
-    tl.store(
-        out_ptr + out_rows[:, None].to(tl.int64) * D + channels[None, :], value.to(out_ptr.dtype.element_ty), mask=ok
-    )
 
 
 @triton.jit
@@ -287,7 +270,7 @@ def _forward_kernel(
                 BLOCK_D, BLOCK_K,
             )  # fmt: skip
         else:
-            _prefix_rows_tile(
+            prefix_rows_tile(
                 prefix_ptr, pos_ptr, out_ptr, (tl.program_id(0) - patch_programs) * BLOCK_M + tl.arange(0, BLOCK_M),
                 tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D), total_prefix, num_positions, prefix_count,
                 prefix_positions, D,
@@ -407,230 +390,16 @@ def _grad_images_kernel(
     tl.store(address, acc.to(grad_images_ptr.dtype.element_ty), mask=valid)
 
 
-@triton.jit
-def _position_partials_kernel(
-    grad_ptr,  # [B, P + N, D], contiguous: the incoming gradient
-    mask_ptr,  # [B, N] bool (HAS_MASK)
-    perm_ptr,  # [B, N] int64 (SCATTER)
-    grad_tokens_ptr,  # [B, N, D] (SCATTER): the inverse move of grad's patch rows
-    partial_ptr,  # float32 [chunks * (P + N) + (1 + HAS_BIAS) * chunks * position_blocks, D]: rows as stored below
-    batch,
-    num_positions,  # P + N: the rows of each sample, prefix rows first
-    D,
-    samples_per_chunk,
-    prefix_count,  # P (HAS_PREFIX); last, so that without a prefix the kernel compiles as before prefix rows
-    HAS_MASK: tl.constexpr,
-    SCATTER: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    HAS_PREFIX: tl.constexpr,
-    BLOCK_B: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    # Program (position block, channel block, batch chunk) sums grad over its chunk's samples into float32
-    # partials that only it writes: no atomics, and the reduction kernel adds the chunks in a fixed order.
-    # SCATTER (mjp_pos_embed's backward): also grad_tokens[b, perm[b, n]] = grad[b, P + n], the inverse move, from
-    # the same loads. perm[b] permutes the positions, so every row of grad_tokens is written exactly once.
-    # A prefix row (t < P) is a position that is never masked and never moved: it only adds to its own sum.
-    chunk = tl.program_id(2)
-    positions = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    channels = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    position_ok = positions < num_positions
-    channel_ok = channels < D
-    if HAS_PREFIX:
-        patches = positions - prefix_count  # the patch position n of each row; negative on prefix rows
-        is_patch = position_ok & (patches >= 0)
-        num_patches = num_positions - prefix_count
-    else:
-        patches = positions
-    # BLOCK_B samples per step as a third tile axis: more bytes in flight per load. That axis lies within each
-    # thread's registers (sm_90 TTGIR: no layout conversion in the loop), so summing it every step costs no
-    # shuffles, and 2D accumulators keep registers low (72 at bfloat16): every program of the plan is resident.
-    kept = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
-    shuffled = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
-    first = chunk * samples_per_chunk
-    last = tl.minimum(first + samples_per_chunk, batch)
-    for start in range(first, last, BLOCK_B):
-        samples = start + tl.arange(0, BLOCK_B)
-        rows = samples[:, None].to(tl.int64) * num_positions + positions[None, :]  # int64: B*T*D may pass 2**31
-        row_ok = (samples[:, None] < last) & position_ok[None, :]
-        ok = row_ok[:, :, None] & channel_ok[None, None, :]
-        grad = tl.load(grad_ptr + rows[:, :, None] * D + channels[None, None, :], mask=ok, other=0.0)
-        if HAS_PREFIX:
-            patch_rows = samples[:, None] * num_patches + patches[None, :]  # rows of mask and perm: int32 is enough
-            patch_ok = (samples[:, None] < last) & is_patch[None, :]
-            patch_tile_ok = patch_ok[:, :, None] & channel_ok[None, None, :]
-        else:
-            patch_rows = rows
-            patch_ok = row_ok
-            patch_tile_ok = ok
-        if SCATTER:
-            source = tl.load(perm_ptr + patch_rows, mask=patch_ok, other=0)
-            target = patch_rows - patches[None, :] + source
-            tl.store(
-                grad_tokens_ptr + target[:, :, None] * D + channels[None, None, :],
-                grad.to(grad_tokens_ptr.dtype.element_ty),
-                mask=patch_tile_ok,
-            )
-        grad = grad.to(tl.float32)
-        if HAS_MASK:
-            masked = tl.load(mask_ptr + patch_rows, mask=patch_ok, other=0).to(tl.int1)[:, :, None]
-            kept += tl.sum(tl.where(masked, 0.0, grad), axis=0)
-            shuffled += tl.sum(tl.where(masked, grad, 0.0), axis=0)
-        else:
-            kept += tl.sum(grad, axis=0)
-    # Rows of partial: chunk-major position partials [chunks, P + N], then unk_embed's [chunks, position blocks]
-    # (masked grad summed over the block's positions), then (HAS_BIAS) the same sums of the unmasked grad of the
-    # patch rows (the bias is added to patch tokens only).
-    pos_rows = (chunk * num_positions + positions).to(tl.int64)
-    tl.store(
-        partial_ptr + pos_rows[:, None] * D + channels[None, :],
-        kept,
-        mask=position_ok[:, None] & channel_ok[None, :],
-    )
-    small_rows = tl.num_programs(2) * tl.num_programs(0)
-    unk_row = (tl.num_programs(2) * num_positions + chunk * tl.num_programs(0) + tl.program_id(0)).to(tl.int64)
-    tl.store(partial_ptr + unk_row * D + channels, tl.sum(shuffled, axis=0), mask=channel_ok)
-    if HAS_BIAS:
-        if HAS_PREFIX:
-            kept = tl.where(is_patch[:, None], kept, 0.0)
-        tl.store(partial_ptr + (unk_row + small_rows) * D + channels, tl.sum(kept, axis=0), mask=channel_ok)
-
-
-@triton.jit
-def _position_reduce_kernel(
-    partial_ptr,  # float32, as _position_partials_kernel wrote it
-    grad_pos_ptr,  # [Q + N, D]: the full table's gradient
-    grad_unk_ptr,  # [D]
-    grad_bias_ptr,  # [D] (HAS_BIAS)
-    grad_prefix_ptr,  # [P, D] (WRITE_PREFIX)
-    chunks,
-    num_positions,  # P + N
-    prefix_count,  # P
-    prefix_positions,  # Q: 0 or P
-    D,
-    small_rows,  # chunks * position blocks of the partials kernel
-    HAS_BIAS: tl.constexpr,
-    WRITE_PREFIX: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-):
-    # Sums the partials in a fixed order (chunk by chunk; tl.sum's tree), so equal inputs give equal bits, and
-    # writes each result once, in its final dtype.
-    positions = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    channels = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    channel_ok = channels < D
-    ok = (positions[:, None] < num_positions) & channel_ok[None, :]
-    offsets = positions[:, None].to(tl.int64) * D + channels[None, :]
-    acc = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
-    for _ in range(0, chunks):
-        acc += tl.load(partial_ptr + offsets, mask=ok, other=0.0)
-        offsets += num_positions * D
-    # Row t of the output is row t - P + Q of the table: the patch rows, and the prefix rows when Q = P.
-    table_rows = positions - prefix_count + prefix_positions
-    tl.store(
-        grad_pos_ptr + table_rows[:, None].to(tl.int64) * D + channels[None, :],
-        acc.to(grad_pos_ptr.dtype.element_ty),
-        mask=ok & (table_rows[:, None] >= 0),
-    )
-    if WRITE_PREFIX:
-        tl.store(
-            grad_prefix_ptr + positions[:, None].to(tl.int64) * D + channels[None, :],
-            acc.to(grad_prefix_ptr.dtype.element_ty),
-            mask=ok & (positions[:, None] < prefix_count),
-        )
-    if tl.program_id(0) == 0:  # the first program of each channel block also reduces the vectors
-        unk = tl.zeros((BLOCK_S, BLOCK_D), dtype=tl.float32)
-        kept = tl.zeros((BLOCK_S, BLOCK_D), dtype=tl.float32)
-        base = partial_ptr + chunks * num_positions * D
-        for start in range(0, small_rows, BLOCK_S):
-            rows = start + tl.arange(0, BLOCK_S)
-            row_ok = (rows[:, None] < small_rows) & channel_ok[None, :]
-            address = base + rows[:, None].to(tl.int64) * D + channels[None, :]
-            unk += tl.load(address, mask=row_ok, other=0.0)
-            if HAS_BIAS:
-                kept += tl.load(address + small_rows * D, mask=row_ok, other=0.0)
-        grad_unk = tl.sum(unk, axis=0)
-        tl.store(grad_unk_ptr + channels, grad_unk.to(grad_unk_ptr.dtype.element_ty), mask=channel_ok)
-        if HAS_BIAS:
-            # bias: every patch token's gradient, i.e. grad_pos summed over the patch positions plus grad_unk
-            grad_bias = tl.sum(kept, axis=0) + grad_unk
-            tl.store(grad_bias_ptr + channels, grad_bias.to(grad_bias_ptr.dtype.element_ty), mask=channel_ok)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# The row layout's checks (shared with mjp_fast/triton/pos_embed.py)
-# ----------------------------------------------------------------------------------------------------------------
-
-
-def prefix_rows(prefix: torch.Tensor | None, dim: int) -> int:
-    """``P``: the rows of ``prefix`` (any contiguous shape ``[..., D]``, e.g. ``[1, P, D]``); 0 for None."""
-    if prefix is None:
-        return 0
-    if prefix.dim() == 0 or prefix.shape[-1] != dim:
-        raise ValueError(f"prefix must be [P, D] or [1, P, D] with D = {dim}, got shape {list(prefix.shape)}")
-    if not prefix.is_contiguous():
-        raise ValueError(f"prefix must be contiguous, got strides {list(prefix.stride())}")
-    return math.prod(prefix.shape[:-1])
-
-
-def check_row_layout(
-    prefix_count: int, prefix_positions: int, table_shape: Sequence[int], num_positions: int, dim: int
-) -> None:
-    """``prefix_positions`` is 0 or ``prefix_count``, and ``table_shape`` is the full table ``[Q + N, D]`` (any
-    leading dims of 1: one table)."""
-    if prefix_positions not in (0, prefix_count):
-        raise ValueError(f"prefix_positions must be 0 or the prefix count P = {prefix_count}, got {prefix_positions}")
-    rows = prefix_positions + num_positions
-    if len(table_shape) < 2 or tuple(table_shape[-2:]) != (rows, dim) or math.prod(table_shape[:-2]) != 1:
-        raise ValueError(
-            f"pos_embed must be the full table [Q + N, D] = [{rows}, {dim}] (or [1, Q + N, D]) with "
-            f"Q = prefix_positions = {prefix_positions}, N = {num_positions}, got shape {list(table_shape)}"
-        )
-
-
-def check_prefix_shape(prefix_shape: Sequence[int], prefix_count: int, dim: int) -> None:
-    """``prefix_shape`` holds ``prefix_count`` rows of ``dim`` channels (``[P, D]``, ``[1, P, D]``, ...)."""
-    if len(prefix_shape) == 0 or prefix_shape[-1] != dim or math.prod(prefix_shape[:-1]) != prefix_count:
-        raise ValueError(
-            f"prefix_shape must hold P = {prefix_count} rows of D = {dim} ([P, D] or [1, P, D]), "
-            f"got {list(prefix_shape)}"
-        )
-
-
-def _check_contiguous(**tensors: torch.Tensor | None) -> None:
-    for name, tensor in tensors.items():
-        if tensor is not None and not tensor.is_contiguous():
-            raise ValueError(
-                f"{name} must be contiguous, got shape {list(tensor.shape)} strides {list(tensor.stride())}"
-            )
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Launchers
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _precision(dtype: torch.dtype) -> str:
-    """``tl.dot``'s ``input_precision`` for operands of ``dtype``. Triton reads it for float32 operands only:
-    "ieee" keeps their products exact, as torch's matmul does by default (no TF32 rounding). For float16 and
-    bfloat16 it is ignored (their products are exact in the float32 accumulator on the tensor cores), so the "tf32"
-    returned for them rounds nothing; it is kept so that the compiled kernels stay the ones measured."""
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
-def _upcast(first: torch.dtype, second: torch.dtype) -> bool:
-    """Multiply in float32: operands of two dtypes (tl.dot takes one), or bfloat16 in the interpreter."""
-    return first != second or (_interpreting() and torch.bfloat16 in (first, second))
-
-
 def _grad_weight_tiles(dim: int, k: int) -> tuple[int, int, int]:
-    """Tiles of the weight-gradient kernel (its token axis is split across programs, so no autotuning)."""
-    if _interpreting():
-        return 16, 16, 16
-    block_d = 128 if dim >= 128 else max(16, triton.next_power_of_2(dim))
-    return 64, block_d, 64 if k >= 64 else max(16, triton.next_power_of_2(k))
+    """``(BLOCK_M, BLOCK_D, BLOCK_K)`` of the weight-gradient kernel (its token axis is split across programs, so
+    no autotuning); tl.dot takes no side under 16."""
+    block_d = power_of_two_tile(dim, 16, MAX_CHANNEL_TILE)
+    return tile_size(64), tile_size(block_d), tile_size(power_of_two_tile(k, 16, 64))
 
 
 def _image_strides(images: torch.Tensor) -> tuple[int, int, int, int]:
@@ -714,8 +483,8 @@ def patch_embed_forward_launch(
         HAS_PERM=perm is not None,
         HAS_MASK=mask is not None,
         HAS_PREFIX=prefix_count > 0,
-        PRECISION=_precision(images.dtype),
-        UPCAST=_upcast(images.dtype, weight.dtype),
+        PRECISION=dot_precision(images.dtype),
+        UPCAST=dot_upcast(images.dtype, weight.dtype),
     )
     return out
 
@@ -788,8 +557,8 @@ def patch_embed_backward_launch(
                 PATCH=patch,
                 HAS_PERM=perm is not None,
                 HAS_PREFIX=prefix_count > 0,
-                PRECISION=_precision(images.dtype),
-                UPCAST=_upcast(grad_out.dtype, weight.dtype),
+                PRECISION=dot_precision(images.dtype),
+                UPCAST=dot_upcast(grad_out.dtype, weight.dtype),
             )
         else:
             grad_images.zero_()
@@ -798,7 +567,7 @@ def patch_embed_backward_launch(
     if need_weight:
         tiles = triton.cdiv(dim, block_d) * triton.cdiv(k, block_k)
         # Enough splits of the token axis to fill the GPU about four times over, in whole tiles of tokens.
-        programs_wanted = 1 if _interpreting() else 4 * _multiprocessors(images.device)
+        programs_wanted = 1 if interpreting() else 4 * multiprocessors(images.device)
         splits = max(1, min(triton.cdiv(total, block_m), programs_wanted // max(tiles, 1)))
         tokens_per_split = triton.cdiv(triton.cdiv(total, splits), block_m) * block_m
         splits = max(1, triton.cdiv(total, tokens_per_split))
@@ -820,8 +589,8 @@ def patch_embed_backward_launch(
                 PATCH=patch,
                 HAS_PERM=perm is not None,
                 HAS_PREFIX=prefix_count > 0,
-                PRECISION=_precision(images.dtype),
-                UPCAST=_upcast(grad_out.dtype, images.dtype),
+                PRECISION=dot_precision(images.dtype),
+                UPCAST=dot_upcast(grad_out.dtype, images.dtype),
                 BLOCK_M=block_m,
                 BLOCK_D=block_d,
                 BLOCK_K=block_k,
@@ -932,359 +701,3 @@ def _patch_embed_backward_fake(
         (need_prefix, tuple(prefix_shape) if prefix_count else (0,), prefix_dtype or weight.dtype),
     )
     return [grad_out.new_empty(shape, dtype=dtype) if need else grad_out.new_empty(0) for need, shape, dtype in outputs]
-
-
-@functools.cache
-def _cuda_multiprocessors(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _multiprocessors(device: torch.device) -> int:
-    """SMs of a CUDA device (asked once per device: the query costs host time on every backward); 1 otherwise."""
-    if device.type != "cuda":
-        return 1
-    return _cuda_multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Position gradient: the launch plan (one source of truth for the launcher and the tests) and the launcher
-# ----------------------------------------------------------------------------------------------------------------
-
-PROGRAMS_PER_SM = 4  # programs of the partials kernel wanted per SM: enough loads in flight to keep HBM busy
-MAX_PARTIAL_SHARE = 0.1  # the float32 partials' traffic, at most this share of the unavoidable traffic
-PARTIAL_BYTES = 8  # per float32 partial: written once, read once
-
-
-def _channel_tile(dim: int) -> int:
-    """The widest channel tile (coalesced rows) that loads at most 1/8 of padding columns, 16 at least."""
-    for width in (128, 64, 32):
-        if math.ceil(dim / width) * width * 8 <= dim * 9:
-            return width
-    return 16
-
-
-@dataclass(frozen=True)
-class PositionGradientPlan:
-    """How the position gradient is launched: the partials kernel, then the reduction kernel.
-
-    The gradient is ``[batch, num_positions, dim]`` with ``num_positions = P + N``: its first ``prefix_count``
-    (``P``) rows per sample are the prefix tokens', positions that are never masked nor moved. The partials
-    kernel's grid is ``(position_blocks, channel_blocks, chunks)``: each program sums the gradient over
-    ``samples_per_chunk`` samples of its batch chunk, ``block_b`` samples of ``block_n`` positions x ``block_d``
-    channels per step. Traffic in bytes: ``bytes_grad_read`` and ``bytes_tokens_write`` (the inverse move of the
-    patch rows, with SCATTER) are unavoidable; ``bytes_partials`` is the float32 partials written and read back;
-    ``bytes_small`` counts perm and mask (read once per channel block) and the outputs.
-    """
-
-    batch: int
-    num_positions: int  # P + N: rows per sample of the gradient, prefix rows included
-    dim: int
-    prefix_count: int  # P
-    prefix_positions: int  # Q: rows of the position table that belong to the prefix tokens (0 or P)
-    chunks: int
-    samples_per_chunk: int
-    block_b: int
-    block_n: int
-    block_d: int
-    position_blocks: int
-    channel_blocks: int
-    small_rows: int  # rows of each vector partial (unk_embed's, bias's): chunks * position_blocks
-    partial_rows: int  # rows of D float32 partials in all
-    reduce_block_n: int
-    reduce_block_d: int
-    reduce_block_s: int
-    bytes_grad_read: int
-    bytes_tokens_write: int
-    bytes_partials: int
-    bytes_small: int
-
-    @property
-    def grid(self) -> tuple[int, int, int]:
-        return (self.position_blocks, self.channel_blocks, self.chunks)
-
-    @property
-    def reduce_grid(self) -> tuple[int, int]:
-        # at least one row of programs: they write grad_unk (zeros) even when there are no positions
-        return (max(1, math.ceil(self.num_positions / self.reduce_block_n)), math.ceil(self.dim / self.reduce_block_d))
-
-    @property
-    def programs(self) -> int:
-        return self.position_blocks * self.channel_blocks * self.chunks
-
-    @property
-    def unavoidable_bytes(self) -> int:
-        return self.bytes_grad_read + self.bytes_tokens_write
-
-    @property
-    def total_bytes(self) -> int:
-        return self.unavoidable_bytes + self.bytes_partials + self.bytes_small
-
-
-@functools.lru_cache(maxsize=256)
-def _cached_plan(*arguments) -> PositionGradientPlan:
-    return _position_gradient_plan(*arguments)
-
-
-def position_gradient_plan(
-    batch: int,
-    num_positions: int,
-    dim: int,
-    dtype: torch.dtype,
-    multiprocessors: int,
-    interpreting: bool,
-    *,
-    scatter: bool = True,
-    has_mask: bool = True,
-    has_bias: bool = False,
-    tokens_dtype: torch.dtype | None = None,
-    chunks: int | None = None,
-    prefix_count: int = 0,
-    prefix_positions: int = 0,
-) -> PositionGradientPlan:
-    """The launch plan of the position gradient of a ``[batch, num_positions, dim]`` gradient of ``dtype``.
-
-    Pure (cached for plain ints). ``num_positions``: the gradient's rows per sample, ``P + N`` with the
-    ``prefix_count`` (``P``) prefix rows first; ``prefix_positions``: ``Q``, 0 or ``P``. ``multiprocessors``: the
-    GPU's SM count; the batch is split into chunks so that the partials kernel has about ``PROGRAMS_PER_SM``
-    programs per SM, as long as the partials stay within ``MAX_PARTIAL_SHARE`` of the unavoidable traffic.
-    ``interpreting``: small tiles and one chunk (the Triton interpreter runs programs one after another).
-    ``scatter``: the inverse move of the patch rows is written too, in ``tokens_dtype`` (default ``dtype``).
-    ``chunks`` forces the number of batch chunks (tests).
-    """
-    if not 0 <= prefix_count <= num_positions or prefix_positions not in (0, prefix_count):
-        raise ValueError(
-            f"prefix_count must be in [0, num_positions = {num_positions}] and prefix_positions 0 or prefix_count, "
-            f"got {prefix_count} and {prefix_positions}"
-        )
-    arguments = (batch, num_positions, dim, dtype, multiprocessors, interpreting, scatter, has_mask, has_bias)
-    arguments += (tokens_dtype, chunks, prefix_count, prefix_positions)
-    sizes = (batch, num_positions, dim, multiprocessors, prefix_count, prefix_positions)
-    if all(type(value) is int for value in sizes):
-        return _cached_plan(*arguments)
-    return _position_gradient_plan(*arguments)  # symbolic sizes under torch.compile: not hashable
-
-
-def _position_gradient_plan(
-    batch,
-    num_positions,
-    dim,
-    dtype,
-    multiprocessors,
-    interpreting,
-    scatter,
-    has_mask,
-    has_bias,
-    tokens_dtype,
-    chunks,
-    prefix_count,
-    prefix_positions,
-) -> PositionGradientPlan:
-    element = dtype.itemsize
-    tokens_element = (tokens_dtype or dtype).itemsize if scatter else 0
-    patch_positions = num_positions - prefix_count
-    if interpreting:
-        block_d, tiles_per_step, target_programs = 16, ((2, 8),), 1
-    else:
-        # (block_b, block_n): 32 rows of the gradient per step; fewer positions per block when more tiles are
-        # needed to fill the GPU without more chunks
-        block_d, tiles_per_step = _channel_tile(dim), ((1, 32), (2, 16), (4, 8))
-        target_programs = PROGRAMS_PER_SM * max(1, multiprocessors)
-    # Each chunk adds float32 partials (one row of D per position, plus D per position block for each vector)
-    # written and read back; no more chunks than keep them within MAX_PARTIAL_SHARE of the bytes that must move
-    # anyway.
-    unavoidable = batch * dim * (num_positions * element + patch_positions * tokens_element)
-    vectors = 2 if has_bias else 1
-    channel_blocks = math.ceil(dim / block_d)
-    for step_tile in tiles_per_step:
-        position_blocks = max(1, math.ceil(num_positions / step_tile[1]))
-        chunk_bytes = PARTIAL_BYTES * dim * (num_positions + vectors * position_blocks)
-        max_chunks = max(1, unavoidable // max(1, round(chunk_bytes / MAX_PARTIAL_SHARE)))
-        wanted = math.ceil(target_programs / max(1, position_blocks * channel_blocks))
-        if wanted <= max_chunks:
-            break
-    block_b, block_n = step_tile
-    wanted = min(wanted, max_chunks) if chunks is None else chunks
-    wanted = max(1, min(wanted, batch))
-    # whole steps of block_b samples per chunk; the last chunk takes what is left
-    samples_per_chunk = math.ceil(math.ceil(max(batch, 1) / wanted) / block_b) * block_b
-    chunks = max(1, math.ceil(batch / samples_per_chunk))
-    small_rows = chunks * position_blocks
-    partial_rows = chunks * num_positions + vectors * small_rows
-    index_bytes = (8 if scatter else 0) + (1 if has_mask else 0)
-    # grad_pos (Q + N rows), grad_prefix (P rows), then grad_unk and grad_bias
-    outputs = (prefix_positions + patch_positions + prefix_count) * dim * element + dim * element * vectors
-    return PositionGradientPlan(
-        batch=batch,
-        num_positions=num_positions,
-        dim=dim,
-        prefix_count=prefix_count,
-        prefix_positions=prefix_positions,
-        chunks=chunks,
-        samples_per_chunk=samples_per_chunk,
-        block_b=block_b,
-        block_n=block_n,
-        block_d=block_d,
-        position_blocks=position_blocks,
-        channel_blocks=channel_blocks,
-        small_rows=small_rows,
-        partial_rows=partial_rows,
-        reduce_block_n=8 if interpreting else 16,
-        reduce_block_d=16 if interpreting else min(64, block_d),
-        reduce_block_s=4 if interpreting else 16,
-        bytes_grad_read=batch * num_positions * dim * element,
-        bytes_tokens_write=batch * patch_positions * dim * tokens_element,
-        bytes_partials=PARTIAL_BYTES * partial_rows * dim,
-        bytes_small=batch * patch_positions * channel_blocks * index_bytes + outputs,
-    )
-
-
-def _position_plan(
-    grad: torch.Tensor,
-    *,
-    scatter: bool,
-    has_mask: bool,
-    has_bias: bool,
-    tokens_dtype: torch.dtype | None,
-    prefix_count: int = 0,
-    prefix_positions: int = 0,
-) -> PositionGradientPlan:
-    """The plan for ``grad`` on its device (tests replace this to force several chunks under the interpreter)."""
-    batch, num_positions, dim = grad.shape
-    return position_gradient_plan(
-        batch,
-        num_positions,
-        dim,
-        grad.dtype,
-        _multiprocessors(grad.device),
-        _interpreting() or grad.device.type != "cuda",  # programs run one after another: one chunk
-        scatter=scatter,
-        has_mask=has_mask,
-        has_bias=has_bias,
-        tokens_dtype=tokens_dtype,
-        prefix_count=prefix_count,
-        prefix_positions=prefix_positions,
-    )
-
-
-def launch_position_gradient(
-    grad: torch.Tensor,
-    mask: torch.Tensor | None,
-    perm: torch.Tensor | None,
-    *,
-    tokens_dtype: torch.dtype | None,
-    pos_dtype: torch.dtype,
-    unk_dtype: torch.dtype,
-    bias_dtype: torch.dtype | None = None,
-    prefix_count: int = 0,
-    prefix_positions: int = 0,
-    pos_shape: Sequence[int] | None = None,
-    prefix_dtype: torch.dtype | None = None,
-    prefix_shape: Sequence[int] | None = None,
-    plan: PositionGradientPlan | None = None,
-    traced: bool = False,
-) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """The gradients that one pass over ``grad`` gives: two kernel launches, outputs made with ``torch.empty``.
-
-    Args:
-        grad: ``[B, P + N, D]``, contiguous: the gradient of ``out[b, t] = prefix[t] + (pos[t] if t < Q else 0)``
-            (``t < P``) and ``out[b, P + n] = token[b, n] + (unk if mask[b, n] else pos[Q + n])``.
-        mask: bool ``[B, N]``, contiguous, or None (no position is masked).
-        perm: int64 ``[B, N]``, contiguous; read only with ``tokens_dtype``.
-        tokens_dtype: the dtype of ``grad_tokens``, the inverse move ``grad_tokens[b, perm[b, n]] = grad[b, P + n]``;
-            None: no inverse move (``perm`` is not read).
-        pos_dtype, unk_dtype, bias_dtype: the dtypes of ``grad_pos``, ``grad_unk`` and ``grad_bias`` (None: no
-            bias gradient).
-        prefix_count: ``P``, the prefix rows of ``grad`` (0 to P + N).
-        prefix_positions: ``Q``, 0 or ``P``: the leading rows of the position table that belong to the prefix.
-        pos_shape: the table's shape, ``[Q + N, D]`` or ``[1, Q + N, D]``; default ``[Q + N, D]``.
-        prefix_dtype: the dtype of ``grad_prefix``; None: not computed.
-        prefix_shape: the prefix's shape (``P * D`` elements); default ``[P, D]``.
-        plan: from :func:`position_gradient_plan` for these sizes; default the device's.
-        traced: launch through ``torch.library.wrap_triton`` (inside a torch operator).
-
-    Returns:
-        ``grad_tokens [B, N, D]`` (or None); ``grad_pos`` (``pos_shape``: rows ``t < Q`` the prefix rows summed
-        over the batch, rows ``Q + n`` grad summed over the samples where position n is unmasked); ``grad_unk [D]``
-        (over the masked ones); ``grad_bias [D]`` (over all patch rows, or None); ``grad_prefix`` (``prefix_shape``,
-        the prefix rows summed over the batch; an empty ``[0]`` tensor when ``P = 0``; None without
-        ``prefix_dtype``).
-    """
-    batch, num_positions, dim = grad.shape
-    if not 0 <= prefix_count <= num_positions:
-        raise ValueError(f"prefix_count must be in [0, {num_positions}] (grad's rows per sample), got {prefix_count}")
-    patch_positions = num_positions - prefix_count
-    table_rows = prefix_positions + patch_positions
-    pos_shape = (table_rows, dim) if pos_shape is None else tuple(pos_shape)
-    check_row_layout(prefix_count, prefix_positions, pos_shape, patch_positions, dim)
-    scatter, has_mask, has_bias = tokens_dtype is not None, mask is not None, bias_dtype is not None
-    for name, index in (("mask", mask), ("perm", perm if scatter else None)):
-        if index is not None and tuple(index.shape) != (batch, patch_positions):
-            raise ValueError(f"{name} must be [B, N] = {[batch, patch_positions]}, got {list(index.shape)}")
-    device = grad.device
-    grad_prefix = None
-    if prefix_dtype is not None:
-        if prefix_count and prefix_shape is not None:
-            check_prefix_shape(prefix_shape, prefix_count, dim)
-        shape = ((prefix_count, dim) if prefix_shape is None else tuple(prefix_shape)) if prefix_count else (0,)
-        grad_prefix = torch.empty(shape, dtype=prefix_dtype, device=device)
-    grad_tokens = torch.empty((batch, patch_positions, dim), dtype=tokens_dtype, device=device) if scatter else None
-    grad_pos = torch.empty(pos_shape, dtype=pos_dtype, device=device)
-    grad_unk = torch.empty((dim,), dtype=unk_dtype, device=device)
-    grad_bias = torch.empty((dim,), dtype=bias_dtype, device=device) if has_bias else None
-    if dim == 0:
-        return grad_tokens, grad_pos, grad_unk, grad_bias, grad_prefix
-    if plan is None:
-        plan = _position_plan(
-            grad,
-            scatter=scatter,
-            has_mask=has_mask,
-            has_bias=has_bias,
-            tokens_dtype=tokens_dtype,
-            prefix_count=prefix_count,
-            prefix_positions=prefix_positions,
-        )
-    elif (plan.batch, plan.num_positions, plan.dim, plan.prefix_count) != (batch, num_positions, dim, prefix_count):
-        raise ValueError(
-            f"plan: made for [B, P + N, D] = {[plan.batch, plan.num_positions, plan.dim]} with "
-            f"P = {plan.prefix_count}, got grad {list(grad.shape)} with P = {prefix_count}"
-        )
-    write_prefix = grad_prefix is not None and prefix_count > 0
-    partials = torch.empty((plan.partial_rows, dim), dtype=torch.float32, device=device)
-    launcher(_position_partials_kernel, plan.grid, traced)(
-        grad,
-        mask if has_mask else grad,
-        perm if scatter else grad,
-        grad_tokens if scatter else grad,
-        partials,
-        batch,
-        num_positions,
-        dim,
-        plan.samples_per_chunk,
-        prefix_count,
-        HAS_MASK=has_mask,
-        SCATTER=scatter,
-        HAS_BIAS=has_bias,
-        HAS_PREFIX=prefix_count > 0,
-        BLOCK_B=plan.block_b,
-        BLOCK_N=plan.block_n,
-        BLOCK_D=plan.block_d,
-    )
-    launcher(_position_reduce_kernel, plan.reduce_grid, traced)(
-        partials,
-        grad_pos,
-        grad_unk,
-        grad_bias if has_bias else grad_unk,
-        grad_prefix if write_prefix else grad_unk,
-        plan.chunks,
-        num_positions,
-        prefix_count,
-        prefix_positions,
-        dim,
-        plan.small_rows,
-        HAS_BIAS=has_bias,
-        WRITE_PREFIX=write_prefix,
-        BLOCK_N=plan.reduce_block_n,
-        BLOCK_D=plan.reduce_block_d,
-        BLOCK_S=plan.reduce_block_s,
-    )
-    return grad_tokens, grad_pos, grad_unk, grad_bias, grad_prefix

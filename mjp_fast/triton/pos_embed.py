@@ -12,12 +12,13 @@ the source token and its position term) or prefix rows (the last ones: the prefi
 stores the sum, computed in float32 and rounded once, as torch's own add of the two terms does. Without prefix rows
 (``HAS_PREFIX`` off, the prefix arguments last) the kernel compiles exactly as it did before prefix rows.
 
-Backward: the position gradient of the patch embedding (:func:`launch_position_gradient`). One pass over the
-incoming gradient, split over positions (a prefix row is a position that is never masked nor moved), channels and
-batch chunks, sums it per position over the unmasked samples (``pos_embed``, ``prefix``) and the masked ones
-(``unk_embed``) into float32 partials and, from the same loads, writes the inverse move (the tokens' gradient); a
-second small kernel adds the partials in a fixed order and writes the gradients in their final dtypes and in the
-shapes of their inputs: no atomics, deterministic, two launches.
+Backward: the position gradient that the patch embedding uses too (:func:`launch_position_gradient`, in
+``mjp_fast/triton/common.py``). One pass over the incoming gradient, split over positions (a prefix row is a
+position that is never masked nor moved), channels and batch chunks, sums it per position over the unmasked samples
+(``pos_embed``, ``prefix``) and the masked ones (``unk_embed``) into float32 partials and, from the same loads,
+writes the inverse move (the tokens' gradient); a second small kernel adds the partials in a fixed order and
+writes the gradients in their final dtypes and in the shapes of their inputs: no atomics, deterministic, two
+launches.
 
 Each launcher is a plain function (``*_launch``) that eager callers use directly, and a torch operator over it
 that launches through ``torch.library.wrap_triton``, for torch.compile.
@@ -31,17 +32,20 @@ import torch
 import triton
 import triton.language as tl
 
-from mjp_fast.triton import launcher
-from mjp_fast.triton import operator as _operator
-from mjp_fast.triton.patch_embed import (
+from mjp_fast.triton.common import (
+    MAX_CHANNEL_TILE,
+    ROW_TILE,
     PositionGradientPlan,
-    _check_contiguous,
-    _interpreting,
-    _prefix_rows_tile,
+    check_contiguous,
     check_row_layout,
     launch_position_gradient,
+    launcher,
+    power_of_two_tile,
     prefix_rows,
+    prefix_rows_tile,
+    tile_size,
 )
+from mjp_fast.triton.common import operator as _operator
 
 
 @triton.jit
@@ -114,7 +118,7 @@ def _forward_kernel(
                 prefix_count, prefix_positions, HAS_PREFIX, BLOCK_R, BLOCK_D,
             )  # fmt: skip
         else:
-            _prefix_rows_tile(
+            prefix_rows_tile(
                 prefix_ptr, pos_ptr, out_ptr, (tl.program_id(0) - patch_programs) * BLOCK_R + tl.arange(0, BLOCK_R),
                 tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D), total_prefix, num_positions, prefix_count,
                 prefix_positions, D,
@@ -124,6 +128,11 @@ def _forward_kernel(
             tokens_ptr, perm_ptr, mask_ptr, pos_ptr, unk_ptr, out_ptr, tl.program_id(0), total, num_positions, D,
             prefix_count, prefix_positions, HAS_PREFIX, BLOCK_R, BLOCK_D,
         )  # fmt: skip
+
+
+def _forward_tiles(dim: int) -> tuple[int, int]:
+    """``(BLOCK_R, BLOCK_D)`` of the forward kernel: ``ROW_TILE`` rows of up to ``MAX_CHANNEL_TILE`` channels."""
+    return tile_size(ROW_TILE), tile_size(power_of_two_tile(dim, 1, MAX_CHANNEL_TILE))
 
 
 def pos_embed_forward_launch(
@@ -158,14 +167,12 @@ def pos_embed_forward_launch(
     batch, num_positions, dim = tokens.shape
     prefix_count = prefix_rows(prefix, dim)
     check_row_layout(prefix_count, prefix_positions, pos_embed.shape, num_positions, dim)
-    _check_contiguous(tokens=tokens, perm=perm, mask=mask, pos_embed=pos_embed, unk_embed=unk_embed)
+    check_contiguous(tokens=tokens, perm=perm, mask=mask, pos_embed=pos_embed, unk_embed=unk_embed)
     out = torch.empty((batch, prefix_count + num_positions, dim), dtype=pos_embed.dtype, device=tokens.device)
     total, total_prefix = batch * num_positions, batch * prefix_count
     if total + total_prefix == 0 or dim == 0:
         return out
-    # 32 rows x up to 128 channels: 8 KB of bfloat16 per load, coalesced rows, thousands of programs at ViT sizes
-    block_r = 16 if _interpreting() else 32
-    block_d = 16 if _interpreting() else min(128, triton.next_power_of_2(dim))
+    block_r, block_d = _forward_tiles(dim)
     grid = (triton.cdiv(total, block_r) + triton.cdiv(total_prefix, block_r), triton.cdiv(dim, block_d))
     launcher(_forward_kernel, grid, traced)(
         tokens,

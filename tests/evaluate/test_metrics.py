@@ -15,7 +15,7 @@ from mjp_fast.evaluate.metrics import (
     resolve_jigsaw_mode,
     topk_correct,
 )
-from mjp_fast.ops.sample_jigsaw import sample_jigsaw
+from mjp_fast.sampler import sample_jigsaw
 
 LOGITS = torch.tensor(
     [

@@ -1021,7 +1021,7 @@ def test_patch_embed_step_dispatches_one_operator_each_way():
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from mjp_fast.ops.patch_embed import patch_embed_step
-    from mjp_fast.ops.sample_jigsaw import Jigsaw
+    from mjp_fast.sampler import Jigsaw
 
     class Count(TorchDispatchMode):
         def __init__(self):

@@ -222,7 +222,7 @@ TRITON_ON_CPU = "triton" in backends_for("cpu")
 
 def _force_batch_chunks(monkeypatch, chunks=3):
     """The triton backward plans with the GPU's tiles and ``chunks`` batch chunks (the interpreter's plan has one)."""
-    from mjp_fast.triton import patch_embed as kernels
+    from mjp_fast.triton import common as kernels
 
     def plan(grad, **flags):
         batch, num_positions, dim = grad.shape

@@ -184,7 +184,7 @@ def test_bad_inputs_are_named(change, error, words):
 
 def _force_batch_chunks(monkeypatch, chunks=3):
     """The triton backward plans with the GPU's tiles and ``chunks`` batch chunks (the interpreter's plan has one)."""
-    from mjp_fast.triton import patch_embed as kernels
+    from mjp_fast.triton import common as kernels
 
     def plan(grad, **flags):
         batch, num_positions, dim = grad.shape

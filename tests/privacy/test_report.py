@@ -89,3 +89,30 @@ def test_mjp_attack_rejects_bad_arguments(arguments, message, tmp_path, capsys):
     status = main(["attack", "--grid", str(tmp_path / "g.png"), *arguments])
     assert status == 2
     assert message in capsys.readouterr().err
+
+
+def test_grid_captions_do_not_run_into_each_other_on_small_images(tmp_path):
+    # CIFAR's 32 px at scale 2 makes 64 px panels, narrower than the longest caption.
+    from PIL import ImageFont
+
+    from mjp_fast.privacy.settings import ImageAttack
+
+    image = torch.rand(3, 32, 32, dtype=torch.float64)
+    mask = torch.zeros(16, dtype=torch.bool)
+    mask[:3] = True
+    attack = ImageAttack("x", image, image.flip(-1), mask, {k: image for k in ("plain", "unk", "no_unk")}, {})
+    path = save_grid([attack], tmp_path / "small.png", patch_size=8, scale=2)
+    widest = max(ImageFont.load_default().getlength(title) for _, title in GRID_COLUMNS)
+    assert widest > 64
+    with Image.open(path) as grid:
+        column_w = (grid.size[0] - GAP) / len(GRID_COLUMNS) - GAP
+        assert column_w >= widest
+        pixels = torch.from_numpy(np.array(grid.convert("RGB"))).permute(2, 0, 1).double() / 255
+    # each panel sits at its column's left edge
+    top = CAPTION_HEIGHT + GAP
+    for column in range(len(GRID_COLUMNS)):
+        left = GAP + column * (int(column_w) + GAP)
+        expected = image if column in (0, 2, 3, 4) else image.flip(-1)
+        panel = pixels[:, top : top + 64 : 2, left : left + 64 : 2]
+        if column != 1:  # the jigsawed panel has the masked patches outlined
+            torch.testing.assert_close(panel, expected, rtol=0, atol=0.5 / 255 + 1e-9)

@@ -26,7 +26,8 @@ MAX_SHARED_BYTES = {80: 166912, 90: 232448}
 
 def _variants() -> list[tuple[str, object, dict[str, str], dict[str, object], dict[str, int]]]:
     """(name, kernel, signature, constexprs, options) of each launch to compile."""
-    from mjp_fast.triton import dal_loss, patch_embed, pos_embed, sampler
+    from mjp_fast.sampler import triton_kernel as sampler
+    from mjp_fast.triton import common, dal_loss, patch_embed, pos_embed
 
     variants = []
     sampler_signature = {
@@ -73,6 +74,10 @@ def _variants() -> list[tuple[str, object, dict[str, str], dict[str, object], di
         """The case's constexprs among the kernel's arguments: (signature entries, values)."""
         present = {name: value for name, value in case.items() if name in signature}
         return dict.fromkeys(present, "constexpr"), present
+
+    # The tiles that the launchers choose on a GPU at DeiT-S's sizes (D = 384, K = 3 * 16 * 16)
+    weight_tiles = dict(zip(("BLOCK_M", "BLOCK_D", "BLOCK_K"), patch_embed._grad_weight_tiles(384, 768)))
+    pos_embed_tiles = dict(zip(("BLOCK_R", "BLOCK_D"), pos_embed._forward_tiles(384)))
 
     for dtype, precision in (("bf16", "tf32"), ("fp32", "ieee")):
         torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
@@ -134,7 +139,7 @@ def _variants() -> list[tuple[str, object, dict[str, str], dict[str, object], di
                         options,
                     )
                 )
-        tiles = {"BLOCK_M": 64, "BLOCK_D": 128, "BLOCK_K": 64}  # _grad_weight_tiles on DeiT shapes
+        tiles = weight_tiles
         for prefix, case in prefix_cases:
             kinds, values = with_prefix(case, grad_weight)
             variants.append(
@@ -178,7 +183,7 @@ def _variants() -> list[tuple[str, object, dict[str, str], dict[str, object], di
                     options,
                 )
             )
-            tiles = {"BLOCK_M": 64, "BLOCK_D": 128, "BLOCK_K": 64}
+            tiles = weight_tiles
             kinds, values = with_prefix(prefix_cases[0][1], grad_weight)
             variants.append(
                 (
@@ -194,7 +199,7 @@ def _variants() -> list[tuple[str, object, dict[str, str], dict[str, object], di
         # the patch embedding's (bias, no move).
         position_variants = []
         for scatter in (False, True):
-            plan = patch_embed.position_gradient_plan(
+            plan = common.position_gradient_plan(
                 256, 197, 384, torch_dtype, 132, False, scatter=scatter, has_bias=not scatter, prefix_count=1,
                 prefix_positions=1,
             )  # fmt: skip
@@ -226,7 +231,7 @@ def _variants() -> list[tuple[str, object, dict[str, str], dict[str, object], di
                 position_variants.append(
                     (
                         f"grad_position partials {dtype} scatter={scatter} {prefix}",
-                        patch_embed._position_partials_kernel,
+                        common._position_partials_kernel,
                         {**partials, **kinds, **dict.fromkeys(partial_flags, "constexpr")},
                         {**partial_flags, **values},
                         {},
@@ -243,7 +248,7 @@ def _variants() -> list[tuple[str, object, dict[str, str], dict[str, object], di
                 position_variants.append(
                     (
                         f"grad_position reduce {dtype} bias={not scatter} {prefix}",
-                        patch_embed._position_reduce_kernel,
+                        common._position_reduce_kernel,
                         {**reduce, **kinds, **dict.fromkeys(reduce_flags, "constexpr")},
                         {**reduce_flags, **values},
                         {},
@@ -282,7 +287,7 @@ def _variants() -> list[tuple[str, object, dict[str, str], dict[str, object], di
                     f"pos_embed forward {dtype} {prefix}",
                     pos_embed._forward_kernel,
                     {**pos_forward, **kinds, "BLOCK_R": "constexpr", "BLOCK_D": "constexpr"},
-                    {"BLOCK_R": 32, "BLOCK_D": 128, **values},
+                    {**pos_embed_tiles, **values},
                     {},
                 )
             )

@@ -1,4 +1,4 @@
-"""The position gradient (mjp_fast/triton/patch_embed.py): its launch plan, and its two kernels in the interpreter.
+"""The position gradient (mjp_fast/triton/common.py): its launch plan, and its two kernels in the interpreter.
 
 The kernels are checked against the torch reference formula (tests/triton/helpers.py) with gradients, with plans
 forced to split the batch into several chunks (the interpreter's own plan has one) and with the GPU's tiles, without
@@ -11,14 +11,12 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import mjp_fast.triton
-
 pytest.importorskip("triton")
 
 from mjp_fast import Jigsaw  # noqa: E402
-from mjp_fast.triton import patch_embed  # noqa: E402
+from mjp_fast.triton import common  # noqa: E402
 from mjp_fast.triton import pos_embed as pos_embed_kernels  # noqa: E402
-from mjp_fast.triton.patch_embed import launch_position_gradient, position_gradient_plan  # noqa: E402
+from mjp_fast.triton.common import launch_position_gradient, position_gradient_plan  # noqa: E402
 from tests.triton.helpers import pos_embed_reference, random_jigsaw  # noqa: E402
 
 H100_SMS = 132  # H100 and H200 SXM
@@ -137,9 +135,9 @@ def test_plan_refuses_a_prefix_that_does_not_fit():
 
 def test_plan_under_the_interpreter_or_on_cpu_tensors_has_one_chunk(monkeypatch):
     assert position_gradient_plan(256, 196, 384, torch.bfloat16, H100_SMS, True).chunks == 1
-    monkeypatch.setattr(patch_embed, "_interpreting", lambda: False)
+    monkeypatch.setattr(common, "interpreting", lambda: False)
     grad = torch.empty(64, 9, 16)
-    plan = patch_embed._position_plan(grad, scatter=True, has_mask=True, has_bias=False, tokens_dtype=None)
+    plan = common._position_plan(grad, scatter=True, has_mask=True, has_bias=False, tokens_dtype=None)
     assert plan.chunks == 1
 
 
@@ -151,13 +149,13 @@ def test_multiprocessors_are_asked_once_per_device(monkeypatch):
         return type("Properties", (), {"multi_processor_count": 132})()
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", properties)
-    patch_embed._cuda_multiprocessors.cache_clear()
+    common._cuda_multiprocessors.cache_clear()
     try:
-        assert [patch_embed._multiprocessors(torch.device("cuda", 0)) for _ in range(3)] == [132] * 3
-        assert patch_embed._multiprocessors(torch.device("cpu")) == 1
+        assert [common.multiprocessors(torch.device("cuda", 0)) for _ in range(3)] == [132] * 3
+        assert common.multiprocessors(torch.device("cpu")) == 1
         assert queries == [0]
     finally:
-        patch_embed._cuda_multiprocessors.cache_clear()
+        common._cuda_multiprocessors.cache_clear()
 
 
 # -- the kernels -------------------------------------------------------------------------------------------------
@@ -303,14 +301,14 @@ def _record_launches(monkeypatch, module):
 
 
 def test_backward_is_two_launches_and_allocations_only(monkeypatch):
-    launches = _record_launches(monkeypatch, patch_embed)
+    launches = _record_launches(monkeypatch, common)
     grad, mask, perm = torch.randn(10, 15, 24), torch.zeros(10, 15, dtype=torch.bool), torch.zeros(10, 15).long()
     plan = _plan("gpu tiles, 3 chunks", 10, 15, 24, grad.dtype)
     with _TorchOps() as recorded:
         _backward(grad, Jigsaw(mask, perm), (grad.dtype,) * 3, plan=plan)
     assert launches == [
-        (patch_embed._position_partials_kernel, plan.grid, False),
-        (patch_embed._position_reduce_kernel, plan.reduce_grid, False),
+        (common._position_partials_kernel, plan.grid, False),
+        (common._position_reduce_kernel, plan.reduce_grid, False),
     ]
     # no zeros fill, no sum, no cast, no copy: torch.empty for the four gradients (grad_prefix [0]) and the partials
     assert recorded.ops == [torch.ops.aten.empty.memory_format] * 5
@@ -337,7 +335,7 @@ def test_wrap_triton_only_when_traced(monkeypatch):
     monkeypatch.setattr(torch.library, "wrap_triton", wrap_triton)
     # traced launches go through wrap_triton off the interpreter only (torch 2.11 refuses interpreted kernels);
     # pretend to be off it, so that the traced path shows (torch 2.14's wrap_triton accepts them)
-    monkeypatch.setattr(mjp_fast.triton, "interpreting", lambda: False)
+    monkeypatch.setattr(common, "interpreting", lambda: False)
     generator = torch.Generator().manual_seed(11)
     grad = torch.randn(5, 7, 9, generator=generator)
     jigsaw = _jigsaw(5, 7, "some", generator)
@@ -346,13 +344,13 @@ def test_wrap_triton_only_when_traced(monkeypatch):
     eager = pos_embed_kernels.pos_embed_backward_launch(*arguments)
     assert wrapped == []
     traced = pos_embed_kernels.pos_embed_backward_launch(*arguments, traced=True)
-    assert wrapped == [patch_embed._position_partials_kernel, patch_embed._position_reduce_kernel]
+    assert wrapped == [common._position_partials_kernel, common._position_reduce_kernel]
     for first, second in zip(eager, traced):
         assert torch.equal(first, second)
     # the operator launches through wrap_triton, with its schema (the layout, then the four dtypes)
     wrapped.clear()
     grads = pos_embed_kernels.pos_embed_backward_triton(*arguments[:8], torch.float64, torch.float16, torch.float32)
-    assert wrapped == [patch_embed._position_partials_kernel, patch_embed._position_reduce_kernel]
+    assert wrapped == [common._position_partials_kernel, common._position_reduce_kernel]
     assert [g.dtype for g in grads] == [grad.dtype, torch.float64, torch.float16, torch.float32]
 
 
@@ -360,7 +358,7 @@ def test_forward_operator_launches_through_wrap_triton(monkeypatch):
     wrapped = []
     real_wrap_triton = torch.library.wrap_triton
     monkeypatch.setattr(torch.library, "wrap_triton", lambda kernel: wrapped.append(kernel) or real_wrap_triton(kernel))
-    monkeypatch.setattr(mjp_fast.triton, "interpreting", lambda: False)  # see test_wrap_triton_only_when_traced
+    monkeypatch.setattr(common, "interpreting", lambda: False)  # see test_wrap_triton_only_when_traced
     generator = torch.Generator().manual_seed(13)
     tokens, pos, unk = (torch.randn(size, generator=generator) for size in ((3, 7, 9), (7, 9), (9,)))
     jigsaw = _jigsaw(3, 7, "some", generator)

@@ -14,10 +14,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import mjp_fast.triton
-
 pytest.importorskip("triton")
 
+from mjp_fast.triton import common  # noqa: E402
 from mjp_fast.triton import patch_embed as patch_kernels  # noqa: E402
 from mjp_fast.triton import pos_embed as pos_kernels  # noqa: E402
 from tests.triton.helpers import (  # noqa: E402
@@ -285,7 +284,7 @@ def _record_launches(monkeypatch, module):
 def test_pos_embed_with_prefix_is_one_launch_forward_two_backward(monkeypatch):
     # No cat, no slices, no sum: the output and the gradients come from torch.empty, filled by the kernels.
     pos_launches = _record_launches(monkeypatch, pos_kernels)
-    patch_launches = _record_launches(monkeypatch, patch_kernels)
+    position_launches = _record_launches(monkeypatch, common)
     tokens, pos, unk, prefix = torch.randn(2, 6, 8), torch.randn(1, 7, 8), torch.randn(8), torch.randn(1, 1, 8)
     mask, perm = torch.zeros(2, 6, dtype=torch.bool), torch.arange(6).repeat(2, 1)
     with _TorchOps() as recorded:
@@ -295,9 +294,9 @@ def test_pos_embed_with_prefix_is_one_launch_forward_two_backward(monkeypatch):
         )
     assert [kernel for kernel, _, _ in pos_launches] == [pos_kernels._forward_kernel]
     assert pos_launches[0][1] == (2, 1)  # 12 patch rows, then 2 prefix rows: one program each in the interpreter
-    assert [kernel for kernel, _, _ in patch_launches] == [
-        patch_kernels._position_partials_kernel,
-        patch_kernels._position_reduce_kernel,
+    assert [kernel for kernel, _, _ in position_launches] == [
+        common._position_partials_kernel,
+        common._position_reduce_kernel,
     ]
     assert set(recorded.ops) <= {torch.ops.aten.empty.memory_format, torch.ops.aten.randn.default}
 
@@ -405,7 +404,7 @@ def test_patch_embed_wraps_triton_only_when_traced(monkeypatch):
     wrapped = []
     real_wrap_triton = torch.library.wrap_triton
     monkeypatch.setattr(torch.library, "wrap_triton", lambda kernel: wrapped.append(kernel) or real_wrap_triton(kernel))
-    monkeypatch.setattr(mjp_fast.triton, "interpreting", lambda: False)  # see test_wrap_triton_only_when_traced
+    monkeypatch.setattr(common, "interpreting", lambda: False)  # see test_wrap_triton_only_when_traced
     generator = torch.Generator().manual_seed(9)
     images, weight, bias, unk, mask, perm = _patch_inputs(3, torch.float32, generator, "some")
     pos, prefix = _tables((1, 1), LAYOUTS[0], 9, DIM, torch.float32, generator)
@@ -423,6 +422,6 @@ def test_patch_embed_wraps_triton_only_when_traced(monkeypatch):
     assert wrapped == [
         patch_kernels._grad_images_kernel,
         patch_kernels._grad_weight_kernel,
-        patch_kernels._position_partials_kernel,
-        patch_kernels._position_reduce_kernel,
+        common._position_partials_kernel,
+        common._position_reduce_kernel,
     ]

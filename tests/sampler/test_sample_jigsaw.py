@@ -6,8 +6,9 @@ import pytest
 import torch
 
 import mjp_fast
+from bench.paper_sampler import block_mask_python
 from mjp_fast import backend as backend_module
-from mjp_fast.ops.sample_jigsaw import block_mask_python, philox_ref, sample_jigsaw_ref
+from mjp_fast.sampler.reference import philox_ref, sample_jigsaw_ref
 
 
 def assert_valid_jigsaw(jigsaw, batch, num_positions, target):

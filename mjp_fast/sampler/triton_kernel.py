@@ -1,4 +1,4 @@
-"""Triton sampler: docs/sampler.md with one program per sample, bit-identical to the oracle and the C++ sampler.
+"""The Triton sampler: docs/sampler.md with one program per sample, bit-identical to the oracle and the C++ sampler.
 
 The mask lives in registers as a ``[BLOCK_N]`` vector over the grid; each rectangle is a vector comparison. The
 permutation is two sorts: the masked positions in increasing order (``m_i``) and by packed random key
@@ -11,10 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
-from mjp_fast.ops import sample_jigsaw as _spec
-from mjp_fast.ops.sample_jigsaw import _empty_jigsaw
+from mjp_fast.sampler import reference as _spec
+from mjp_fast.sampler.jigsaw import empty_jigsaw
 from mjp_fast.triton import launcher
-from mjp_fast.triton import operator as _operator
 
 # The sampler's constants as the compiler takes globals inside a kernel: constexpr. (The interpreter also reads
 # plain Python ints; compiling for a GPU refuses them, as tests/triton/compile_for_gpu.py found.)
@@ -144,7 +143,7 @@ def sample_jigsaw_launch(
     Returns:
         mask bool ``[B, N]`` and perm int64 ``[B, N]``.
     """
-    mask, perm = _empty_jigsaw(batch_size, rows * cols, h_thresholds.device)
+    mask, perm = empty_jigsaw(batch_size, rows * cols, h_thresholds.device)
     if batch_size == 0:
         return mask, perm
     launcher(_sample_jigsaw_kernel, (batch_size,), traced)(
@@ -165,42 +164,3 @@ def sample_jigsaw_launch(
         BLOCK_G=triton.next_power_of_2(max(rows, cols)),
     )
     return mask, perm
-
-
-@_operator("mjp_fast::sample_jigsaw_triton", mutates_args=())
-def sample_jigsaw_triton(
-    counter: torch.Tensor,
-    params: torch.Tensor,
-    h_thresholds: torch.Tensor,
-    w_thresholds: torch.Tensor,
-    batch_size: int,
-    rows: int,
-    cols: int,
-    target: int,
-    min_block: int,
-    counter_scale: int,
-    stream_shift: int,
-    shared: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`sample_jigsaw_launch` as an operator (what torch.compile traces). Every int argument fits in int32."""
-    return sample_jigsaw_launch(
-        counter,
-        params,
-        h_thresholds,
-        w_thresholds,
-        batch_size,
-        rows,
-        cols,
-        target,
-        min_block,
-        counter_scale,
-        stream_shift,
-        shared,
-        traced=True,
-    )
-
-
-@sample_jigsaw_triton.register_fake
-def _(counter, params, h_thresholds, w_thresholds, batch_size, rows, cols, target, min_block, scale, shift, shared):
-    # Shapes only. (triton_op can trace the kernel launch itself on a GPU; under the CPU interpreter it cannot.)
-    return _empty_jigsaw(batch_size, rows * cols, h_thresholds.device)

@@ -17,15 +17,9 @@ from torch import nn
 
 from mjp_fast._validate import check_fraction, check_grid_size, check_int, check_positive_float, with_index
 from mjp_fast.backend import resolve_backend
-from mjp_fast.ops.sample_jigsaw import (
-    Jigsaw,
-    SamplerPlan,
-    _prob_threshold,
-    _target_count,
-    sample_jigsaw,
-    sampler_params,
-    sampler_tables,
-)
+from mjp_fast.sampler.dispatch import SamplerPlan, make_sampler_plan, sampler_params
+from mjp_fast.sampler.jigsaw import Jigsaw
+from mjp_fast.sampler.reference import sampler_tables
 
 
 class JigsawSampler(nn.Module):
@@ -75,7 +69,7 @@ class JigsawSampler(nn.Module):
         h_thresholds, w_thresholds = sampler_tables(*self.grid_size, self.min_aspect)
         self.register_buffer("h_thresholds", h_thresholds.clone(), persistent=False)
         self.register_buffer("w_thresholds", w_thresholds.clone(), persistent=False)
-        # The Triton sampler reads the seed and the prob threshold from memory (see triton/sampler.py); refreshed in
+        # The Triton sampler reads the seed and the prob threshold from memory (see triton_kernel.py); refreshed in
         # place when seed or prob change (the training loop sets prob per epoch), not rebuilt per call.
         self.register_buffer("params", sampler_params(self.seed, self.prob, "cpu").clone(), persistent=False)
         self._params_key = (self.seed, self.prob)
@@ -123,86 +117,55 @@ class JigsawSampler(nn.Module):
             if key != self._plan_key:
                 self._plan, self._plan_key = self._make_plan(device, grid_size), key
             plan = self._plan
-        return self._draw(plan, batch, device, grid_size, self.sample_counter)
+        return self._draw(plan, batch, self.sample_counter)
 
     def _make_plan(
         self, device: torch.device, grid_size: tuple[int, int] | None, settings: dict[str, Any] | None = None
-    ) -> SamplerPlan | None:
-        """The plan for ``device`` and ``grid_size``, or None where the general sampler runs (the torch backend,
-        another grid than the tables', tables on another device). Training (no ``settings``): the module's ratio,
-        prob and seed, whose Triton parameters live in the ``params`` buffer; :meth:`jigsaw_eval`: its
-        ``settings``'."""
+    ) -> SamplerPlan:
+        """The plan for ``device`` and ``grid_size``. Training (no ``settings``): the module's ratio, prob and seed,
+        whose Triton parameters live in the ``params`` buffer; :meth:`jigsaw_eval`: its ``settings``'. The module's
+        tables serve its own grid on their device; another grid or device gets the shared cached ones."""
         device = with_index(torch.device(device))  # "cuda" and "cuda:0" must compare equal below
         grid = self.grid_size if grid_size is None else tuple(grid_size)
-        backend = resolve_backend(self.backend, device)
-        if backend == "torch" or grid != self.grid_size or self.h_thresholds.device != device:
-            return None
+        tables = None
+        if grid == self.grid_size and self.h_thresholds.device == device:
+            tables = (self.h_thresholds, self.w_thresholds)
         if settings is None:
             ratio, prob, seed = self.ratio, self.prob, self.seed
-            if (seed, prob) != self._params_key:  # refreshed in place: a captured CUDA graph keeps reading it
-                self.params.copy_(sampler_params(seed, prob, "cpu"))
-                self._params_key = (seed, prob)
-            params = self.params
+            params = None
+            if self.params.device == device:
+                if (seed, prob) != self._params_key:  # refreshed in place: a captured CUDA graph keeps reading it
+                    self.params.copy_(sampler_params(seed, prob, "cpu"))
+                    self._params_key = (seed, prob)
+                params = self.params
         else:
             ratio, prob, seed = settings["ratio"], settings["prob"], settings["seed"]
-            params = sampler_params(seed, prob, device)
-        return SamplerPlan(
-            backend, *grid, _target_count(ratio, grid[0] * grid[1]), self.min_block, self.shared, seed,
-            _prob_threshold(prob), self.h_thresholds, self.w_thresholds, params,
+            params = None
+        return make_sampler_plan(
+            grid, ratio, seed=seed, prob=prob, shared=self.shared, min_block=self.min_block,
+            min_aspect=self.min_aspect, device=device, backend=resolve_backend(self.backend, device), tables=tables,
+            params=params,
         )  # fmt: skip
 
-    def _draw(
-        self,
-        plan: SamplerPlan | None,
-        batch: int,
-        device: torch.device,
-        grid_size: tuple[int, int] | None,
-        counter: torch.Tensor,
-        settings: dict[str, Any] | None = None,
-    ) -> Jigsaw:
+    def _draw(self, plan: SamplerPlan, batch: int, counter: torch.Tensor) -> Jigsaw:
         """The next ``batch`` jigsaws of the stream whose position ``counter`` holds, which then advances by
-        ``batch``: through ``plan``, or the general sampler where there is none."""
+        ``batch``."""
         rank, world = self._rank_and_world()
         # Sample i of this call has the global stream index counter * world + rank * batch + i: with a constant
         # per-rank batch, distinct on every rank and the same after a resume.
-        if plan is not None:
+        if counter.device == plan.h_thresholds.device:
             return plan.sample_step(batch, counter, world, rank * batch)
-        jigsaw = self._sample_general(batch, device, grid_size, counter * world + rank * batch, settings)
+        # Asked for another device than the module's: the kernels read the stream position where they run.
+        jigsaw = plan.sample(batch, counter.to(plan.h_thresholds.device), world, rank * batch)
         counter.add_(batch)  # a buffer that needs no gradient: nothing is recorded
         return jigsaw
-
-    def _sample_general(
-        self,
-        batch: int,
-        device: torch.device,
-        grid_size: tuple[int, int] | None,
-        offset: torch.Tensor,
-        settings: dict[str, Any] | None = None,
-    ) -> Jigsaw:
-        """:func:`sample_jigsaw` with this module's settings (or ``settings``' ratio, prob and seed)."""
-        settings = settings or {"ratio": self.ratio, "prob": self.prob, "seed": self.seed}
-        device = with_index(torch.device(device))
-        return sample_jigsaw(
-            batch,
-            self.grid_size if grid_size is None else tuple(grid_size),
-            settings["ratio"],
-            seed=settings["seed"],
-            offset=offset.reshape(1).to(device),
-            shared=self.shared,
-            prob=settings["prob"],
-            min_block=self.min_block,
-            min_aspect=self.min_aspect,
-            device=device,
-            backend=resolve_backend(self.backend, device),
-        )
 
     def _sample_eval(self, batch: int, device: torch.device, grid_size: tuple[int, int] | None) -> Jigsaw:
         """Inside :meth:`jigsaw_eval`: the next jigsaws of the context's own stream."""
         settings = self._eval_settings
         if self._eval_counter is None or self._eval_counter.device != device:
             self._eval_counter = torch.full((), settings["start"], dtype=torch.int64, device=device)
-        plan = self._make_plan(device, grid_size, settings)
-        return self._draw(plan, batch, device, grid_size, self._eval_counter, settings)
+        return self._draw(self._make_plan(device, grid_size, settings), batch, self._eval_counter)
 
     def _apply(self, fn, recurse: bool = True):  # noqa: ANN001 - nn.Module's signature
         # .to(), .cuda(), .half(), ...: the buffers the plan holds are replaced, so the plan is made again.

@@ -1,0 +1,696 @@
+"""What the Triton operations share: the interpreter switch, launches and operators, tile settings, the row
+layout's checks, and the position gradient's kernels.
+
+``patch_embed.py``, ``pos_embed.py`` and ``dal_loss.py`` import from this module (and triton, torch) only, never
+from one another; ``mjp_fast.triton`` re-exports :func:`interpreting`, :func:`launcher` and :func:`operator` for
+code outside the package.
+
+Row layout (the C++ operators' too): each sample's output has ``T = P + N`` rows of ``D`` channels. The first
+``P`` (0 to 8) are the prefix tokens (class and register tokens), ``out[b, t] = prefix[t] + (pos[t] if t < Q
+else 0)``, with ``Q`` (0 or ``P``) the rows of the position table that belong to them; then the ``N`` patch
+tokens. ``pos`` is the model's full table ``[Q + N, D]`` (any leading dims of 1), read in place.
+
+The position gradient (the backward of both embeddings' position terms): one pass over the incoming gradient
+``[B, P + N, D]``, split over positions (a prefix row is a position that is never masked nor moved), channels and
+batch chunks (enough programs to fill the GPU); each program writes float32 partial sums that only it owns (and,
+for ``mjp_pos_embed``, the inverse move of the patch rows from the same loads), then a small kernel adds them in a
+fixed order and writes the gradients in their final dtypes and shapes: no atomics, deterministic, two launches.
+:func:`position_gradient_plan` says how (grids, tiles, chunks, bytes moved).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from mjp_fast.backend import triton_interpreting as interpreting  # where TRITON_INTERPRET is read, the only place
+
+# ----------------------------------------------------------------------------------------------------------------
+# Launches and operators
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def launcher(kernel, grid, traced: bool):
+    """``kernel[grid]``, through ``torch.library.wrap_triton`` only when a ``triton_op`` traces the launch (so
+    torch.compile sees the kernel itself). In eager mode that wrapper is host time for nothing, and under the
+    interpreter the operators are plain custom ops (see :func:`operator`), whose kernels torch 2.11's
+    ``wrap_triton`` refuses."""
+    if traced and not interpreting():
+        return torch.library.wrap_triton(kernel)[grid]
+    return kernel[grid]
+
+
+def operator(name: str, *, mutates_args: tuple[str, ...] = (), schema: str | None = None) -> Callable:
+    """Registers a function that launches Triton kernels as a torch operator.
+
+    On a GPU: ``torch.library.triton_op``, so torch.compile sees the kernels themselves (with ``wrap_triton``).
+    Under the CPU interpreter (``TRITON_INTERPRET=1``): an opaque ``custom_op``, since compiled graphs cannot
+    run interpreted kernels; forward, backward and torch.compile tracing behave the same. ``schema``: the
+    operator's schema, when not inferred from the function's type hints.
+    """
+    if interpreting():
+        return torch.library.custom_op(name, mutates_args=mutates_args, schema=schema)
+    return torch.library.triton_op(name, mutates_args=mutates_args, schema=schema)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Tiles and launch settings
+# ----------------------------------------------------------------------------------------------------------------
+
+INTERPRETER_TILE = 16
+"""Every tile side in the interpreter: it runs each program in numpy, one after another, so its cost grows with the
+tile; 16 is the smallest side that ``tl.dot`` takes."""
+
+INTERPRETER_WARPS = 1
+"""Warps per program in the interpreter: it runs a program as numpy operations on whole tiles, so warps change
+nothing there."""
+
+ROW_TILE = 32
+"""Rows of a ``[rows, D]`` tensor that a program loads per step on a GPU (``mjp_pos_embed``'s forward; the position
+gradient's partials, as samples x positions): with up to ``MAX_CHANNEL_TILE`` channels, 8 KB of bfloat16 per load,
+coalesced rows, and thousands of programs at ViT sizes."""
+
+MAX_CHANNEL_TILE = 128
+"""The widest channel tile on a GPU: rows of 256 contiguous bytes in bfloat16, 8 KB per load with ``ROW_TILE``
+rows."""
+
+
+def tile_size(gpu: int) -> int:
+    """A tile side: ``gpu`` on a GPU, :data:`INTERPRETER_TILE` in the interpreter."""
+    return INTERPRETER_TILE if interpreting() else gpu
+
+
+def warp_count(gpu: int) -> int:
+    """Warps per program: ``gpu`` on a GPU, :data:`INTERPRETER_WARPS` in the interpreter."""
+    return INTERPRETER_WARPS if interpreting() else gpu
+
+
+def power_of_two_tile(size: int, smallest: int, largest: int) -> int:
+    """The power of two that covers ``size`` (Triton's tiles are powers of two), within ``[smallest, largest]``."""
+    return min(largest, max(smallest, triton.next_power_of_2(size)))
+
+
+@functools.cache
+def _cuda_multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def multiprocessors(device: torch.device) -> int:
+    """SMs of a CUDA device (asked once per device: the query costs host time on every launch); 1 otherwise."""
+    if device.type != "cuda":
+        return 1
+    return _cuda_multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """``tl.dot``'s ``input_precision`` for operands of ``dtype``. Triton reads it for float32 operands only:
+    "ieee" keeps their products exact, as torch's matmul does by default (no TF32 rounding). For float16 and
+    bfloat16 it is ignored (their products are exact in the float32 accumulator on the tensor cores), so the "tf32"
+    returned for them rounds nothing; it is kept so that the compiled kernels stay the ones measured."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def dot_upcast(first: torch.dtype, second: torch.dtype) -> bool:
+    """Multiply in float32: operands of two dtypes (tl.dot takes one), or bfloat16 in the interpreter (which
+    multiplies it wrongly)."""
+    return first != second or (interpreting() and torch.bfloat16 in (first, second))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The row layout: checks, and the prefix rows' tile
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def prefix_rows(prefix: torch.Tensor | None, dim: int) -> int:
+    """``P``: the rows of ``prefix`` (any contiguous shape ``[..., D]``, e.g. ``[1, P, D]``); 0 for None."""
+    if prefix is None:
+        return 0
+    if prefix.dim() == 0 or prefix.shape[-1] != dim:
+        raise ValueError(f"prefix must be [P, D] or [1, P, D] with D = {dim}, got shape {list(prefix.shape)}")
+    if not prefix.is_contiguous():
+        raise ValueError(f"prefix must be contiguous, got strides {list(prefix.stride())}")
+    return math.prod(prefix.shape[:-1])
+
+
+def check_row_layout(
+    prefix_count: int, prefix_positions: int, table_shape: Sequence[int], num_positions: int, dim: int
+) -> None:
+    """``prefix_positions`` is 0 or ``prefix_count``, and ``table_shape`` is the full table ``[Q + N, D]`` (any
+    leading dims of 1: one table)."""
+    if prefix_positions not in (0, prefix_count):
+        raise ValueError(f"prefix_positions must be 0 or the prefix count P = {prefix_count}, got {prefix_positions}")
+    rows = prefix_positions + num_positions
+    if len(table_shape) < 2 or tuple(table_shape[-2:]) != (rows, dim) or math.prod(table_shape[:-2]) != 1:
+        raise ValueError(
+            f"pos_embed must be the full table [Q + N, D] = [{rows}, {dim}] (or [1, Q + N, D]) with "
+            f"Q = prefix_positions = {prefix_positions}, N = {num_positions}, got shape {list(table_shape)}"
+        )
+
+
+def check_prefix_shape(prefix_shape: Sequence[int], prefix_count: int, dim: int) -> None:
+    """``prefix_shape`` holds ``prefix_count`` rows of ``dim`` channels (``[P, D]``, ``[1, P, D]``, ...)."""
+    if len(prefix_shape) == 0 or prefix_shape[-1] != dim or math.prod(prefix_shape[:-1]) != prefix_count:
+        raise ValueError(
+            f"prefix_shape must hold P = {prefix_count} rows of D = {dim} ([P, D] or [1, P, D]), "
+            f"got {list(prefix_shape)}"
+        )
+
+
+def check_contiguous(**tensors: torch.Tensor | None) -> None:
+    """Each tensor given (by its argument's name) is None or contiguous."""
+    for name, tensor in tensors.items():
+        if tensor is not None and not tensor.is_contiguous():
+            raise ValueError(
+                f"{name} must be contiguous, got shape {list(tensor.shape)} strides {list(tensor.stride())}"
+            )
+
+
+@triton.jit
+def prefix_rows_tile(
+    prefix_ptr,  # [P, D]
+    pos_ptr,  # [Q + N, D]
+    out_ptr,  # [B, P + N, D]
+    rows,  # [BLOCK] flat (sample, prefix token) indices, of B * P
+    channels,  # [BLOCK_D]
+    total_prefix,  # B * P
+    num_positions,  # N
+    prefix_count,  # P
+    prefix_positions,  # Q: 0 or P
+    D,
+):
+    """Stores ``out[b, t] = prefix[t] + (pos[t] if t < Q else 0)`` for the prefix rows ``rows``: a sum in float32,
+    rounded once."""
+    token = rows % prefix_count
+    sample = rows // prefix_count
+    ok = (rows < total_prefix)[:, None] & (channels[None, :] < D)
+    offsets = token[:, None].to(tl.int64) * D + channels[None, :]
+    value = tl.load(prefix_ptr + offsets, mask=ok, other=0.0).to(tl.float32)
+    value += tl.load(pos_ptr + offsets, mask=ok & (token < prefix_positions)[:, None], other=0.0).to(tl.float32)
+    out_rows = sample * (prefix_count + num_positions) + token
+    tl.store(
+        out_ptr + out_rows[:, None].to(tl.int64) * D + channels[None, :], value.to(out_ptr.dtype.element_ty), mask=ok
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Position gradient: the kernels, the launch plan (one source of truth for the launcher and the tests), the launcher
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _position_partials_kernel(
+    grad_ptr,  # [B, P + N, D], contiguous: the incoming gradient
+    mask_ptr,  # [B, N] bool (HAS_MASK)
+    perm_ptr,  # [B, N] int64 (SCATTER)
+    grad_tokens_ptr,  # [B, N, D] (SCATTER): the inverse move of grad's patch rows
+    partial_ptr,  # float32 [chunks * (P + N) + (1 + HAS_BIAS) * chunks * position_blocks, D]: rows as stored below
+    batch,
+    num_positions,  # P + N: the rows of each sample, prefix rows first
+    D,
+    samples_per_chunk,
+    prefix_count,  # P (HAS_PREFIX); last, so that without a prefix the kernel compiles as before prefix rows
+    HAS_MASK: tl.constexpr,
+    SCATTER: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_PREFIX: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    # Program (position block, channel block, batch chunk) sums grad over its chunk's samples into float32
+    # partials that only it writes: no atomics, and the reduction kernel adds the chunks in a fixed order.
+    # SCATTER (mjp_pos_embed's backward): also grad_tokens[b, perm[b, n]] = grad[b, P + n], the inverse move, from
+    # the same loads. perm[b] permutes the positions, so every row of grad_tokens is written exactly once.
+    # A prefix row (t < P) is a position that is never masked and never moved: it only adds to its own sum.
+    chunk = tl.program_id(2)
+    positions = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    channels = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    position_ok = positions < num_positions
+    channel_ok = channels < D
+    if HAS_PREFIX:
+        patches = positions - prefix_count  # the patch position n of each row; negative on prefix rows
+        is_patch = position_ok & (patches >= 0)
+        num_patches = num_positions - prefix_count
+    else:
+        patches = positions
+    # BLOCK_B samples per step as a third tile axis: more bytes in flight per load. That axis lies within each
+    # thread's registers (sm_90 TTGIR: no layout conversion in the loop), so summing it every step costs no
+    # shuffles, and 2D accumulators keep registers low (72 at bfloat16): every program of the plan is resident.
+    kept = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+    shuffled = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+    first = chunk * samples_per_chunk
+    last = tl.minimum(first + samples_per_chunk, batch)
+    for start in range(first, last, BLOCK_B):
+        samples = start + tl.arange(0, BLOCK_B)
+        rows = samples[:, None].to(tl.int64) * num_positions + positions[None, :]  # int64: B*T*D may pass 2**31
+        row_ok = (samples[:, None] < last) & position_ok[None, :]
+        ok = row_ok[:, :, None] & channel_ok[None, None, :]
+        grad = tl.load(grad_ptr + rows[:, :, None] * D + channels[None, None, :], mask=ok, other=0.0)
+        if HAS_PREFIX:
+            patch_rows = samples[:, None] * num_patches + patches[None, :]  # rows of mask and perm: int32 is enough
+            patch_ok = (samples[:, None] < last) & is_patch[None, :]
+            patch_tile_ok = patch_ok[:, :, None] & channel_ok[None, None, :]
+        else:
+            patch_rows = rows
+            patch_ok = row_ok
+            patch_tile_ok = ok
+        if SCATTER:
+            source = tl.load(perm_ptr + patch_rows, mask=patch_ok, other=0)
+            target = patch_rows - patches[None, :] + source
+            tl.store(
+                grad_tokens_ptr + target[:, :, None] * D + channels[None, None, :],
+                grad.to(grad_tokens_ptr.dtype.element_ty),
+                mask=patch_tile_ok,
+            )
+        grad = grad.to(tl.float32)
+        if HAS_MASK:
+            masked = tl.load(mask_ptr + patch_rows, mask=patch_ok, other=0).to(tl.int1)[:, :, None]
+            kept += tl.sum(tl.where(masked, 0.0, grad), axis=0)
+            shuffled += tl.sum(tl.where(masked, grad, 0.0), axis=0)
+        else:
+            kept += tl.sum(grad, axis=0)
+    # Rows of partial: chunk-major position partials [chunks, P + N], then unk_embed's [chunks, position blocks]
+    # (masked grad summed over the block's positions), then (HAS_BIAS) the same sums of the unmasked grad of the
+    # patch rows (the bias is added to patch tokens only).
+    pos_rows = (chunk * num_positions + positions).to(tl.int64)
+    tl.store(
+        partial_ptr + pos_rows[:, None] * D + channels[None, :],
+        kept,
+        mask=position_ok[:, None] & channel_ok[None, :],
+    )
+    small_rows = tl.num_programs(2) * tl.num_programs(0)
+    unk_row = (tl.num_programs(2) * num_positions + chunk * tl.num_programs(0) + tl.program_id(0)).to(tl.int64)
+    tl.store(partial_ptr + unk_row * D + channels, tl.sum(shuffled, axis=0), mask=channel_ok)
+    if HAS_BIAS:
+        if HAS_PREFIX:
+            kept = tl.where(is_patch[:, None], kept, 0.0)
+        tl.store(partial_ptr + (unk_row + small_rows) * D + channels, tl.sum(kept, axis=0), mask=channel_ok)
+
+
+@triton.jit
+def _position_reduce_kernel(
+    partial_ptr,  # float32, as _position_partials_kernel wrote it
+    grad_pos_ptr,  # [Q + N, D]: the full table's gradient
+    grad_unk_ptr,  # [D]
+    grad_bias_ptr,  # [D] (HAS_BIAS)
+    grad_prefix_ptr,  # [P, D] (WRITE_PREFIX)
+    chunks,
+    num_positions,  # P + N
+    prefix_count,  # P
+    prefix_positions,  # Q: 0 or P
+    D,
+    small_rows,  # chunks * position blocks of the partials kernel
+    HAS_BIAS: tl.constexpr,
+    WRITE_PREFIX: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    # Sums the partials in a fixed order (chunk by chunk; tl.sum's tree), so equal inputs give equal bits, and
+    # writes each result once, in its final dtype.
+    positions = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    channels = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    channel_ok = channels < D
+    ok = (positions[:, None] < num_positions) & channel_ok[None, :]
+    offsets = positions[:, None].to(tl.int64) * D + channels[None, :]
+    acc = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+    for _ in range(0, chunks):
+        acc += tl.load(partial_ptr + offsets, mask=ok, other=0.0)
+        offsets += num_positions * D
+    # Row t of the output is row t - P + Q of the table: the patch rows, and the prefix rows when Q = P.
+    table_rows = positions - prefix_count + prefix_positions
+    tl.store(
+        grad_pos_ptr + table_rows[:, None].to(tl.int64) * D + channels[None, :],
+        acc.to(grad_pos_ptr.dtype.element_ty),
+        mask=ok & (table_rows[:, None] >= 0),
+    )
+    if WRITE_PREFIX:
+        tl.store(
+            grad_prefix_ptr + positions[:, None].to(tl.int64) * D + channels[None, :],
+            acc.to(grad_prefix_ptr.dtype.element_ty),
+            mask=ok & (positions[:, None] < prefix_count),
+        )
+    if tl.program_id(0) == 0:  # the first program of each channel block also reduces the vectors
+        unk = tl.zeros((BLOCK_S, BLOCK_D), dtype=tl.float32)
+        kept = tl.zeros((BLOCK_S, BLOCK_D), dtype=tl.float32)
+        base = partial_ptr + chunks * num_positions * D
+        for start in range(0, small_rows, BLOCK_S):
+            rows = start + tl.arange(0, BLOCK_S)
+            row_ok = (rows[:, None] < small_rows) & channel_ok[None, :]
+            address = base + rows[:, None].to(tl.int64) * D + channels[None, :]
+            unk += tl.load(address, mask=row_ok, other=0.0)
+            if HAS_BIAS:
+                kept += tl.load(address + small_rows * D, mask=row_ok, other=0.0)
+        grad_unk = tl.sum(unk, axis=0)
+        tl.store(grad_unk_ptr + channels, grad_unk.to(grad_unk_ptr.dtype.element_ty), mask=channel_ok)
+        if HAS_BIAS:
+            # bias: every patch token's gradient, i.e. grad_pos summed over the patch positions plus grad_unk
+            grad_bias = tl.sum(kept, axis=0) + grad_unk
+            tl.store(grad_bias_ptr + channels, grad_bias.to(grad_bias_ptr.dtype.element_ty), mask=channel_ok)
+
+
+PROGRAMS_PER_SM = 4  # programs of the partials kernel wanted per SM: enough loads in flight to keep HBM busy
+MAX_PARTIAL_SHARE = 0.1  # the float32 partials' traffic, at most this share of the unavoidable traffic
+PARTIAL_BYTES = 8  # per float32 partial: written once, read once
+
+
+def _channel_tile(dim: int) -> int:
+    """The widest channel tile (coalesced rows) that loads at most 1/8 of padding columns, 16 at least."""
+    for width in (MAX_CHANNEL_TILE, MAX_CHANNEL_TILE // 2, MAX_CHANNEL_TILE // 4):
+        if math.ceil(dim / width) * width * 8 <= dim * 9:
+            return width
+    return 16
+
+
+@dataclass(frozen=True)
+class PositionGradientPlan:
+    """How the position gradient is launched: the partials kernel, then the reduction kernel.
+
+    The gradient is ``[batch, num_positions, dim]`` with ``num_positions = P + N``: its first ``prefix_count``
+    (``P``) rows per sample are the prefix tokens', positions that are never masked nor moved. The partials
+    kernel's grid is ``(position_blocks, channel_blocks, chunks)``: each program sums the gradient over
+    ``samples_per_chunk`` samples of its batch chunk, ``block_b`` samples of ``block_n`` positions x ``block_d``
+    channels per step. Traffic in bytes: ``bytes_grad_read`` and ``bytes_tokens_write`` (the inverse move of the
+    patch rows, with SCATTER) are unavoidable; ``bytes_partials`` is the float32 partials written and read back;
+    ``bytes_small`` counts perm and mask (read once per channel block) and the outputs.
+    """
+
+    batch: int
+    num_positions: int  # P + N: rows per sample of the gradient, prefix rows included
+    dim: int
+    prefix_count: int  # P
+    prefix_positions: int  # Q: rows of the position table that belong to the prefix tokens (0 or P)
+    chunks: int
+    samples_per_chunk: int
+    block_b: int
+    block_n: int
+    block_d: int
+    position_blocks: int
+    channel_blocks: int
+    small_rows: int  # rows of each vector partial (unk_embed's, bias's): chunks * position_blocks
+    partial_rows: int  # rows of D float32 partials in all
+    reduce_block_n: int
+    reduce_block_d: int
+    reduce_block_s: int
+    bytes_grad_read: int
+    bytes_tokens_write: int
+    bytes_partials: int
+    bytes_small: int
+
+    @property
+    def grid(self) -> tuple[int, int, int]:
+        return (self.position_blocks, self.channel_blocks, self.chunks)
+
+    @property
+    def reduce_grid(self) -> tuple[int, int]:
+        # at least one row of programs: they write grad_unk (zeros) even when there are no positions
+        return (max(1, math.ceil(self.num_positions / self.reduce_block_n)), math.ceil(self.dim / self.reduce_block_d))
+
+    @property
+    def programs(self) -> int:
+        return self.position_blocks * self.channel_blocks * self.chunks
+
+    @property
+    def unavoidable_bytes(self) -> int:
+        return self.bytes_grad_read + self.bytes_tokens_write
+
+    @property
+    def total_bytes(self) -> int:
+        return self.unavoidable_bytes + self.bytes_partials + self.bytes_small
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_plan(*arguments) -> PositionGradientPlan:
+    return _position_gradient_plan(*arguments)
+
+
+def position_gradient_plan(
+    batch: int,
+    num_positions: int,
+    dim: int,
+    dtype: torch.dtype,
+    multiprocessors: int,
+    interpreting: bool,
+    *,
+    scatter: bool = True,
+    has_mask: bool = True,
+    has_bias: bool = False,
+    tokens_dtype: torch.dtype | None = None,
+    chunks: int | None = None,
+    prefix_count: int = 0,
+    prefix_positions: int = 0,
+) -> PositionGradientPlan:
+    """The launch plan of the position gradient of a ``[batch, num_positions, dim]`` gradient of ``dtype``.
+
+    Pure (cached for plain ints). ``num_positions``: the gradient's rows per sample, ``P + N`` with the
+    ``prefix_count`` (``P``) prefix rows first; ``prefix_positions``: ``Q``, 0 or ``P``. ``multiprocessors``: the
+    GPU's SM count; the batch is split into chunks so that the partials kernel has about ``PROGRAMS_PER_SM``
+    programs per SM, as long as the partials stay within ``MAX_PARTIAL_SHARE`` of the unavoidable traffic.
+    ``interpreting``: small tiles and one chunk (the Triton interpreter runs programs one after another).
+    ``scatter``: the inverse move of the patch rows is written too, in ``tokens_dtype`` (default ``dtype``).
+    ``chunks`` forces the number of batch chunks (tests).
+    """
+    if not 0 <= prefix_count <= num_positions or prefix_positions not in (0, prefix_count):
+        raise ValueError(
+            f"prefix_count must be in [0, num_positions = {num_positions}] and prefix_positions 0 or prefix_count, "
+            f"got {prefix_count} and {prefix_positions}"
+        )
+    arguments = (batch, num_positions, dim, dtype, multiprocessors, interpreting, scatter, has_mask, has_bias)
+    arguments += (tokens_dtype, chunks, prefix_count, prefix_positions)
+    sizes = (batch, num_positions, dim, multiprocessors, prefix_count, prefix_positions)
+    if all(type(value) is int for value in sizes):
+        return _cached_plan(*arguments)
+    return _position_gradient_plan(*arguments)  # symbolic sizes under torch.compile: not hashable
+
+
+def _position_gradient_plan(
+    batch,
+    num_positions,
+    dim,
+    dtype,
+    multiprocessors,
+    interpreting,
+    scatter,
+    has_mask,
+    has_bias,
+    tokens_dtype,
+    chunks,
+    prefix_count,
+    prefix_positions,
+) -> PositionGradientPlan:
+    element = dtype.itemsize
+    tokens_element = (tokens_dtype or dtype).itemsize if scatter else 0
+    patch_positions = num_positions - prefix_count
+    if interpreting:
+        block_d, tiles_per_step, target_programs = INTERPRETER_TILE, ((2, 8),), 1
+    else:
+        # (block_b, block_n): ROW_TILE (32) rows of the gradient per step; fewer positions per block when more
+        # tiles are needed to fill the GPU without more chunks
+        block_d = _channel_tile(dim)
+        tiles_per_step = tuple((samples, ROW_TILE // samples) for samples in (1, 2, 4))  # (1, 32), (2, 16), (4, 8)
+        target_programs = PROGRAMS_PER_SM * max(1, multiprocessors)
+    # Each chunk adds float32 partials (one row of D per position, plus D per position block for each vector)
+    # written and read back; no more chunks than keep them within MAX_PARTIAL_SHARE of the bytes that must move
+    # anyway.
+    unavoidable = batch * dim * (num_positions * element + patch_positions * tokens_element)
+    vectors = 2 if has_bias else 1
+    channel_blocks = math.ceil(dim / block_d)
+    for step_tile in tiles_per_step:
+        position_blocks = max(1, math.ceil(num_positions / step_tile[1]))
+        chunk_bytes = PARTIAL_BYTES * dim * (num_positions + vectors * position_blocks)
+        max_chunks = max(1, unavoidable // max(1, round(chunk_bytes / MAX_PARTIAL_SHARE)))
+        wanted = math.ceil(target_programs / max(1, position_blocks * channel_blocks))
+        if wanted <= max_chunks:
+            break
+    block_b, block_n = step_tile
+    wanted = min(wanted, max_chunks) if chunks is None else chunks
+    wanted = max(1, min(wanted, batch))
+    # whole steps of block_b samples per chunk; the last chunk takes what is left
+    samples_per_chunk = math.ceil(math.ceil(max(batch, 1) / wanted) / block_b) * block_b
+    chunks = max(1, math.ceil(batch / samples_per_chunk))
+    small_rows = chunks * position_blocks
+    partial_rows = chunks * num_positions + vectors * small_rows
+    index_bytes = (8 if scatter else 0) + (1 if has_mask else 0)
+    # grad_pos (Q + N rows), grad_prefix (P rows), then grad_unk and grad_bias
+    outputs = (prefix_positions + patch_positions + prefix_count) * dim * element + dim * element * vectors
+    return PositionGradientPlan(
+        batch=batch,
+        num_positions=num_positions,
+        dim=dim,
+        prefix_count=prefix_count,
+        prefix_positions=prefix_positions,
+        chunks=chunks,
+        samples_per_chunk=samples_per_chunk,
+        block_b=block_b,
+        block_n=block_n,
+        block_d=block_d,
+        position_blocks=position_blocks,
+        channel_blocks=channel_blocks,
+        small_rows=small_rows,
+        partial_rows=partial_rows,
+        reduce_block_n=8 if interpreting else 16,
+        reduce_block_d=INTERPRETER_TILE if interpreting else min(64, block_d),
+        reduce_block_s=4 if interpreting else 16,
+        bytes_grad_read=batch * num_positions * dim * element,
+        bytes_tokens_write=batch * patch_positions * dim * tokens_element,
+        bytes_partials=PARTIAL_BYTES * partial_rows * dim,
+        bytes_small=batch * patch_positions * channel_blocks * index_bytes + outputs,
+    )
+
+
+def _position_plan(
+    grad: torch.Tensor,
+    *,
+    scatter: bool,
+    has_mask: bool,
+    has_bias: bool,
+    tokens_dtype: torch.dtype | None,
+    prefix_count: int = 0,
+    prefix_positions: int = 0,
+) -> PositionGradientPlan:
+    """The plan for ``grad`` on its device (tests replace this to force several chunks under the interpreter)."""
+    batch, num_positions, dim = grad.shape
+    return position_gradient_plan(
+        batch,
+        num_positions,
+        dim,
+        grad.dtype,
+        multiprocessors(grad.device),
+        interpreting() or grad.device.type != "cuda",  # programs run one after another: one chunk
+        scatter=scatter,
+        has_mask=has_mask,
+        has_bias=has_bias,
+        tokens_dtype=tokens_dtype,
+        prefix_count=prefix_count,
+        prefix_positions=prefix_positions,
+    )
+
+
+def launch_position_gradient(
+    grad: torch.Tensor,
+    mask: torch.Tensor | None,
+    perm: torch.Tensor | None,
+    *,
+    tokens_dtype: torch.dtype | None,
+    pos_dtype: torch.dtype,
+    unk_dtype: torch.dtype,
+    bias_dtype: torch.dtype | None = None,
+    prefix_count: int = 0,
+    prefix_positions: int = 0,
+    pos_shape: Sequence[int] | None = None,
+    prefix_dtype: torch.dtype | None = None,
+    prefix_shape: Sequence[int] | None = None,
+    plan: PositionGradientPlan | None = None,
+    traced: bool = False,
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The gradients that one pass over ``grad`` gives: two kernel launches, outputs made with ``torch.empty``.
+
+    Args:
+        grad: ``[B, P + N, D]``, contiguous: the gradient of ``out[b, t] = prefix[t] + (pos[t] if t < Q else 0)``
+            (``t < P``) and ``out[b, P + n] = token[b, n] + (unk if mask[b, n] else pos[Q + n])``.
+        mask: bool ``[B, N]``, contiguous, or None (no position is masked).
+        perm: int64 ``[B, N]``, contiguous; read only with ``tokens_dtype``.
+        tokens_dtype: the dtype of ``grad_tokens``, the inverse move ``grad_tokens[b, perm[b, n]] = grad[b, P + n]``;
+            None: no inverse move (``perm`` is not read).
+        pos_dtype, unk_dtype, bias_dtype: the dtypes of ``grad_pos``, ``grad_unk`` and ``grad_bias`` (None: no
+            bias gradient).
+        prefix_count: ``P``, the prefix rows of ``grad`` (0 to P + N).
+        prefix_positions: ``Q``, 0 or ``P``: the leading rows of the position table that belong to the prefix.
+        pos_shape: the table's shape, ``[Q + N, D]`` or ``[1, Q + N, D]``; default ``[Q + N, D]``.
+        prefix_dtype: the dtype of ``grad_prefix``; None: not computed.
+        prefix_shape: the prefix's shape (``P * D`` elements); default ``[P, D]``.
+        plan: from :func:`position_gradient_plan` for these sizes; default the device's.
+        traced: launch through ``torch.library.wrap_triton`` (inside a torch operator).
+
+    Returns:
+        ``grad_tokens [B, N, D]`` (or None); ``grad_pos`` (``pos_shape``: rows ``t < Q`` the prefix rows summed
+        over the batch, rows ``Q + n`` grad summed over the samples where position n is unmasked); ``grad_unk [D]``
+        (over the masked ones); ``grad_bias [D]`` (over all patch rows, or None); ``grad_prefix`` (``prefix_shape``,
+        the prefix rows summed over the batch; an empty ``[0]`` tensor when ``P = 0``; None without
+        ``prefix_dtype``).
+    """
+    batch, num_positions, dim = grad.shape
+    if not 0 <= prefix_count <= num_positions:
+        raise ValueError(f"prefix_count must be in [0, {num_positions}] (grad's rows per sample), got {prefix_count}")
+    patch_positions = num_positions - prefix_count
+    table_rows = prefix_positions + patch_positions
+    pos_shape = (table_rows, dim) if pos_shape is None else tuple(pos_shape)
+    check_row_layout(prefix_count, prefix_positions, pos_shape, patch_positions, dim)
+    scatter, has_mask, has_bias = tokens_dtype is not None, mask is not None, bias_dtype is not None
+    for name, index in (("mask", mask), ("perm", perm if scatter else None)):
+        if index is not None and tuple(index.shape) != (batch, patch_positions):
+            raise ValueError(f"{name} must be [B, N] = {[batch, patch_positions]}, got {list(index.shape)}")
+    device = grad.device
+    grad_prefix = None
+    if prefix_dtype is not None:
+        if prefix_count and prefix_shape is not None:
+            check_prefix_shape(prefix_shape, prefix_count, dim)
+        shape = ((prefix_count, dim) if prefix_shape is None else tuple(prefix_shape)) if prefix_count else (0,)
+        grad_prefix = torch.empty(shape, dtype=prefix_dtype, device=device)
+    grad_tokens = torch.empty((batch, patch_positions, dim), dtype=tokens_dtype, device=device) if scatter else None
+    grad_pos = torch.empty(pos_shape, dtype=pos_dtype, device=device)
+    grad_unk = torch.empty((dim,), dtype=unk_dtype, device=device)
+    grad_bias = torch.empty((dim,), dtype=bias_dtype, device=device) if has_bias else None
+    if dim == 0:
+        return grad_tokens, grad_pos, grad_unk, grad_bias, grad_prefix
+    if plan is None:
+        plan = _position_plan(
+            grad,
+            scatter=scatter,
+            has_mask=has_mask,
+            has_bias=has_bias,
+            tokens_dtype=tokens_dtype,
+            prefix_count=prefix_count,
+            prefix_positions=prefix_positions,
+        )
+    elif (plan.batch, plan.num_positions, plan.dim, plan.prefix_count) != (batch, num_positions, dim, prefix_count):
+        raise ValueError(
+            f"plan: made for [B, P + N, D] = {[plan.batch, plan.num_positions, plan.dim]} with "
+            f"P = {plan.prefix_count}, got grad {list(grad.shape)} with P = {prefix_count}"
+        )
+    write_prefix = grad_prefix is not None and prefix_count > 0
+    partials = torch.empty((plan.partial_rows, dim), dtype=torch.float32, device=device)
+    launcher(_position_partials_kernel, plan.grid, traced)(
+        grad,
+        mask if has_mask else grad,
+        perm if scatter else grad,
+        grad_tokens if scatter else grad,
+        partials,
+        batch,
+        num_positions,
+        dim,
+        plan.samples_per_chunk,
+        prefix_count,
+        HAS_MASK=has_mask,
+        SCATTER=scatter,
+        HAS_BIAS=has_bias,
+        HAS_PREFIX=prefix_count > 0,
+        BLOCK_B=plan.block_b,
+        BLOCK_N=plan.block_n,
+        BLOCK_D=plan.block_d,
+    )
+    launcher(_position_reduce_kernel, plan.reduce_grid, traced)(
+        partials,
+        grad_pos,
+        grad_unk,
+        grad_bias if has_bias else grad_unk,
+        grad_prefix if write_prefix else grad_unk,
+        plan.chunks,
+        num_positions,
+        prefix_count,
+        prefix_positions,
+        dim,
+        plan.small_rows,
+        HAS_BIAS=has_bias,
+        WRITE_PREFIX=write_prefix,
+        BLOCK_N=plan.reduce_block_n,
+        BLOCK_D=plan.reduce_block_d,
+        BLOCK_S=plan.reduce_block_s,
+    )
+    return grad_tokens, grad_pos, grad_unk, grad_bias, grad_prefix
