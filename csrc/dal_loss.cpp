@@ -187,14 +187,76 @@ struct RawComputation {
   const c10::impl::ExcludeDispatchKeyGuard no_autocast{c10::autocast_dispatch_keyset};
 };
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dal_loss_forward(
-    const at::Tensor& pos, int64_t skip_rows, const std::optional<at::Tensor>& w1,
-    const std::optional<at::Tensor>& b1, const at::Tensor& w2, const std::optional<at::Tensor>& b2,
-    const at::Tensor& coords, const std::optional<at::Tensor>& mask, double scale) {
+// (loss, pred, hidden, weights) and (grad_pos, grad_w1, grad_b1, grad_w2, grad_b2).
+using ForwardOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+using BackwardOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+// dal_loss_extension's arguments, checked, with what every kernel derives from them. Each backend's kernel is a
+// member function, so that its body names the arguments as the operator's schema does.
+struct DalForward {
+  const at::Tensor& pos;
+  int64_t skip_rows;
+  const std::optional<at::Tensor>& w1;
+  const std::optional<at::Tensor>& b1;
+  const at::Tensor& w2;
+  const std::optional<at::Tensor>& b2;
+  const at::Tensor& coords;
+  const std::optional<at::Tensor>& mask;
+  double scale;
+  at::ScalarType dtype;  // the computation dtype
+  int64_t positions;     // N
+
+  ForwardOutputs composite() const;  // ATen operations (CompositeExplicitAutograd)
+  ForwardOutputs cpu_loops() const;  // the CPU kernel
+};
+
+// dal_loss_extension_backward's arguments, checked, with what every kernel derives from them (as DalForward).
+struct DalBackward {
+  const at::Tensor& grad;
+  const at::Tensor& pos;
+  int64_t skip_rows;
+  const std::optional<at::Tensor>& w1;
+  const at::Tensor& w2;
+  const at::Tensor& coords;
+  const at::Tensor& pred;
+  const at::Tensor& hidden;
+  const at::Tensor& weights;
+  double scale;
+  bool has_b1;
+  bool has_b2;
+  at::ScalarType dtype;  // the computation dtype
+  int64_t positions;     // N
+
+  BackwardOutputs composite() const;  // ATen operations (CompositeExplicitAutograd)
+  BackwardOutputs cpu_loops() const;  // the CPU kernel
+};
+
+// An operator's kernel for one backend (the registrations below): the arguments checked, then `kernel` (a member
+// function of DalForward or DalBackward) under RawComputation.
+template <ForwardOutputs (DalForward::*kernel)() const>
+ForwardOutputs dal_loss_forward(const at::Tensor& pos, int64_t skip_rows, const std::optional<at::Tensor>& w1,
+                                const std::optional<at::Tensor>& b1, const at::Tensor& w2,
+                                const std::optional<at::Tensor>& b2, const at::Tensor& coords,
+                                const std::optional<at::Tensor>& mask, double scale) {
   const RawComputation raw;
   check_forward_args(pos, skip_rows, w1, b1, w2, b2, coords, mask);
-  const auto dtype = compute_dtype(pos);
-  const int64_t positions = coords.size(0);
+  const DalForward args{pos, skip_rows, w1, b1, w2, b2, coords, mask, scale, compute_dtype(pos), coords.size(0)};
+  return (args.*kernel)();
+}
+
+template <BackwardOutputs (DalBackward::*kernel)() const>
+BackwardOutputs dal_loss_backward(const at::Tensor& grad, const at::Tensor& pos, int64_t skip_rows,
+                                  const std::optional<at::Tensor>& w1, const at::Tensor& w2, const at::Tensor& coords,
+                                  const at::Tensor& pred, const at::Tensor& hidden, const at::Tensor& weights,
+                                  double scale, bool has_b1, bool has_b2) {
+  const RawComputation raw;
+  check_backward_args(grad, pos, skip_rows, w1, w2, coords, pred, hidden, weights);
+  const DalBackward args{grad, pos, skip_rows, w1, w2, coords, pred, hidden, weights, scale, has_b1, has_b2,
+                         compute_dtype(pos), coords.size(0)};
+  return (args.*kernel)();
+}
+
+ForwardOutputs DalForward::composite() const {
   const auto pos_c = as_dtype(regressed_rows(pos, skip_rows, positions), dtype);
   at::Tensor hidden, features;  // features: what the last Linear maps ([N, H] hidden, or pos for a linear regressor)
   if (present(w1)) {
@@ -223,14 +285,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dal_loss_forward(
   return {loss, pred, hidden, weights};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> dal_loss_backward(
-    const at::Tensor& grad, const at::Tensor& pos, int64_t skip_rows, const std::optional<at::Tensor>& w1,
-    const at::Tensor& w2, const at::Tensor& coords, const at::Tensor& pred, const at::Tensor& hidden,
-    const at::Tensor& weights, double scale, bool has_b1, bool has_b2) {
-  const RawComputation raw;
-  check_backward_args(grad, pos, skip_rows, w1, w2, coords, pred, hidden, weights);
-  const int64_t positions = coords.size(0);
-  const auto dtype = compute_dtype(pos);
+BackwardOutputs DalBackward::composite() const {
   // d_pred = grad * scale * weights[:, None] * sign(pred - coords); sign(0) = 0, as abs's backward.
   auto d_pred = at::sub(pred, as_dtype(coords, dtype));
   d_pred.sign_();
@@ -302,14 +357,7 @@ void gemm_nn(const T* a, const T* b, T* out, int64_t m, int64_t k_count, int64_t
   }
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dal_loss_forward_cpu(
-    const at::Tensor& pos, int64_t skip_rows, const std::optional<at::Tensor>& w1,
-    const std::optional<at::Tensor>& b1, const at::Tensor& w2, const std::optional<at::Tensor>& b2,
-    const at::Tensor& coords, const std::optional<at::Tensor>& mask, double scale) {
-  const RawComputation raw;
-  check_forward_args(pos, skip_rows, w1, b1, w2, b2, coords, mask);
-  const auto dtype = compute_dtype(pos);
-  const int64_t positions = coords.size(0);
+ForwardOutputs DalForward::cpu_loops() const {
   const auto pos_c = as_dtype(regressed_rows(pos, skip_rows, positions), dtype).contiguous();
   const auto options = pos_c.options();
   // hidden = pos @ w1^T (the one GEMM; bias and ReLU below), or nothing for the linear regressor.
@@ -385,14 +433,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dal_loss_forward_cpu(
   return {loss, pred, hidden, weights};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> dal_loss_backward_cpu(
-    const at::Tensor& grad, const at::Tensor& pos, int64_t skip_rows, const std::optional<at::Tensor>& w1,
-    const at::Tensor& w2, const at::Tensor& coords, const at::Tensor& pred, const at::Tensor& hidden,
-    const at::Tensor& weights, double scale, bool has_b1, bool has_b2) {
-  const RawComputation raw;
-  check_backward_args(grad, pos, skip_rows, w1, w2, coords, pred, hidden, weights);
-  const int64_t positions = coords.size(0);
-  const auto dtype = compute_dtype(pos);
+BackwardOutputs DalBackward::cpu_loops() const {
   const auto pos_c = as_dtype(regressed_rows(pos, skip_rows, positions), dtype).contiguous();
   const auto options = pos_c.options();
   const int64_t width = present(w1) ? hidden.size(1) : pos_c.size(1);  // of what the last layer maps
@@ -479,7 +520,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> dal_loss_
 
 // ---- Meta kernels: checks and output shapes only (symbolic sizes, for torch.compile's dynamic shapes).
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dal_loss_forward_meta(
+ForwardOutputs dal_loss_forward_meta(
     const at::Tensor& pos, int64_t skip_rows, const std::optional<at::Tensor>& w1,
     const std::optional<at::Tensor>& b1, const at::Tensor& w2, const std::optional<at::Tensor>& b2,
     const at::Tensor& coords, const std::optional<at::Tensor>& mask, double /*scale*/) {
@@ -491,7 +532,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dal_loss_forward_meta
           at::empty_symint({positions, hidden_width}, options), at::empty_symint({positions}, options)};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> dal_loss_backward_meta(
+BackwardOutputs dal_loss_backward_meta(
     const at::Tensor& grad, const at::Tensor& pos, int64_t skip_rows, const std::optional<at::Tensor>& w1,
     const at::Tensor& w2, const at::Tensor& coords, const at::Tensor& pred, const at::Tensor& hidden,
     const at::Tensor& weights, double /*scale*/, bool has_b1, bool has_b2) {
@@ -522,13 +563,13 @@ TORCH_LIBRARY_FRAGMENT(mjp_fast, m) {
 }
 
 TORCH_LIBRARY_IMPL(mjp_fast, CompositeExplicitAutograd, m) {
-  m.impl("dal_loss_extension", TORCH_FN(mjp::dal_loss_forward));
-  m.impl("dal_loss_extension_backward", TORCH_FN(mjp::dal_loss_backward));
+  m.impl("dal_loss_extension", TORCH_FN(mjp::dal_loss_forward<&mjp::DalForward::composite>));
+  m.impl("dal_loss_extension_backward", TORCH_FN(mjp::dal_loss_backward<&mjp::DalBackward::composite>));
 }
 
 TORCH_LIBRARY_IMPL(mjp_fast, CPU, m) {
-  m.impl("dal_loss_extension", TORCH_FN(mjp::dal_loss_forward_cpu));
-  m.impl("dal_loss_extension_backward", TORCH_FN(mjp::dal_loss_backward_cpu));
+  m.impl("dal_loss_extension", TORCH_FN(mjp::dal_loss_forward<&mjp::DalForward::cpu_loops>));
+  m.impl("dal_loss_extension_backward", TORCH_FN(mjp::dal_loss_backward<&mjp::DalBackward::cpu_loops>));
 }
 
 TORCH_LIBRARY_IMPL(mjp_fast, Meta, m) {

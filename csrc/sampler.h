@@ -163,13 +163,15 @@ constexpr bool kLittleEndianHost = true;
 constexpr bool kLittleEndianHost = false;
 #endif
 
-#if MJP_HOST_FAST_PATHS
-#if defined(_MSC_VER)
+#if defined(_MSC_VER) && !defined(__CUDA_ARCH__)
 #include <intrin.h>
 #endif
-// Index of the lowest set bit of a nonzero word (host only).
-inline int trailing_zeros(uint64_t word) {
-#if defined(_MSC_VER)
+// Index of the lowest set bit of a nonzero word. Used by host fast paths only; defined for the device too because
+// mark_fresh_cells's word callback names it there (it never runs on a GPU).
+MJP_HOST_DEVICE inline int trailing_zeros(uint64_t word) {
+#if defined(__CUDA_ARCH__)
+  return __ffsll(static_cast<long long>(word)) - 1;
+#elif defined(_MSC_VER)
   unsigned long index;
   _BitScanForward64(&index, word);
   return static_cast<int>(index);
@@ -177,7 +179,6 @@ inline int trailing_zeros(uint64_t word) {
   return __builtin_ctzll(word);
 #endif
 }
-#endif
 
 // Ascending insertion sort of values[0, count): for short or nearly sorted arrays. Each value is first exchanged
 // with its predecessor without a branch (select), and only a value smaller than two sorted ones walks further:
@@ -392,22 +393,38 @@ MJP_HOST_DEVICE MJP_FORCE_INLINE bool row_is_one_word(int64_t start, int64_t wid
 
 constexpr uint64_t kByteOnes = 0x0101010101010101ull;
 
-// How many cells of the rectangle are False.
-MJP_HOST_DEVICE MJP_FORCE_INLINE int64_t count_fresh_cells(const bool* mask_row, int64_t num_positions, int64_t cols,
-                                                           int64_t top, int64_t height, int64_t left, int64_t width) {
-  int64_t fresh = 0;
+// Visits the rectangle's rows top to bottom: on_word(start, word) for a row that is one word on this host (word:
+// the 8 mask bytes from the row's first cell `start`, the row's cells in bytes [0, width)), else on_cell(position)
+// for each of the row's cells, columns ascending. Inlined with its callbacks, so the loops compile as if written
+// out at each call (the host's machine code is that of the hand-written loops, register choices aside).
+template <typename OnWord, typename OnCell>
+MJP_HOST_DEVICE MJP_FORCE_INLINE void for_each_rectangle_row(const bool* mask_row, int64_t num_positions,
+                                                             int64_t cols, int64_t top, int64_t height, int64_t left,
+                                                             int64_t width, OnWord&& on_word, OnCell&& on_cell) {
   for (int64_t row = top; row < top + height; ++row) {
     const int64_t start = row * cols + left;
 #if MJP_HOST_FAST_PATHS
     if (row_is_one_word(start, width, num_positions)) {
       uint64_t word;
       memcpy(&word, mask_row + start, sizeof(word));
-      fresh += width - static_cast<int64_t>(((word & low_bytes(width)) * kByteOnes) >> 56);  // byte sum: the Trues
+      on_word(start, word);
       continue;
     }
 #endif
-    for (int64_t col = 0; col < width; ++col) fresh += !mask_row[start + col];
+    for (int64_t col = 0; col < width; ++col) on_cell(start + col);
   }
+}
+
+// How many cells of the rectangle are False.
+MJP_HOST_DEVICE MJP_FORCE_INLINE int64_t count_fresh_cells(const bool* mask_row, int64_t num_positions, int64_t cols,
+                                                           int64_t top, int64_t height, int64_t left, int64_t width) {
+  int64_t fresh = 0;
+  for_each_rectangle_row(
+      mask_row, num_positions, cols, top, height, left, width,
+      [&](int64_t, uint64_t word) {
+        fresh += width - static_cast<int64_t>(((word & low_bytes(width)) * kByteOnes) >> 56);  // byte sum: the Trues
+      },
+      [&](int64_t position) { fresh += !mask_row[position]; });
   return fresh;
 }
 
@@ -416,28 +433,22 @@ MJP_HOST_DEVICE MJP_FORCE_INLINE int64_t count_fresh_cells(const bool* mask_row,
 MJP_HOST_DEVICE MJP_FORCE_INLINE void mark_fresh_cells(bool* mask_row, int64_t num_positions, int64_t cols,
                                                        int64_t top, int64_t height, int64_t left, int64_t width,
                                                        int64_t* list_end) {
-  for (int64_t row = top; row < top + height; ++row) {
-    const int64_t start = row * cols + left;
-#if MJP_HOST_FAST_PATHS
-    if (row_is_one_word(start, width, num_positions)) {
-      uint64_t word;
-      memcpy(&word, mask_row + start, sizeof(word));
-      const uint64_t cells = kByteOnes & low_bytes(width);
-      for (uint64_t fresh = ~word & cells; fresh != 0; fresh &= fresh - 1) {
-        *list_end-- = start + (trailing_zeros(fresh) >> 3);
-      }
-      word |= cells;
-      memcpy(mask_row + start, &word, sizeof(word));
-      continue;
-    }
-#endif
-    for (int64_t col = 0; col < width; ++col) {
-      if (!mask_row[start + col]) {
-        mask_row[start + col] = true;
-        *list_end-- = start + col;
-      }
-    }
-  }
+  for_each_rectangle_row(
+      mask_row, num_positions, cols, top, height, left, width,
+      [&](int64_t start, uint64_t word) {
+        const uint64_t cells = kByteOnes & low_bytes(width);
+        for (uint64_t fresh = ~word & cells; fresh != 0; fresh &= fresh - 1) {
+          *list_end-- = start + (trailing_zeros(fresh) >> 3);
+        }
+        word |= cells;
+        memcpy(mask_row + start, &word, sizeof(word));
+      },
+      [&](int64_t position) {
+        if (!mask_row[position]) {
+          mask_row[position] = true;
+          *list_end-- = position;
+        }
+      });
 }
 
 // Samples one jigsaw (docs/sampler.md, "Per sample") into mask_row[0, N) and perm_row[0, N), N = rows * cols.

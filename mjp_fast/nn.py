@@ -9,8 +9,8 @@ from torch import nn
 from mjp_fast._validate import check_grid_size, check_int
 from mjp_fast.ops.dal_loss import DAL_REDUCTIONS, dal_loss
 from mjp_fast.ops.patch_embed import mjp_patch_embed
-from mjp_fast.sampler.jigsaw import Jigsaw, check_jigsaw
 from mjp_fast.sampler import JigsawSampler
+from mjp_fast.sampler.jigsaw import Jigsaw, check_jigsaw
 
 DAL_KINDS = ("nonlinear", "linear", "pca")
 

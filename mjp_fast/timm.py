@@ -60,8 +60,8 @@ from mjp_fast.ops.dal_loss import DAL_REDUCTIONS, dal_loss_unchecked, dal_scale,
 from mjp_fast.ops.jigsaw_images import jigsaw_images
 from mjp_fast.ops.patch_embed import patch_embed_step
 from mjp_fast.ops.pos_embed import mjp_position_dal_step, mjp_position_step, prepend_prefix
-from mjp_fast.sampler.jigsaw import Jigsaw
 from mjp_fast.sampler import JigsawSampler
+from mjp_fast.sampler.jigsaw import Jigsaw
 
 REGISTERED_BASES = (
     "deit_tiny_patch16_224",

@@ -161,60 +161,70 @@ Row sample(int64_t rows, int64_t cols, int64_t target, int64_t min_block, uint64
   return row;
 }
 
-void test_sampled_rows() {
-  const int64_t grids[][2] = {{1, 1}, {1, 7}, {3, 5}, {7, 13}, {14, 14}, {32, 32}};
-  const double ratios[] = {0.0, 0.03, 0.1, 0.5, 0.75, 1.0};
-  const uint64_t seeds[] = {0, 1234, 0xffffffffffffffffull};
-  int64_t jigsawed = 0, rows_checked = 0;
+// Calls body(rows, cols, num_positions, ratio, target, h, w) for each grid {rows, cols} and, within it, each ratio:
+// target = floor(ratio * num_positions); h, w: the grid's threshold tables at min aspect 0.3, built once per grid.
+template <size_t kGrids, size_t kRatios, typename Body>
+void for_each_grid_and_ratio(const int64_t (&grids)[kGrids][2], const double (&ratios)[kRatios], Body&& body) {
   for (const auto& grid : grids) {
     const int64_t rows = grid[0], cols = grid[1], num_positions = rows * cols;
     std::vector<int64_t> h, w;
     build_tables(rows, cols, 0.3, h, w);
     for (double ratio : ratios) {
-      const int64_t target = static_cast<int64_t>(std::floor(ratio * num_positions));
-      for (uint64_t seed : seeds) {
-        for (uint64_t stream : {uint64_t(0), uint64_t(5), (uint64_t(1) << 32) + 3, (uint64_t(1) << 62) + 9}) {
-          for (int64_t prob_threshold : {int64_t(0), int64_t(1) << 31, int64_t(1) << 32}) {
-            const Row a = sample(rows, cols, target, 8, seed, stream, prob_threshold, h, w);
-            const Row b = sample(rows, cols, target, 8, seed, stream, prob_threshold, h, w);
-            ++rows_checked;
-            CHECK(a.mask == b.mask && a.perm == b.perm, "not deterministic: grid %lldx%lld", (long long)rows,
-                  (long long)cols);
-            CHECK(a.mask.front() == 0xAB && a.mask.back() == 0xAB && a.perm.front() == -7 && a.perm.back() == -7,
-                  "wrote outside the row: grid %lldx%lld ratio %.2f", (long long)rows, (long long)cols, ratio);
-            int64_t count = 0;
-            std::vector<bool> mask(num_positions);
-            std::vector<int64_t> seen(num_positions, 0);
-            bool values_ok = true;
-            for (int64_t n = 0; n < num_positions; ++n) {
-              const uint8_t byte = a.mask[n + 1];
-              values_ok &= byte <= 1;
-              mask[n] = byte == 1;
-              count += mask[n];
-              const int64_t p = a.perm[n + 1];
-              if (p < 0 || p >= num_positions) {
-                values_ok = false;
-                continue;
-              }
-              ++seen[p];
-              if (!mask[n]) values_ok &= p == n;  // identity where unmasked
+      body(rows, cols, num_positions, ratio, static_cast<int64_t>(std::floor(ratio * num_positions)), h, w);
+    }
+  }
+}
+
+void test_sampled_rows() {
+  const int64_t grids[][2] = {{1, 1}, {1, 7}, {3, 5}, {7, 13}, {14, 14}, {32, 32}};
+  const double ratios[] = {0.0, 0.03, 0.1, 0.5, 0.75, 1.0};
+  const uint64_t seeds[] = {0, 1234, 0xffffffffffffffffull};
+  int64_t jigsawed = 0, rows_checked = 0;
+  for_each_grid_and_ratio(grids, ratios, [&](int64_t rows, int64_t cols, int64_t num_positions, double ratio,
+                                              int64_t target, const std::vector<int64_t>& h,
+                                              const std::vector<int64_t>& w) {
+    for (uint64_t seed : seeds) {
+      for (uint64_t stream : {uint64_t(0), uint64_t(5), (uint64_t(1) << 32) + 3, (uint64_t(1) << 62) + 9}) {
+        for (int64_t prob_threshold : {int64_t(0), int64_t(1) << 31, int64_t(1) << 32}) {
+          const Row a = sample(rows, cols, target, 8, seed, stream, prob_threshold, h, w);
+          const Row b = sample(rows, cols, target, 8, seed, stream, prob_threshold, h, w);
+          ++rows_checked;
+          CHECK(a.mask == b.mask && a.perm == b.perm, "not deterministic: grid %lldx%lld", (long long)rows,
+                (long long)cols);
+          CHECK(a.mask.front() == 0xAB && a.mask.back() == 0xAB && a.perm.front() == -7 && a.perm.back() == -7,
+                "wrote outside the row: grid %lldx%lld ratio %.2f", (long long)rows, (long long)cols, ratio);
+          int64_t count = 0;
+          std::vector<bool> mask(num_positions);
+          std::vector<int64_t> seen(num_positions, 0);
+          bool values_ok = true;
+          for (int64_t n = 0; n < num_positions; ++n) {
+            const uint8_t byte = a.mask[n + 1];
+            values_ok &= byte <= 1;
+            mask[n] = byte == 1;
+            count += mask[n];
+            const int64_t p = a.perm[n + 1];
+            if (p < 0 || p >= num_positions) {
+              values_ok = false;
+              continue;
             }
-            for (int64_t n = 0; n < num_positions && values_ok; ++n) {
-              values_ok &= seen[n] == 1;                     // a permutation
-              values_ok &= !mask[n] || mask[a.perm[n + 1]];  // masked positions show masked positions' patches
-            }
-            CHECK(values_ok, "perm not a permutation of the masked positions: grid %lldx%lld ratio %.2f",
-                  (long long)rows, (long long)cols, ratio);
-            CHECK(count <= target, "mask count %lld > target %lld", (long long)count, (long long)target);
-            if (prob_threshold == 0 || target == 0) CHECK(count == 0, "mask without jigsaw: %lld", (long long)count);
-            jigsawed += count > 0;
-            const auto expected = reference_perm(seed, stream, mask);
-            CHECK(std::equal(expected.begin(), expected.end(), a.perm.begin() + 1), "perm differs from reference");
+            ++seen[p];
+            if (!mask[n]) values_ok &= p == n;  // identity where unmasked
           }
+          for (int64_t n = 0; n < num_positions && values_ok; ++n) {
+            values_ok &= seen[n] == 1;                     // a permutation
+            values_ok &= !mask[n] || mask[a.perm[n + 1]];  // masked positions show masked positions' patches
+          }
+          CHECK(values_ok, "perm not a permutation of the masked positions: grid %lldx%lld ratio %.2f",
+                (long long)rows, (long long)cols, ratio);
+          CHECK(count <= target, "mask count %lld > target %lld", (long long)count, (long long)target);
+          if (prob_threshold == 0 || target == 0) CHECK(count == 0, "mask without jigsaw: %lld", (long long)count);
+          jigsawed += count > 0;
+          const auto expected = reference_perm(seed, stream, mask);
+          CHECK(std::equal(expected.begin(), expected.end(), a.perm.begin() + 1), "perm differs from reference");
         }
       }
     }
-  }
+  });
   CHECK(jigsawed > rows_checked / 4, "too few jigsawed rows: %lld of %lld", (long long)jigsawed,
         (long long)rows_checked);
 }
@@ -248,20 +258,16 @@ void test_digest_of_both_code_paths() {
   const int64_t grids[][2] = {{14, 14}, {7, 13}, {32, 32}, {23, 23}};
   const double ratios[] = {0.05, 0.1, 0.3, 0.5, 0.75, 0.97};
   uint64_t digest = 1469598103934665603ull;
-  for (const auto& grid : grids) {
-    const int64_t rows = grid[0], cols = grid[1], num_positions = rows * cols;
-    std::vector<int64_t> h, w;
-    build_tables(rows, cols, 0.3, h, w);
-    for (double ratio : ratios) {
-      const int64_t target = static_cast<int64_t>(std::floor(ratio * num_positions));
-      for (uint64_t stream = 0; stream < 40; ++stream) {
-        const Row r = sample(rows, cols, target, stream % 3 == 0 ? 1 : 8, 2024, stream, int64_t(1) << 32, h, w);
-        for (int64_t n = 0; n < num_positions; ++n) {
-          digest = (digest ^ static_cast<uint64_t>(r.perm[n + 1] * 2 + r.mask[n + 1])) * 1099511628211ull;
-        }
+  for_each_grid_and_ratio(grids, ratios, [&](int64_t rows, int64_t cols, int64_t num_positions, double /*ratio*/,
+                                              int64_t target, const std::vector<int64_t>& h,
+                                              const std::vector<int64_t>& w) {
+    for (uint64_t stream = 0; stream < 40; ++stream) {
+      const Row r = sample(rows, cols, target, stream % 3 == 0 ? 1 : 8, 2024, stream, int64_t(1) << 32, h, w);
+      for (int64_t n = 0; n < num_positions; ++n) {
+        digest = (digest ^ static_cast<uint64_t>(r.perm[n + 1] * 2 + r.mask[n + 1])) * 1099511628211ull;
       }
     }
-  }
+  });
   CHECK(digest == kExpectedDigest, "digest %016llx, expected %016llx", (unsigned long long)digest,
         (unsigned long long)kExpectedDigest);
 }

@@ -27,9 +27,9 @@ import torch
 from PIL import Image
 
 from mjp_fast.ops import jigsaw_images
-from mjp_fast.sampler import Jigsaw, sample_jigsaw
 from mjp_fast.privacy.metrics import METRICS, reconstruction_metrics
 from mjp_fast.privacy.model import PrivacyViT, client_gradients
+from mjp_fast.sampler import Jigsaw, sample_jigsaw
 
 SETTINGS = ("a", "b", "c", "no_unk_b", "no_unk_c")
 SETTING_DESCRIPTIONS = {

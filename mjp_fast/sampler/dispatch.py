@@ -10,7 +10,7 @@ bit-identical on every backend and device.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -54,24 +54,16 @@ def _fake(counter, params, h_thresholds, w_thresholds, batch_size, rows, cols, *
 
 
 def run_extension(
-    counter: torch.Tensor | int,
-    params: torch.Tensor | tuple[int, int],
-    h_thresholds: torch.Tensor,
-    w_thresholds: torch.Tensor,
-    batch_size: int,
-    rows: int,
-    cols: int,
-    target: int,
-    min_block: int,
-    counter_scale: int,
-    stream_shift: int,
-    shared: bool,
+    counter: torch.Tensor | int, params: torch.Tensor | tuple[int, int], *tables_and_sizes: torch.Tensor | int | bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The compiled sampler (``cpu`` or ``cuda`` backend) on the tables' device, with :data:`SCHEMA`'s arguments.
 
     Inside the operator ``counter`` and ``params`` are tensors, read here on the host (free on a CPU, a sync on a
     GPU); a plan's eager call passes them as ints, already on the host.
     """
+    h_thresholds, w_thresholds, batch_size, rows, cols, target, min_block, counter_scale, stream_shift, shared = (
+        tables_and_sizes
+    )
     start = int(counter.reshape(-1)[0]) if isinstance(counter, torch.Tensor) else counter
     seed, threshold = params.tolist() if isinstance(params, torch.Tensor) else params
     return backend_module.extension().sample_jigsaw(
@@ -314,3 +306,12 @@ def sample_jigsaw(
         device=device,
         backend=chosen,
     ).sample(batch_size, offset)
+
+
+def sample_jigsaw_ref(batch_size: int, grid_size: int | tuple[int, int], ratio: float, **settings: Any) -> Jigsaw:
+    """The oracle with :func:`sample_jigsaw`'s arguments (all but ``backend``): the same checks and integers, then
+    the plain-PyTorch sampler of ``reference.py`` (the ``torch`` backend). Returns ``Jigsaw(mask [B, N] bool,
+    perm [B, N] int64)``."""
+    if "backend" in settings:
+        raise TypeError("sample_jigsaw_ref takes no backend: it is the torch backend")
+    return sample_jigsaw(batch_size, grid_size, ratio, backend="torch", **settings)

@@ -2,7 +2,7 @@
 
 Every kernel of the sampler (``csrc/sampler.h`` for the CPU and CUDA, ``triton_kernel.py``) implements the same
 integer arithmetic, so a jigsaw is a pure function of ``(seed, stream index)`` and the settings, bit-identical on
-every backend and device. :func:`sample_jigsaw_ref` is what the tests hold each of them to.
+every backend and device. :func:`sample_from_tables` is what the tests hold each of them to.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import math
 import numpy as np
 import torch
 
-from mjp_fast._validate import check_grid_size, to_device
+from mjp_fast._validate import to_device
 from mjp_fast.sampler.jigsaw import Jigsaw
 
 ASPECT_BINS = 1024
@@ -110,33 +110,6 @@ def seed_bits(seed: int) -> int:
     return seed - 2**64 if seed >= 2**63 else seed
 
 
-def sample_jigsaw_ref(
-    batch_size: int,
-    grid_size: int | tuple[int, int],
-    ratio: float,
-    *,
-    seed: int,
-    offset: int | torch.Tensor = 0,
-    shared: bool = False,
-    prob: float = 1.0,
-    min_block: int = 8,
-    min_aspect: float = 0.3,
-    device: torch.device | str | None = None,
-) -> Jigsaw:
-    """Pure-PyTorch oracle of :func:`mjp_fast.sample_jigsaw`: docs/sampler.md run for all samples in lockstep.
-
-    Arguments are as :func:`mjp_fast.sample_jigsaw` (validated there). Returns ``Jigsaw(mask [B, N] bool,
-    perm [B, N] int64)`` on ``device``.
-    """
-    device = to_device(device)
-    rows, cols = check_grid_size(grid_size)
-    h_thresholds, w_thresholds = sampler_tables(rows, cols, min_aspect, device)
-    return sample_from_tables(
-        batch_size, rows, cols, target_count(ratio, rows * cols), min_block, seed, prob_threshold(prob),
-        h_thresholds, w_thresholds, offset, shared,
-    )  # fmt: skip
-
-
 def sample_from_tables(
     batch_size: int,
     rows: int,
@@ -150,7 +123,9 @@ def sample_from_tables(
     offset: int | torch.Tensor,
     shared: bool,
 ) -> Jigsaw:
-    """The oracle on the integers every kernel takes (what the ``torch`` backend runs).
+    """The oracle: docs/sampler.md run for all samples in lockstep, on the integers every kernel takes (what the
+    ``torch`` backend runs; :func:`mjp_fast.sampler.sample_jigsaw_ref` takes the settings as
+    :func:`mjp_fast.sample_jigsaw` does).
 
     Args:
         target, prob_threshold: from :func:`target_count` and :func:`prob_threshold`.

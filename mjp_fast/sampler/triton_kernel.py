@@ -147,20 +147,10 @@ def sample_jigsaw_launch(
     if batch_size == 0:
         return mask, perm
     launcher(_sample_jigsaw_kernel, (batch_size,), traced)(
-        mask,
-        perm,
-        h_thresholds,
-        w_thresholds,
-        counter,
-        params,
-        counter_scale,
-        stream_shift,
-        rows,
-        cols,
-        target,
+        mask, perm, h_thresholds, w_thresholds, counter, params, counter_scale, stream_shift, rows, cols, target,
         min_block,
         SHARED=shared,
         BLOCK_N=triton.next_power_of_2(rows * cols),
         BLOCK_G=triton.next_power_of_2(max(rows, cols)),
-    )
+    )  # fmt: skip
     return mask, perm

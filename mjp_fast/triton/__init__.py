@@ -2,12 +2,12 @@
 
 One module per operation (``patch_embed``, ``pos_embed``, ``dal_loss``); what they share (the interpreter switch,
 launches and operators, tile settings, row-layout checks, the position gradient) is in ``common``, the one module
-they import from. :func:`interpreting`, :func:`launcher` and :func:`operator` are re-exported here for kernels
-outside this package (the sampler's).
+they import from. :func:`interpreting`, :func:`launcher`, :func:`operator` and :func:`define_operator` are
+re-exported here for kernels outside this package (the sampler's).
 """
 
 from __future__ import annotations
 
-from mjp_fast.triton.common import interpreting, launcher, operator
+from mjp_fast.triton.common import define_operator, interpreting, launcher, operator
 
-__all__ = ["interpreting", "launcher", "operator"]
+__all__ = ["define_operator", "interpreting", "launcher", "operator"]

@@ -2,8 +2,8 @@
 layout's checks, and the position gradient's kernels.
 
 ``patch_embed.py``, ``pos_embed.py`` and ``dal_loss.py`` import from this module (and triton, torch) only, never
-from one another; ``mjp_fast.triton`` re-exports :func:`interpreting`, :func:`launcher` and :func:`operator` for
-code outside the package.
+from one another; ``mjp_fast.triton`` re-exports :func:`interpreting`, :func:`launcher`, :func:`operator` and
+:func:`define_operator` for code outside the package.
 
 Row layout (the C++ operators' too): each sample's output has ``T = P + N`` rows of ``D`` channels. The first
 ``P`` (0 to 8) are the prefix tokens (class and register tokens), ``out[b, t] = prefix[t] + (pos[t] if t < Q
@@ -21,6 +21,7 @@ fixed order and writes the gradients in their final dtypes and shapes: no atomic
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -57,6 +58,49 @@ def operator(name: str, *, mutates_args: tuple[str, ...] = (), schema: str | Non
     if interpreting():
         return torch.library.custom_op(name, mutates_args=mutates_args, schema=schema)
     return torch.library.triton_op(name, mutates_args=mutates_args, schema=schema)
+
+
+def define_operator(
+    name: str,
+    launch: Callable,
+    *,
+    fake: Callable,
+    mutates_args: tuple[str, ...] = (),
+    required: tuple[str, ...] = (),
+) -> torch.library.CustomOpDef:
+    """The torch operator ``name`` over a launch function: ``launch(..., traced=True)``, registered by
+    :func:`operator`, so that the argument list is written once, in ``launch``.
+
+    The operator takes the launch's positional parameters (not its keyword-only ones, such as ``traced``) with their
+    type hints (types that ``torch.library`` infers a schema from: ``list[int]``, not ``Sequence[int]``) and defaults,
+    but for the names in ``required``, which lose their defaults in the operator (its callers pass them all).
+    ``fake`` gives the outputs' shapes and dtypes (torch.compile, meta tensors): it is called with the operator's
+    arguments by name, defaults filled in, so it names those it reads and takes the others as ``**_``.
+    """
+    launch_signature = inspect.signature(launch, eval_str=True)  # the hints as types: they are strings here
+    positional = [p for p in launch_signature.parameters.values() if p.kind is not inspect.Parameter.KEYWORD_ONLY]
+    unknown = set(required) - {parameter.name for parameter in positional}
+    if unknown:
+        raise ValueError(f"required must name positional parameters of {launch.__name__}, got {sorted(unknown)}")
+    signature = launch_signature.replace(
+        parameters=[p.replace(default=inspect.Parameter.empty) if p.name in required else p for p in positional]
+    )
+
+    def traced_launch(*arguments, **keywords):
+        return launch(*arguments, **keywords, traced=True)
+
+    def named_fake(*arguments, **keywords):
+        bound = signature.bind(*arguments, **keywords)
+        bound.apply_defaults()
+        return fake(**bound.arguments)
+
+    traced_launch.__signature__ = signature  # what the operator's schema is inferred from
+    traced_launch.__name__ = traced_launch.__qualname__ = launch.__name__
+    traced_launch.__module__ = launch.__module__
+    traced_launch.__doc__ = f"The torch operator ``{name}`` over :func:`{launch.__name__}` (``traced=True``)."
+    registered = operator(name, mutates_args=mutates_args)(traced_launch)
+    registered.register_fake(named_fake)
+    return registered
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -544,32 +588,12 @@ def _position_gradient_plan(
     )
 
 
-def _position_plan(
-    grad: torch.Tensor,
-    *,
-    scatter: bool,
-    has_mask: bool,
-    has_bias: bool,
-    tokens_dtype: torch.dtype | None,
-    prefix_count: int = 0,
-    prefix_positions: int = 0,
-) -> PositionGradientPlan:
-    """The plan for ``grad`` on its device (tests replace this to force several chunks under the interpreter)."""
+def _position_plan(grad: torch.Tensor, **flags: bool | int | torch.dtype | None) -> PositionGradientPlan:
+    """The plan for ``grad`` on its device; ``flags``: the keyword arguments of :func:`position_gradient_plan`
+    (tests replace this to force several chunks under the interpreter)."""
     batch, num_positions, dim = grad.shape
-    return position_gradient_plan(
-        batch,
-        num_positions,
-        dim,
-        grad.dtype,
-        multiprocessors(grad.device),
-        interpreting() or grad.device.type != "cuda",  # programs run one after another: one chunk
-        scatter=scatter,
-        has_mask=has_mask,
-        has_bias=has_bias,
-        tokens_dtype=tokens_dtype,
-        prefix_count=prefix_count,
-        prefix_positions=prefix_positions,
-    )
+    serial = interpreting() or grad.device.type != "cuda"  # programs run one after another: one chunk
+    return position_gradient_plan(batch, num_positions, dim, grad.dtype, multiprocessors(grad.device), serial, **flags)
 
 
 def launch_position_gradient(

@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from mjp_fast.triton.common import (
+    define_operator,
     dot_precision,
     dot_upcast,
     interpreting,
@@ -46,7 +47,6 @@ from mjp_fast.triton.common import (
     tile_size,
     warp_count,
 )
-from mjp_fast.triton.common import operator as _operator
 
 # The coordinate axis (2 wide) padded to the smallest side that tl.dot takes.
 COORD_PAD = tl.constexpr(16)
@@ -611,24 +611,7 @@ def dal_backward_launch(
 # ----------------------------------------------------------------------------------------------------------------
 
 
-@_operator("mjp_fast::dal_loss_triton", mutates_args=())
-def dal_loss_triton(
-    pos: torch.Tensor,
-    skip_rows: int,
-    w1: torch.Tensor | None,
-    b1: torch.Tensor | None,
-    w2: torch.Tensor,
-    b2: torch.Tensor | None,
-    coords: torch.Tensor,
-    mask: torch.Tensor | None,
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(loss [], pred [N, 2], hidden [N, H], weights [N])``, float32: :func:`dal_forward_launch`."""
-    return dal_forward_launch(pos, skip_rows, w1, b1, w2, b2, coords, mask, scale, traced=True)
-
-
-@dal_loss_triton.register_fake
-def _dal_loss_triton_fake(pos, skip_rows, w1, b1, w2, b2, coords, mask, scale):
+def _dal_loss_triton_fake(pos, w1, coords, **_):
     num_positions = coords.shape[0]
     hidden_dim = w1.shape[0] if w1 is not None else 0
     return (
@@ -639,31 +622,7 @@ def _dal_loss_triton_fake(pos, skip_rows, w1, b1, w2, b2, coords, mask, scale):
     )
 
 
-@_operator("mjp_fast::dal_loss_triton_backward", mutates_args=())
-def dal_loss_triton_backward(
-    grad: torch.Tensor,
-    pos: torch.Tensor,
-    skip_rows: int,
-    w1: torch.Tensor | None,
-    w2: torch.Tensor,
-    coords: torch.Tensor,
-    pred: torch.Tensor,
-    hidden: torch.Tensor,
-    weights: torch.Tensor,
-    scale: float,
-    has_b1: bool,
-    has_b2: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(grad_pos, grad_w1, grad_b1, grad_w2, grad_b2)``: :func:`dal_backward_launch`."""
-    return dal_backward_launch(
-        grad, pos, skip_rows, w1, w2, coords, pred, hidden, weights, scale, has_b1, has_b2, traced=True
-    )
-
-
-@dal_loss_triton_backward.register_fake
-def _dal_loss_triton_backward_fake(
-    grad, pos, skip_rows, w1, w2, coords, pred, hidden, weights, scale, has_b1, has_b2
-):  # fmt: skip
+def _dal_loss_triton_backward_fake(pos, w1, w2, has_b1, has_b2, **_):
     dim = pos.shape[-1]
     first_dtype = w1.dtype if w1 is not None else pos.dtype
     hidden_dim = w1.shape[0] if w1 is not None else 0
@@ -674,3 +633,11 @@ def _dal_loss_triton_backward_fake(
         pos.new_empty(tuple(w2.shape), dtype=w2.dtype),
         pos.new_empty((2,) if has_b2 else (0,), dtype=w2.dtype),
     )
+
+
+# The operators over the launchers (their schemas come from the launchers' signatures): ``(loss [], pred [N, 2],
+# hidden [N, H], weights [N])``, float32; ``(grad_pos, grad_w1, grad_b1, grad_w2, grad_b2)``.
+dal_loss_triton = define_operator("mjp_fast::dal_loss_triton", dal_forward_launch, fake=_dal_loss_triton_fake)
+dal_loss_triton_backward = define_operator(
+    "mjp_fast::dal_loss_triton_backward", dal_backward_launch, fake=_dal_loss_triton_backward_fake
+)

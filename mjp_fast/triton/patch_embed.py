@@ -32,8 +32,6 @@ that launches through ``torch.library.wrap_triton``, for torch.compile.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 import triton
 import triton.language as tl
@@ -43,6 +41,7 @@ from mjp_fast.triton.common import (
     INTERPRETER_WARPS,
     MAX_CHANNEL_TILE,
     check_row_layout,
+    define_operator,
     dot_precision,
     dot_upcast,
     interpreting,
@@ -54,7 +53,6 @@ from mjp_fast.triton.common import (
     prefix_rows_tile,
     tile_size,
 )
-from mjp_fast.triton.common import operator as _operator
 
 
 @triton.jit
@@ -145,38 +143,14 @@ def _gemm_configs() -> list[triton.Config]:
 
 @triton.jit
 def _forward_patch_tile(
-    images_ptr,
-    weight_ptr,
-    bias_ptr,
-    pos_ptr,
-    unk_ptr,
-    perm_ptr,
-    mask_ptr,
-    out_ptr,
-    program,
-    total_tokens,
-    num_positions,
-    cols,
-    K,
-    D,
-    stride_b,
-    stride_c,
-    stride_h,
-    stride_w,
-    prefix_count,
-    prefix_positions,
-    PATCH: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    HAS_PERM: tl.constexpr,
-    HAS_MASK: tl.constexpr,
-    HAS_PREFIX: tl.constexpr,
-    PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """A tile of patch tokens: the GEMM of their patches, then bias and ``unk`` or ``pos[Q + n]``."""
+    images_ptr, weight_ptr, bias_ptr, pos_ptr, unk_ptr, perm_ptr, mask_ptr, out_ptr, program, total_tokens,
+    num_positions, cols, K, D, stride_b, stride_c, stride_h, stride_w, prefix_count, prefix_positions,
+    PATCH: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_PERM: tl.constexpr, HAS_MASK: tl.constexpr,
+    HAS_PREFIX: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """A tile of patch tokens: the GEMM of their patches, then bias and ``unk`` or ``pos[Q + n]``. The arguments
+    are :func:`_forward_kernel`'s; ``program``: the tile's index along axis 0."""
     tokens = program * BLOCK_M + tl.arange(0, BLOCK_M)
     channels = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
@@ -235,28 +209,16 @@ def _forward_kernel(
     out_ptr,  # [B, P + N, D]
     total_tokens,  # B * N: the patch tokens
     num_positions,  # N
-    cols,
-    K,
-    D,
-    stride_b,
-    stride_c,
-    stride_h,
-    stride_w,
+    cols, K, D,  # patch columns (W / patch), C * patch * patch, channels
+    stride_b, stride_c, stride_h, stride_w,  # images'
     prefix_ptr,  # [P, D]: class and register tokens (HAS_PREFIX)
     total_prefix,  # B * P: the prefix rows (HAS_PREFIX)
     prefix_count,  # P (HAS_PREFIX)
     prefix_positions,  # Q: 0 or P (HAS_PREFIX)
-    PATCH: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    HAS_PERM: tl.constexpr,
-    HAS_MASK: tl.constexpr,
-    HAS_PREFIX: tl.constexpr,
-    PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
+    PATCH: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_PERM: tl.constexpr, HAS_MASK: tl.constexpr,
+    HAS_PREFIX: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
     # Programs along axis 0: first the patch tokens' tiles (GEMM and epilogue), then (HAS_PREFIX) the prefix rows'
     # (no GEMM: prefix + pos). One kind per program, so neither pays the other's registers; the prefix arguments
     # come last, so that without a prefix the kernel compiles as it did before prefix rows.
@@ -292,24 +254,13 @@ def _grad_weight_kernel(
     partial_ptr,  # float32 [splits, D, K], written
     total_tokens,  # B * N: the patch tokens
     num_positions,  # N
-    cols,
-    K,
-    D,
+    cols, K, D,  # patch columns (W / patch), C * patch * patch, channels
     tokens_per_split,
-    stride_b,
-    stride_c,
-    stride_h,
-    stride_w,
+    stride_b, stride_c, stride_h, stride_w,  # images'
     prefix_count,  # P (HAS_PREFIX): rows of each sample of grad before its patch rows
-    PATCH: tl.constexpr,
-    HAS_PERM: tl.constexpr,
-    HAS_PREFIX: tl.constexpr,
-    PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
+    PATCH: tl.constexpr, HAS_PERM: tl.constexpr, HAS_PREFIX: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
     channels = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
     k_index = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     split = tl.program_id(2)
@@ -347,23 +298,12 @@ def _grad_images_kernel(
     grad_images_ptr,  # [B, C, H, W], written
     total_tokens,  # B * N: the patch tokens
     num_positions,  # N
-    cols,
-    K,
-    D,
-    stride_b,
-    stride_c,
-    stride_h,
-    stride_w,
+    cols, K, D,  # patch columns (W / patch), C * patch * patch, channels
+    stride_b, stride_c, stride_h, stride_w,  # grad_images'
     prefix_count,  # P (HAS_PREFIX): rows of each sample of grad before its patch rows
-    PATCH: tl.constexpr,
-    HAS_PERM: tl.constexpr,
-    HAS_PREFIX: tl.constexpr,
-    PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
+    PATCH: tl.constexpr, HAS_PERM: tl.constexpr, HAS_PREFIX: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
     tokens = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     k_index = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     token_ok = tokens < total_tokens
@@ -503,8 +443,8 @@ def patch_embed_backward_launch(
     need_prefix: bool,
     prefix_count: int,
     prefix_positions: int,
-    pos_shape: Sequence[int],
-    prefix_shape: Sequence[int],
+    pos_shape: list[int],
+    prefix_shape: list[int],
     pos_dtype: torch.dtype | None = None,
     unk_dtype: torch.dtype | None = None,
     prefix_dtype: torch.dtype | None = None,
@@ -628,68 +568,16 @@ def patch_embed_backward_launch(
 # ----------------------------------------------------------------------------------------------------------------
 
 
-@_operator("mjp_fast::patch_embed_triton", mutates_args=())
-def patch_embed_forward_triton(
-    images: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    pos_embed: torch.Tensor,
-    unk_embed: torch.Tensor | None,
-    perm: torch.Tensor | None,
-    mask: torch.Tensor | None,
-    prefix: torch.Tensor | None,
-    prefix_positions: int,
-    out_dtype: torch.dtype | None = None,
-) -> torch.Tensor:
-    """The torch operator over :func:`patch_embed_forward_launch`: tokens ``[B, P + N, D]``."""
-    return patch_embed_forward_launch(
-        images, weight, bias, pos_embed, unk_embed, perm, mask, prefix, prefix_positions, out_dtype, traced=True
-    )
-
-
-@patch_embed_forward_triton.register_fake
-def _patch_embed_forward_fake(
-    images, weight, bias, pos_embed, unk_embed, perm, mask, prefix, prefix_positions, out_dtype=None
-):
+def _patch_embed_forward_fake(images, weight, prefix, out_dtype, **_):
     batch, _, height, width = images.shape
     dim, _, patch, _ = weight.shape
     rows = prefix_rows(prefix, dim) + (height // patch) * (width // patch)
     return images.new_empty(batch, rows, dim, dtype=out_dtype or images.dtype)
 
 
-@_operator("mjp_fast::patch_embed_triton_backward", mutates_args=())
-def patch_embed_backward_triton(
-    grad_out: torch.Tensor,
-    images: torch.Tensor,
-    weight: torch.Tensor,
-    perm: torch.Tensor | None,
-    mask: torch.Tensor | None,
-    need_images: bool,
-    need_weight: bool,
-    need_bias: bool,
-    need_pos: bool,
-    need_unk: bool,
-    need_prefix: bool,
-    prefix_count: int,
-    prefix_positions: int,
-    pos_shape: list[int],
-    prefix_shape: list[int],
-    pos_dtype: torch.dtype | None = None,
-    unk_dtype: torch.dtype | None = None,
-    prefix_dtype: torch.dtype | None = None,
-) -> list[torch.Tensor]:
-    """The torch operator over :func:`patch_embed_backward_launch`:
-    ``[grad_images, grad_weight, grad_bias, grad_pos, grad_unk, grad_prefix]``."""
-    return patch_embed_backward_launch(
-        grad_out, images, weight, perm, mask, need_images, need_weight, need_bias, need_pos, need_unk, need_prefix,
-        prefix_count, prefix_positions, pos_shape, prefix_shape, pos_dtype, unk_dtype, prefix_dtype, traced=True,
-    )  # fmt: skip
-
-
-@patch_embed_backward_triton.register_fake
 def _patch_embed_backward_fake(
-    grad_out, images, weight, perm, mask, need_images, need_weight, need_bias, need_pos, need_unk, need_prefix,
-    prefix_count, prefix_positions, pos_shape, prefix_shape, pos_dtype=None, unk_dtype=None, prefix_dtype=None,
+    grad_out, images, weight, need_images, need_weight, need_bias, need_pos, need_unk, need_prefix, prefix_count,
+    pos_shape, prefix_shape, pos_dtype, unk_dtype, prefix_dtype, **_,
 ):  # fmt: skip
     dim = weight.shape[0]
     outputs = (
@@ -701,3 +589,17 @@ def _patch_embed_backward_fake(
         (need_prefix, tuple(prefix_shape) if prefix_count else (0,), prefix_dtype or weight.dtype),
     )
     return [grad_out.new_empty(shape, dtype=dtype) if need else grad_out.new_empty(0) for need, shape, dtype in outputs]
+
+
+# The operators over the launchers (their schemas come from the launchers' signatures): tokens ``[B, P + N, D]``;
+# ``[grad_images, grad_weight, grad_bias, grad_pos, grad_unk, grad_prefix]``. The forward's callers pass the prefix
+# and Q always: no defaults for them in the operator.
+patch_embed_forward_triton = define_operator(
+    "mjp_fast::patch_embed_triton",
+    patch_embed_forward_launch,
+    fake=_patch_embed_forward_fake,
+    required=("prefix", "prefix_positions"),
+)
+patch_embed_backward_triton = define_operator(
+    "mjp_fast::patch_embed_triton_backward", patch_embed_backward_launch, fake=_patch_embed_backward_fake
+)

@@ -26,8 +26,6 @@ that launches through ``torch.library.wrap_triton``, for torch.compile.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 import triton
 import triton.language as tl
@@ -38,6 +36,7 @@ from mjp_fast.triton.common import (
     PositionGradientPlan,
     check_contiguous,
     check_row_layout,
+    define_operator,
     launch_position_gradient,
     launcher,
     power_of_two_tile,
@@ -45,7 +44,6 @@ from mjp_fast.triton.common import (
     prefix_rows_tile,
     tile_size,
 )
-from mjp_fast.triton.common import operator as _operator
 
 
 @triton.jit
@@ -201,8 +199,8 @@ def pos_embed_backward_launch(
     mask: torch.Tensor,
     prefix_count: int,
     prefix_positions: int,
-    pos_shape: Sequence[int],
-    prefix_shape: Sequence[int],
+    pos_shape: list[int],
+    prefix_shape: list[int],
     tokens_dtype: torch.dtype,
     pos_dtype: torch.dtype,
     unk_dtype: torch.dtype,
@@ -210,8 +208,8 @@ def pos_embed_backward_launch(
     *,
     traced: bool = False,
     plan: PositionGradientPlan | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(grad_tokens, grad_pos, grad_unk, grad_prefix)``, each in the shape and dtype of its input.
+) -> list[torch.Tensor]:
+    """``[grad_tokens, grad_pos, grad_unk, grad_prefix]``, each in the shape and dtype of its input.
 
     Args:
         grad_out: ``[B, P + N, D]``, contiguous.
@@ -242,58 +240,17 @@ def pos_embed_backward_launch(
         plan=plan,
         traced=traced,
     )
-    return grad_tokens, grad_pos, grad_unk, grad_prefix
+    return [grad_tokens, grad_pos, grad_unk, grad_prefix]
 
 
-@_operator("mjp_fast::pos_embed_triton", mutates_args=())
-def pos_embed_forward_triton(
-    tokens: torch.Tensor,
-    perm: torch.Tensor,
-    mask: torch.Tensor,
-    pos_embed: torch.Tensor,
-    unk_embed: torch.Tensor,
-    prefix: torch.Tensor | None,
-    prefix_positions: int,
-) -> torch.Tensor:
-    """The torch operator over :func:`pos_embed_forward_launch` (torch.compile sees its kernel)."""
-    return pos_embed_forward_launch(tokens, perm, mask, pos_embed, unk_embed, prefix, prefix_positions, traced=True)
-
-
-@pos_embed_forward_triton.register_fake
-def _pos_embed_forward_fake(tokens, perm, mask, pos_embed, unk_embed, prefix, prefix_positions):
+def _pos_embed_forward_fake(tokens, pos_embed, prefix, **_):
     batch, num_positions, dim = tokens.shape
     return tokens.new_empty((batch, prefix_rows(prefix, dim) + num_positions, dim), dtype=pos_embed.dtype)
 
 
-@_operator("mjp_fast::pos_embed_triton_backward", mutates_args=())
-def pos_embed_backward_triton(
-    grad_out: torch.Tensor,
-    perm: torch.Tensor,
-    mask: torch.Tensor,
-    prefix_count: int,
-    prefix_positions: int,
-    pos_shape: list[int],
-    prefix_shape: list[int],
-    tokens_dtype: torch.dtype,
-    pos_dtype: torch.dtype,
-    unk_dtype: torch.dtype,
-    prefix_dtype: torch.dtype,
-) -> list[torch.Tensor]:
-    """The torch operator over :func:`pos_embed_backward_launch`: ``[grad_tokens, grad_pos, grad_unk,
-    grad_prefix]``."""
-    return list(
-        pos_embed_backward_launch(
-            grad_out, perm, mask, prefix_count, prefix_positions, pos_shape, prefix_shape,
-            tokens_dtype, pos_dtype, unk_dtype, prefix_dtype, traced=True,
-        )
-    )  # fmt: skip
-
-
-@pos_embed_backward_triton.register_fake
 def _pos_embed_backward_fake(
-    grad_out, perm, mask, prefix_count, prefix_positions, pos_shape, prefix_shape,
-    tokens_dtype, pos_dtype, unk_dtype, prefix_dtype,
-):  # fmt: skip
+    grad_out, prefix_count, pos_shape, prefix_shape, tokens_dtype, pos_dtype, unk_dtype, prefix_dtype, **_
+):
     batch, rows_per_sample, dim = grad_out.shape
     return [
         grad_out.new_empty((batch, rows_per_sample - prefix_count, dim), dtype=tokens_dtype),
@@ -301,3 +258,17 @@ def _pos_embed_backward_fake(
         grad_out.new_empty((dim,), dtype=unk_dtype),
         grad_out.new_empty(tuple(prefix_shape) if prefix_count else (0,), dtype=prefix_dtype),
     ]
+
+
+# The operators over the launchers (torch.compile sees their kernels; their schemas come from the launchers'
+# signatures, ``plan`` left out): ``out [B, P + N, D]``; ``[grad_tokens, grad_pos, grad_unk, grad_prefix]``. The
+# forward's callers pass the prefix and Q always: no defaults for them in the operator.
+pos_embed_forward_triton = define_operator(
+    "mjp_fast::pos_embed_triton",
+    pos_embed_forward_launch,
+    fake=_pos_embed_forward_fake,
+    required=("prefix", "prefix_positions"),
+)
+pos_embed_backward_triton = define_operator(
+    "mjp_fast::pos_embed_triton_backward", pos_embed_backward_launch, fake=_pos_embed_backward_fake
+)

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 
 _C = pytest.importorskip("mjp_fast._C", reason="the compiled extension mjp_fast._C is not built")
 
-from mjp_fast.sampler.reference import sample_jigsaw_ref, sampler_tables  # noqa: E402
+from mjp_fast.sampler import sample_jigsaw_ref  # noqa: E402
+from mjp_fast.sampler.reference import sampler_tables  # noqa: E402
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() and _C.has_cuda() else [])
 LOW_PRECISION = [torch.float16, torch.bfloat16]

@@ -8,7 +8,8 @@ import torch
 import mjp_fast
 from bench.paper_sampler import block_mask_python
 from mjp_fast import backend as backend_module
-from mjp_fast.sampler.reference import philox_ref, sample_jigsaw_ref
+from mjp_fast.sampler import sample_jigsaw_ref
+from mjp_fast.sampler.reference import philox_ref
 
 
 def assert_valid_jigsaw(jigsaw, batch, num_positions, target):

@@ -57,6 +57,7 @@ def test_the_package_reexports_the_shared_launch_helpers():
     assert mjp_fast.triton.interpreting is common.interpreting is mjp_fast.backend.triton_interpreting
     assert mjp_fast.triton.launcher is common.launcher
     assert mjp_fast.triton.operator is common.operator
+    assert mjp_fast.triton.define_operator is common.define_operator
 
 
 def test_tiles_and_warps_follow_the_interpreter(monkeypatch):
@@ -89,3 +90,55 @@ def test_operator_takes_a_schema():
         "mjp_fast_tests::scaled(Tensor x, float scale) -> Tensor"
     )
     assert torch.equal(scaled(torch.ones(3), 2.0), torch.full((3,), 2.0))
+
+
+def test_define_operator_takes_the_launch_signature():
+    calls, fakes = [], []
+
+    def shifted_launch(
+        x: torch.Tensor, scale: float, shift: float = 0.0, repeats: int = 1, *, traced: bool = False
+    ) -> torch.Tensor:
+        calls.append(traced)
+        return x * scale + shift * repeats
+
+    def shifted_fake(x, repeats, **_):
+        fakes.append(repeats)
+        return torch.empty_like(x)
+
+    shifted = common.define_operator("mjp_fast_tests::shifted", shifted_launch, fake=shifted_fake, required=("shift",))
+    # the launch's positional parameters, types and defaults (but shift's), without its keyword-only ``traced``
+    assert str(torch.ops.mjp_fast_tests.shifted.default._schema) == (
+        "mjp_fast_tests::shifted(Tensor x, float scale, float shift, SymInt repeats=1) -> Tensor"
+    )
+    assert torch.equal(shifted(torch.ones(3), 2.0, 1.0), torch.full((3,), 3.0))
+    assert calls == [True]  # the operator launches as traced
+    assert shifted(torch.ones(3, device="meta"), 2.0, 1.0).device.type == "meta"
+    assert fakes == [1]  # the fake is called by name, with the defaults filled in
+    with pytest.raises(ValueError, match=r"required must name positional parameters of shifted_launch.*'traced'"):
+        common.define_operator("mjp_fast_tests::unused", shifted_launch, fake=shifted_fake, required=("traced",))
+
+
+def test_operator_schemas_come_from_the_launchers():
+    # the schemas that the ops' callers and the compiled graphs rely on, inferred from the launchers' signatures
+    from mjp_fast.triton import dal_loss  # noqa: F401  (registers its operators)
+
+    expected = {
+        "dal_loss_triton": "(Tensor pos, SymInt skip_rows, Tensor? w1, Tensor? b1, Tensor w2, Tensor? b2, "
+        "Tensor coords, Tensor? mask, float scale) -> (Tensor, Tensor, Tensor, Tensor)",
+        "dal_loss_triton_backward": "(Tensor grad, Tensor pos, SymInt skip_rows, Tensor? w1, Tensor w2, "
+        "Tensor coords, Tensor pred, Tensor hidden, Tensor weights, float scale, bool has_b1, bool has_b2) -> "
+        "(Tensor, Tensor, Tensor, Tensor, Tensor)",
+        "patch_embed_triton": "(Tensor images, Tensor weight, Tensor? bias, Tensor pos_embed, Tensor? unk_embed, "
+        "Tensor? perm, Tensor? mask, Tensor? prefix, SymInt prefix_positions, ScalarType? out_dtype=None) -> Tensor",
+        "patch_embed_triton_backward": "(Tensor grad_out, Tensor images, Tensor weight, Tensor? perm, Tensor? mask, "
+        "bool need_images, bool need_weight, bool need_bias, bool need_pos, bool need_unk, bool need_prefix, "
+        "SymInt prefix_count, SymInt prefix_positions, SymInt[] pos_shape, SymInt[] prefix_shape, "
+        "ScalarType? pos_dtype=None, ScalarType? unk_dtype=None, ScalarType? prefix_dtype=None) -> Tensor[]",
+        "pos_embed_triton": "(Tensor tokens, Tensor perm, Tensor mask, Tensor pos_embed, Tensor unk_embed, "
+        "Tensor? prefix, SymInt prefix_positions) -> Tensor",
+        "pos_embed_triton_backward": "(Tensor grad_out, Tensor perm, Tensor mask, SymInt prefix_count, "
+        "SymInt prefix_positions, SymInt[] pos_shape, SymInt[] prefix_shape, ScalarType tokens_dtype, "
+        "ScalarType pos_dtype, ScalarType unk_dtype, ScalarType prefix_dtype) -> Tensor[]",
+    }
+    for name, schema in expected.items():
+        assert str(getattr(torch.ops.mjp_fast, name).default._schema) == f"mjp_fast::{name}{schema}"
