@@ -46,15 +46,9 @@ class PatchGeometry:
 
 
 def check_patch_embed_args(
-    images: object,
-    weight: object,
-    bias: object,
-    pos_embed: object,
-    unk_embed: object,
-    jigsaw: object,
-    *,
+    images: object, weight: object, bias: object, pos_embed: object, unk_embed: object, jigsaw: object, *,
     validate: bool,
-) -> tuple[PatchGeometry, torch.Tensor, torch.Tensor | None, Jigsaw | None]:
+) -> tuple[PatchGeometry, torch.Tensor, torch.Tensor | None, Jigsaw | None]:  # fmt: skip
     """Validates the arguments of :func:`mjp_patch_embed`.
 
     Returns:
@@ -147,14 +141,9 @@ def mjp_patch_embed_ref(
 
 
 def _mjp_patch_embed_torch(
-    images: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    pos_embed: torch.Tensor,
-    unk_embed: torch.Tensor | None,
-    jigsaw: Jigsaw | None,
-    geometry: PatchGeometry,
-) -> torch.Tensor:
+    images: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pos_embed: torch.Tensor,
+    unk_embed: torch.Tensor | None, jigsaw: Jigsaw | None, geometry: PatchGeometry,
+) -> torch.Tensor:  # fmt: skip
     # Embedding first and shuffling tokens after is exact (each token is one linear map of one patch) and
     # moves D values per token instead of C*P*P.
     tokens = F.conv2d(images, weight, bias, stride=geometry.patch_size).flatten(2).transpose(1, 2)
@@ -269,17 +258,10 @@ class _PatchEmbedKernels(torch.autograd.Function):
 
 
 def patch_embed_step(
-    images: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    pos_embed: torch.Tensor,
-    unk_embed: torch.Tensor | None,
-    jigsaw: Jigsaw | None,
-    backend: str,
-    prefix: torch.Tensor | None = None,
-    prefix_positions: int = 0,
-    out_dtype: torch.dtype | None = None,
-) -> torch.Tensor:
+    images: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pos_embed: torch.Tensor,
+    unk_embed: torch.Tensor | None, jigsaw: Jigsaw | None, backend: str, prefix: torch.Tensor | None = None,
+    prefix_positions: int = 0, out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:  # fmt: skip
     """A ViT's patch embedding and whole position step in one operation each way, for callers that checked the
     arguments and resolved the backend (the timm models' per-step path).
 

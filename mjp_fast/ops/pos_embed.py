@@ -259,14 +259,9 @@ def mjp_position_step(
 
 
 def _kernel_inputs(
-    tokens: torch.Tensor,
-    pos_embed: torch.Tensor,
-    unk_embed: torch.Tensor,
-    jigsaw: Jigsaw,
-    prefix: torch.Tensor | None,
-    prefix_positions: int,
-    dtype: torch.dtype,
-) -> tuple:
+    tokens: torch.Tensor, pos_embed: torch.Tensor, unk_embed: torch.Tensor, jigsaw: Jigsaw,
+    prefix: torch.Tensor | None, prefix_positions: int, dtype: torch.dtype,
+) -> tuple:  # fmt: skip
     """The position-step kernels' arguments, contiguous: the table, unk_embed and the prefix rounded to the output
     ``dtype`` here, as the oracle rounds them (autograd casts their gradients back): no copy at all in the usual case
     (float32 parameters)."""
