@@ -1,3 +1,5 @@
+import os
+import subprocess
 import sys
 
 import pytest
@@ -58,3 +60,37 @@ def test_a_missing_extension_is_said_once_and_its_reason_kept(monkeypatch):
         assert backend.extension() is None
     assert len(record) == 1
     assert "mjp_fast._C" in backend.extension_error()
+
+
+def test_the_package_works_without_triton():
+    # CPU-only torch wheels ship no triton: the package must import and run its other backends without it.
+    script = """
+import importlib.abc, sys
+
+class NoTriton(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "triton" or name.startswith("triton."):
+            raise ModuleNotFoundError(f"No module named {name!r}")
+        return None
+
+sys.meta_path.insert(0, NoTriton())
+import torch, timm, mjp_fast, mjp_fast.timm
+from mjp_fast import backend
+
+assert "triton" not in mjp_fast.available_backends(), mjp_fast.available_backends()
+assert not backend.triton_importable()
+expected = mjp_fast.sample_jigsaw(3, 6, 0.5, seed=1, min_block=2, backend="torch")
+for name in mjp_fast.available_backends():
+    got = mjp_fast.sample_jigsaw(3, 6, 0.5, seed=1, min_block=2, backend=name)
+    assert torch.equal(got.mask, expected.mask) and torch.equal(got.perm, expected.perm), name
+model = timm.create_model(
+    "mjp_deit_tiny_patch16_224", img_size=32, patch_size=8, embed_dim=32, depth=1, num_heads=2, mjp_prob=1.0
+)
+(model(torch.randn(2, 3, 32, 32)).sum() + model.mjp_aux_loss()).backward()
+assert model.pos_embed.grad is not None
+print("ok", mjp_fast.available_backends())
+"""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.startswith("ok")

@@ -32,7 +32,6 @@ from mjp_fast.sampler.reference import (
     seed_bits,
     target_count,
 )
-from mjp_fast.triton import operator as _triton_operator
 
 # ----------------------------------------------------------------------------------------------------------------
 # The kernels as torch.library operators (opaque to torch.compile, no graph break): one schema for both
@@ -81,6 +80,7 @@ _OPERATORS = {"cpu": _extension_operator, "cuda": _extension_operator}
 
 if backend_module.triton_importable():
     from mjp_fast.sampler import triton_kernel as _triton_kernel
+    from mjp_fast.triton import operator as _triton_operator
 
     def _run_triton_traced(*arguments: object) -> tuple[torch.Tensor, torch.Tensor]:
         return _triton_kernel.sample_jigsaw_launch(*arguments, traced=True)
