@@ -3,7 +3,7 @@
 // Everything here is integer arithmetic on caller-provided memory (and at most about 5 KiB of stack): no
 // allocation, no floating point, no library calls but memcpy, so the CPU path and the CUDA kernel run the same
 // definition and give bit-identical results, equal to the PyTorch oracle
-// `mjp_fast.ops.sample_jigsaw.sample_jigsaw_ref`. The host adds a few fast paths (below) that compute the same
+// `mjp_fast.sampler.reference.sample_from_tables`. The host adds a few fast paths (below) that compute the same
 // values as the portable code.
 #pragma once
 
