@@ -127,12 +127,11 @@ class JigsawSampler(nn.Module):
         tables serve its own grid on their device; another grid or device gets the shared cached ones."""
         device = with_index(torch.device(device))  # "cuda" and "cuda:0" must compare equal below
         grid = self.grid_size if grid_size is None else tuple(grid_size)
-        tables = None
+        tables = params = None  # None: make_sampler_plan's shared cached ones
         if grid == self.grid_size and self.h_thresholds.device == device:
             tables = (self.h_thresholds, self.w_thresholds)
         if settings is None:
             ratio, prob, seed = self.ratio, self.prob, self.seed
-            params = None
             if self.params.device == device:
                 if (seed, prob) != self._params_key:  # refreshed in place: a captured CUDA graph keeps reading it
                     self.params.copy_(sampler_params(seed, prob, "cpu"))
@@ -140,7 +139,6 @@ class JigsawSampler(nn.Module):
                 params = self.params
         else:
             ratio, prob, seed = settings["ratio"], settings["prob"], settings["seed"]
-            params = None
         return make_sampler_plan(
             grid, ratio, seed=seed, prob=prob, shared=self.shared, min_block=self.min_block,
             min_aspect=self.min_aspect, device=device, backend=resolve_backend(self.backend, device), tables=tables,
