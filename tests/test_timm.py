@@ -34,8 +34,8 @@ def test_converted_model_in_eval_mode_is_the_plain_model(variant, fused):
     assert isinstance(model, timm.models.VisionTransformer)
     images = torch.randn(3, 3, 32, 32)
     # timm's own Conv2d: the same numbers; the fused patch embedding sums its GEMM in another order.
-    exact = {} if mjp_timm._is_fused(model.patch_embed) else dict(rtol=0, atol=0)
-    assert mjp_timm._is_fused(model.patch_embed) == (fused is None and variant != "dynamic_img_size")
+    exact = {} if mjp_timm.is_fused(model.patch_embed) else dict(rtol=0, atol=0)
+    assert mjp_timm.is_fused(model.patch_embed) == (fused is None and variant != "dynamic_img_size")
     torch.testing.assert_close(model(images), plain(images), **exact)
     torch.testing.assert_close(model.forward_features(images), plain.forward_features(images), **exact)
     features = model.forward_features(images)
@@ -547,7 +547,7 @@ def test_one_operator_for_the_position_step_and_dal_gives_the_separate_operators
         model.train()
         with monkeypatch.context() as patched:
             if name == "two":  # the merged operator declines: the two operators run
-                patched.setattr(mjp_timm, "mjp_position_dal_step", lambda *args: None)
+                patched.setattr(mjp_timm.state, "mjp_position_dal_step", lambda *args: None)
             tokens = model.forward_features(images)
             aux = model.mjp_aux_loss()
         if name == "one":

@@ -39,7 +39,7 @@ def fused_and_reference(plain, backend="cpu", **settings):
     fused = mjp_timm.convert(copy.deepcopy(plain), backend=backend, **settings)
     reference = mjp_timm.convert(copy.deepcopy(plain), backend="torch", fused_patch_embed=False, **settings)
     reference.load_state_dict(fused.state_dict())
-    assert mjp_timm._is_fused(fused.patch_embed) and not mjp_timm._is_fused(reference.patch_embed)
+    assert mjp_timm.is_fused(fused.patch_embed) and not mjp_timm.is_fused(reference.patch_embed)
     return fused, reference
 
 
@@ -165,7 +165,7 @@ def test_autocast_bfloat16_dtypes_and_error(mode):
 def test_state_dict_is_the_plain_models_plus_mjp():
     plain = small_vit(reg_tokens=1)
     fused = mjp_timm.convert(copy.deepcopy(plain))
-    assert mjp_timm._is_fused(fused.patch_embed) and isinstance(fused.patch_embed.proj, nn.Conv2d)
+    assert mjp_timm.is_fused(fused.patch_embed) and isinstance(fused.patch_embed.proj, nn.Conv2d)
     keys = list(fused.state_dict())
     assert [key for key in keys if not key.startswith("mjp.")] == list(plain.state_dict())
     assert {key for key in keys if key.startswith("mjp.")} >= {"mjp.unk_embed", "mjp.sampler.sample_counter"}
@@ -200,7 +200,7 @@ def test_unfused_checkpoint_loads_into_a_fused_model(tmp_path):
 def test_registered_models_fuse_and_take_the_keyword():
     tiny = dict(img_size=32, patch_size=8, embed_dim=32, depth=1, num_heads=2, num_classes=3)
     model = timm.create_model("mjp_deit_tiny_patch16_224", **tiny)
-    assert mjp_timm._is_fused(model.patch_embed)
+    assert mjp_timm.is_fused(model.patch_embed)
     off = timm.create_model("mjp_deit_tiny_patch16_224", mjp_fused_patch_embed=False, **tiny)
     assert type(off.patch_embed) is PatchEmbed
     with pytest.raises(ValueError, match="dynamic_img_size"):
@@ -213,7 +213,7 @@ def test_forward_intermediates_and_features_only_on_a_fused_model():
     mjp = timm.create_model("mjp_deit_tiny_patch16_224", features_only=True, out_indices=(1, 2), **tiny)
     plain = timm.create_model("deit_tiny_patch16_224", features_only=True, out_indices=(1, 2), **tiny)
     plain.load_state_dict(mjp.state_dict(), strict=False)
-    assert mjp_timm._is_fused(mjp.model.patch_embed)
+    assert mjp_timm.is_fused(mjp.model.patch_embed)
     images = torch.randn(2, 3, 32, 32)
     mjp.eval(), plain.eval()
     for ours, theirs in zip(mjp(images), plain(images), strict=True):
@@ -259,7 +259,8 @@ def test_fx_symbolic_trace_and_feature_extraction(mode):
     nodes = list(graph.graph.nodes)
     assert any(node.op == "call_module" and node.target == "mjp" for node in nodes) == (mode == "train")
     # Without MJP's jigsaw, the fused embedding is one call of its own.
-    fused_calls = [node for node in nodes if node.op == "call_function" and node.target is mjp_timm._fused_patch_embed]
+    fused = mjp_timm.fused._fused_patch_embed
+    fused_calls = [node for node in nodes if node.op == "call_function" and node.target is fused]
     assert len(fused_calls) == (mode == "eval")
     assert not any(node.op == "call_module" and node.target == "patch_embed.proj" for node in nodes)
     images = torch.randn(2, 3, 32, 32)
@@ -277,7 +278,7 @@ def test_fx_symbolic_trace_and_feature_extraction(mode):
 def test_fx_traces_a_plain_model_after_fast_patch_embed():
     model = mjp_timm.fast_patch_embed(small_vit()).eval()
     graph = torch.fx.symbolic_trace(model)
-    assert any(node.target is mjp_timm._fused_patch_embed for node in graph.graph.nodes)
+    assert any(node.target is mjp_timm.fused._fused_patch_embed for node in graph.graph.nodes)
     images = torch.randn(2, 3, 32, 32)
     torch.testing.assert_close(graph(images), model(images), rtol=0, atol=0)
 
@@ -417,16 +418,16 @@ def test_fast_patch_embed_on_an_mjp_model_and_then_convert():
     unfused = mjp_timm.convert(copy.deepcopy(plain), ratio=0.5, prob=1.0, dal=None, fused_patch_embed=False)
     unfused.load_state_dict(fused.state_dict())
     assert mjp_timm.fast_patch_embed(unfused) is unfused  # turns the fused path on, jigsaw included
-    assert type(unfused) is mjp_timm.MJPVisionTransformer and mjp_timm._is_fused(unfused.patch_embed)
+    assert type(unfused) is mjp_timm.MJPVisionTransformer and mjp_timm.is_fused(unfused.patch_embed)
     assert_same_step(unfused, reference, torch.randn(2, 3, 32, 32), **FLOAT32)
     # A plain model fused by fast_patch_embed converts to the MJP version of its timm class, fused or not.
     converted = mjp_timm.convert(mjp_timm.fast_patch_embed(copy.deepcopy(plain)))
-    assert type(converted) is mjp_timm.MJPVisionTransformer and mjp_timm._is_fused(converted.patch_embed)
+    assert type(converted) is mjp_timm.MJPVisionTransformer and mjp_timm.is_fused(converted.patch_embed)
     back = mjp_timm.convert(mjp_timm.fast_patch_embed(copy.deepcopy(plain)), fused_patch_embed=False)
     assert type(back.patch_embed) is PatchEmbed
     # timm's features_only wrapper of a ViT.
     features = timm.create_model("vit_tiny_patch16_224", features_only=True, out_indices=(0,), **SMALL).eval()
     expected = features(torch.ones(1, 3, 32, 32))
     mjp_timm.fast_patch_embed(features)
-    assert mjp_timm._is_fused(features.model.patch_embed)
+    assert mjp_timm.is_fused(features.model.patch_embed)
     torch.testing.assert_close(features(torch.ones(1, 3, 32, 32))[0], expected[0], **FLOAT32)

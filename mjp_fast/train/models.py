@@ -84,7 +84,7 @@ def create_model(model_name: str, model_kwargs: dict[str, Any]) -> nn.Module:
 
 
 def is_mjp_model(model: nn.Module) -> bool:
-    return isinstance(model, mjp_timm._MJPMixin)
+    return isinstance(model, mjp_timm.MJPModel)
 
 
 def input_size(model: nn.Module, fallback: int = 224) -> int:

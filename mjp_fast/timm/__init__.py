@@ -1,0 +1,64 @@
+"""MJP for timm: registered MJP models and ``convert()`` for existing ones, keeping their weights.
+
+``import mjp_fast.timm`` registers ``mjp_deit_tiny_patch16_224``, ``mjp_deit_small_patch16_224``,
+``mjp_deit_base_patch16_224``, ``mjp_vit_small_patch16_224`` and ``mjp_vit_base_patch16_224``::
+
+    model = timm.create_model("mjp_deit_small_patch16_224", mjp_ratio=0.1, mjp_prob=0.5, mjp_dal="nonlinear")
+
+A converted ViT jigsaws its patch tokens in training mode: the tokens of masked positions are permuted among
+themselves and get the unknown position embedding ``mjp.unk_embed`` (with ``unk=False``, the position embedding of
+where they land); the class and register tokens keep theirs.
+Shuffling the tokens after timm's patch embedding equals shuffling the patches before it (the embedding is one
+linear map, and its optional norm one per-token function, applied to each patch alone), so every timm variant
+works: class token or not, register tokens, ``no_embed_class``, ``dynamic_img_size``, ``set_input_size``.
+In eval mode the model is the plain timm model, unless inside ``model.mjp_eval(...)``.
+
+Where the patch embedding is timm's standard one (a ``PatchEmbed`` whose ``proj`` is a Conv2d with stride equal
+to its square kernel, no norm, flattened output, a fixed image size), the embedding, the jigsaw and the position
+term run as one :func:`mjp_fast.mjp_patch_embed` call (``convert(..., fused_patch_embed=None)``, automatic): the
+``patch_embed`` module then passes the images through and the model's ``_pos_embed`` embeds them, reading the
+same ``patch_embed.proj`` weights. Outputs equal timm's Conv2d path within float tolerance (the GEMM sums in
+another order), in training and in eval mode; under autocast the op runs in the autocast dtype, as timm's Conv2d
+would, and returns the dtype of timm's sum. Under FX the fused call is one node: ``mjp`` when it jigsaws, else a
+``_fused_patch_embed`` call (there is no ``patch_embed.proj`` node). :func:`fast_patch_embed` does the same for a
+plain timm ViT.
+
+Models without absolute position embeddings (timm ResNet, Swin, ConvNeXt) get the pixel-space jigsaw of their
+input only, as the paper's ResNet-50 + MJP and Swin-T + MJP rows.
+
+timm's conventions carry over: ``features_only=True`` (timm's feature wrappers around the MJP model),
+``forward_intermediates``, FX tracing in eval and training mode (MJP is one ``call_module`` node of the graph),
+and ``mjp_<base>`` shares its base's pretrained configs, so ``pretrained=True`` loads the base's weights.
+
+All MJP state lives in ``model.mjp`` (``unk_embed``, the DAL regressor, the sampler and its counter), so a plain
+timm state dict loads with ``strict=False`` (only ``mjp.*`` keys missing), and an MJP state dict loads back into
+the plain model the same way (only ``mjp.*`` keys unexpected).
+"""
+
+from __future__ import annotations
+
+from mjp_fast.timm.base import _MJPMixin as MJPModel
+from mjp_fast.timm.convert import convert, fast_patch_embed
+from mjp_fast.timm.fused import FusedPatchEmbed, FusedVisionTransformer
+from mjp_fast.timm.fused import _is_fused as is_fused
+from mjp_fast.timm.pixel import MJPConvNeXt, MJPPixelVisionTransformer, MJPResNet, MJPSwinTransformer
+from mjp_fast.timm.registry import REGISTERED_BASES, register
+from mjp_fast.timm.state import MJPState
+from mjp_fast.timm.vit import MJPVisionTransformer
+
+__all__ = [
+    "REGISTERED_BASES",
+    "FusedPatchEmbed",
+    "FusedVisionTransformer",
+    "MJPConvNeXt",
+    "MJPModel",
+    "MJPPixelVisionTransformer",
+    "MJPResNet",
+    "MJPState",
+    "MJPSwinTransformer",
+    "MJPVisionTransformer",
+    "convert",
+    "fast_patch_embed",
+    "is_fused",
+    "register",
+]

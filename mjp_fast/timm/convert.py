@@ -1,0 +1,212 @@
+"""``convert()`` and ``fast_patch_embed()``: a timm model made an MJP model (or given the fused embedding) in
+place, keeping its weights."""
+
+from __future__ import annotations
+
+from timm.models._features import FeatureGetterNet
+from timm.models.vision_transformer import VisionTransformer
+from torch import nn
+
+from mjp_fast.timm.base import _mjp_class, _MJPMixin
+from mjp_fast.timm.features import _WRAPPER_MIXINS
+from mjp_fast.timm.fused import (
+    _fuse_patch_embed,
+    _fused_model_class,
+    _FusedViTMixin,
+    _original_class,
+    _unfusable_reason,
+    _unfuse_patch_embed,
+)
+from mjp_fast.timm.pixel import _PIXEL_CLASSES
+from mjp_fast.timm.state import MJPState, _check_backend, _check_unk, _dal_kind, _dal_reduction_scale
+from mjp_fast.timm.vit import MJPVisionTransformer
+
+
+def _grid(model: nn.Module, patch_size: int) -> tuple[int, int]:
+    img_size = getattr(getattr(model, "pretrained_cfg", {}) or {}, "get", lambda *_: None)("input_size")
+    if img_size is not None:
+        return img_size[-2] // patch_size, img_size[-1] // patch_size
+    return 224 // patch_size, 224 // patch_size
+
+
+def _first(value: int | tuple[int, ...] | list[int]) -> int:
+    return value[0] if isinstance(value, (tuple, list)) else value
+
+
+def convert(
+    model: nn.Module,
+    ratio: float = 0.1,
+    prob: float = 0.5,
+    dal: str | None = "nonlinear",
+    seed: int = 0,
+    *,
+    min_block: int = 8,
+    min_aspect: float = 0.3,
+    shared: bool = False,
+    backend: str | None = None,
+    patch_size: int | None = None,
+    dal_normalize: bool = False,
+    fused_patch_embed: bool | None = None,
+    unk: bool = True,
+    dal_reduction: str = "mean",
+) -> nn.Module:
+    """Turns a timm model into its MJP version in place, keeping its weights; returns it.
+
+    Args:
+        model: a timm ``VisionTransformer`` (any size; class token or not; register tokens; ``no_embed_class``),
+            or a timm ``ResNet``, ``SwinTransformer`` or ``ConvNeXt`` (pixel-space jigsaw only), or timm's
+            ``features_only`` wrapper of one of them (``FeatureGetterNet``: the wrapped model is converted;
+            ``FeatureListNet``/``FeatureDictNet``: their input is jigsawed).
+        ratio, prob, seed, min_block, min_aspect, shared, backend: as :class:`mjp_fast.JigsawSampler`.
+        dal: the DAL regressor's kind (``"nonlinear"``, ``"linear"``, ``"pca"``), or None or ``"none"`` (timm's
+            ``create_model`` drops None-valued keywords, so ``mjp_dal="none"`` is how to say it there). ViTs only.
+        patch_size: the jigsaw's patch size for pixel-space models (default: the model's patch embedding's, else
+            16); ViTs use their own.
+        dal_normalize: regress coordinates scaled to [0, 1] instead of raw integers.
+        unk: masked positions get the learned unknown embedding ``mjp.unk_embed`` (MJP, default). False: the
+            patches of the masked positions are still permuted among themselves, but every position keeps its own
+            ``pos_embed[n]`` (the paper's "naive shuffle" ablation); no ``mjp.unk_embed`` parameter is created (not in
+            the state dict; ``model.mjp.unk_embed`` is None), and the DAL loss still leaves the masked positions
+            out. Models without position embeddings: no effect.
+        dal_reduction: ``"mean"`` (default, the paper's code: ``F.l1_loss``) or ``"sum"`` (the paper's formula,
+            twice the mean) over the two coordinates in ``mjp_aux_loss()`` (see :func:`mjp_fast.dal_loss`).
+        fused_patch_embed: run the ViT's patch embedding, jigsaw and position term as one
+            :func:`mjp_fast.mjp_patch_embed` call (``backend`` chooses its backend). None: wherever the patch
+            embedding is timm's standard one (``PatchEmbed``, a Conv2d with stride equal to its square kernel, no
+            norm, flattened output, a fixed image size); True: that, or a ValueError saying why not; False: timm's
+            own embedding, then the tokens are moved.
+
+    Returns:
+        The same model object, now an MJP model: ``mjp_aux_loss()``, ``mjp_eval(...)`` and ``model.mjp``.
+        With MJP off (eval mode) its outputs are those of the original model (within float tolerance where the
+        patch embedding is fused: the GEMM sums in another order).
+
+    Raises:
+        TypeError: not a supported model. ValueError: bad settings, a model converted already, or
+        ``fused_patch_embed=True`` for a patch embedding the fused op cannot compute.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a timm model (nn.Module), got {type(model).__name__}")
+    if isinstance(model, _MJPMixin):
+        raise ValueError(f"model is already an MJP model ({type(model).__name__})")
+    if fused_patch_embed is not None and not isinstance(fused_patch_embed, bool):
+        raise TypeError(f"fused_patch_embed must be a bool or None, got {type(fused_patch_embed).__name__}")
+    _check_backend(backend)
+    dal = _dal_kind(dal)
+    _check_unk(unk)
+    _dal_reduction_scale(dal_reduction)  # checked before anything changes
+    sampler_settings = dict(
+        ratio=ratio, prob=prob, seed=seed, min_block=min_block, min_aspect=min_aspect, shared=shared, backend=backend
+    )
+    wrapper_class = next((base for base in _WRAPPER_MIXINS if isinstance(model, base)), None)
+    if wrapper_class is FeatureGetterNet:
+        convert(
+            model.model,
+            dal=dal,
+            patch_size=patch_size,
+            dal_normalize=dal_normalize,
+            fused_patch_embed=fused_patch_embed,
+            unk=unk,
+            dal_reduction=dal_reduction,
+            **sampler_settings,
+        )
+        model.__class__ = _mjp_class(type(model), None, _WRAPPER_MIXINS[wrapper_class])
+        return model
+    fuse = False
+    if isinstance(model, VisionTransformer) and model.pos_embed is not None:
+        grid, dim = tuple(model.patch_embed.grid_size), model.embed_dim
+        patch_size = _first(model.patch_embed.patch_size)
+        # A plain model fused by fast_patch_embed becomes the MJP version of its timm class.
+        new_class = _mjp_class(_original_class(type(model)), VisionTransformer, MJPVisionTransformer)
+        reason = _unfusable_reason(model) if fused_patch_embed is not False else None
+        if fused_patch_embed and reason is not None:
+            raise ValueError(f"fused_patch_embed=True: {reason}")
+        fuse = fused_patch_embed is not False and reason is None
+    else:
+        if wrapper_class is not None:
+            mjp_class, timm_class = _WRAPPER_MIXINS[wrapper_class], None
+        else:
+            timm_class = next((base for base in _PIXEL_CLASSES if isinstance(model, base)), None)
+            if timm_class is None:
+                supported = ", ".join(base.__name__ for base in (*_PIXEL_CLASSES, *_WRAPPER_MIXINS))
+                raise TypeError(f"model: convert() supports timm {supported}; got {type(model).__name__}")
+            mjp_class = _PIXEL_CLASSES[timm_class]
+        if fused_patch_embed:
+            raise ValueError(f"fused_patch_embed=True: {_unfusable_reason(model)}")
+        if dal is not None:
+            raise ValueError(f"dal={dal!r} needs absolute position embeddings, which {type(model).__name__} lacks")
+        if patch_size is None:
+            embed = getattr(model, "patch_embed", None)
+            patch_size = _first(getattr(embed, "patch_size", 16) if embed is not None else 16)
+        grid, dim = _grid(model, patch_size), None
+        new_class = _mjp_class(type(model), timm_class, mjp_class)
+    state = MJPState(
+        grid,
+        dim,
+        dal=dal,
+        patch_size=patch_size,
+        dal_normalize=dal_normalize,
+        unk=unk,
+        dal_reduction=dal_reduction,
+        **sampler_settings,
+    )
+    reference = next(model.parameters(), None)
+    if reference is not None:
+        state.to(device=reference.device)
+        if state.unk_embed is not None:
+            state.unk_embed.data = state.unk_embed.data.to(reference.dtype)
+        if hasattr(state, "unused_unk_row"):
+            state.unused_unk_row = state.unused_unk_row.to(reference.dtype)
+    state.train(model.training)
+    model.__class__ = new_class
+    model.mjp = state
+    if fuse:
+        _fuse_patch_embed(model.patch_embed, backend)
+    elif isinstance(model, VisionTransformer):
+        _unfuse_patch_embed(model.patch_embed)
+    if wrapper_class is not None:  # the wrapper runs its entries in order: the jigsaw goes first
+        model._modules = dict(mjp=model._modules.pop("mjp"), **model._modules)
+    return model
+
+
+def fast_patch_embed(model: nn.Module, *, backend: str | None = None) -> nn.Module:
+    """Runs a timm ViT's patch embedding and position add as one fused :func:`mjp_fast.mjp_patch_embed` call, in
+    place; returns the model.
+
+    Outputs equal timm's Conv2d path within float tolerance (the GEMM sums in another order; under autocast the
+    op runs in the autocast dtype, as timm's Conv2d does, and returns the dtype of timm's sum). Parameters, state
+    dict keys and checkpoints stay as they are: the op reads ``patch_embed.proj``'s weight and bias. On an MJP
+    model (:func:`convert`) it turns the fused path on, jigsaw included. Calling it again changes nothing (but
+    the backend).
+
+    Args:
+        model: a timm ``VisionTransformer`` with absolute position embeddings and timm's standard patch
+            embedding (``PatchEmbed``; a Conv2d with stride equal to its square kernel; no norm; flattened output;
+            a fixed image size: no ``dynamic_img_size``, ``dynamic_img_pad`` or ``strict_img_size=False``), an MJP
+            version of one, or timm's ``features_only`` wrapper (``FeatureGetterNet``) of one.
+        backend: the fused op's backend (as :func:`mjp_fast.mjp_patch_embed`); default automatic, or an MJP
+            model's own (``convert``'s ``backend``).
+
+    Raises:
+        TypeError: not a timm VisionTransformer. ValueError: a patch embedding the fused op cannot compute (the
+        message says why), or an unknown backend.
+    """
+    target = model.model if isinstance(model, FeatureGetterNet) else model
+    if not isinstance(target, VisionTransformer):
+        raise TypeError(f"model must be a timm VisionTransformer (or its FeatureGetterNet), got {type(model).__name__}")
+    reason = _unfusable_reason(target)
+    if reason is not None:
+        raise ValueError(f"model: its patch embedding cannot be fused: {reason}")
+    _check_backend(backend)
+    if isinstance(target, _MJPMixin):
+        backend = backend if backend is not None else target.mjp.sampler.backend
+    elif not isinstance(target, _FusedViTMixin):
+        target.__class__ = _fused_model_class(type(target))
+    _fuse_patch_embed(target.patch_embed, backend)
+    return model
+
+
+def _has_position_embeddings(model: nn.Module) -> bool:
+    """Whether ``model`` (or the model in timm's ``FeatureGetterNet``) is a ViT with absolute position embeddings."""
+    inner = model.model if isinstance(model, FeatureGetterNet) else model
+    return isinstance(inner, VisionTransformer) and inner.pos_embed is not None

@@ -1,0 +1,30 @@
+"""timm's ``features_only`` wrappers around MJP models."""
+
+from __future__ import annotations
+
+import torch
+from timm.models._features import FeatureDictNet, FeatureGetterNet
+
+from mjp_fast.timm.base import _MJPMixin, _MJPNoDALMixin
+from mjp_fast.timm.state import MJPState
+
+
+class _MJPFeatureGetterMixin(_MJPMixin):
+    """timm's ``FeatureGetterNet`` (``features_only=True`` for ViTs) around an MJP model: the wrapped model's
+    ``forward_intermediates`` applies MJP, and MJP's methods and state are the wrapped model's."""
+
+    @property
+    def mjp(self) -> MJPState:
+        return self.model.mjp
+
+    def mjp_aux_loss(self) -> torch.Tensor:
+        return self.model.mjp_aux_loss()
+
+
+class _MJPFeatureModulesMixin(_MJPNoDALMixin):
+    """timm's ``FeatureListNet``/``FeatureDictNet`` (``features_only=True`` for CNNs and Swin). They are module
+    dicts that run their entries in order, not the model's ``forward``: :func:`convert` puts ``mjp`` first, so
+    the input is jigsawed (pixel-space MJP) before the first layer."""
+
+
+_WRAPPER_MIXINS = {FeatureGetterNet: _MJPFeatureGetterMixin, FeatureDictNet: _MJPFeatureModulesMixin}
