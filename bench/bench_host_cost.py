@@ -5,11 +5,14 @@ the dispatcher and the launches. Compared in the same run, on a timm ViT with no
 position step of a training step, forward and backward, gradients set to None between calls as in training:
 
 - ``plain``: timm's ``model._pos_embed(tokens)`` (class token, position add), backward.
-- ``mjp``: the same step of the MJP model on the token path (``fused_patch_embed=False``): the sampler, the move
-  of the tokens, the position term with ``unk_embed``, and the DAL loss (``mjp_aux_loss()``), backward.
+- ``mjp``: the same step of the MJP model on the token path (``fused_patch_embed=False``), as a training step runs
+  it: the sampler, the move of the tokens, the position term with ``unk_embed``, and the DAL loss attached to the
+  tokens (at ``mjp_dal_weight``); backward of the tokens alone, which trains DAL too.
+- ``mjp explicit``: the same, for a loop that also adds ``model.mjp_aux_loss()`` to its loss (its weight replaces
+  the attached one): backward of the tokens and that loss.
 - ``plain embed`` / ``mjp fused embed``: the patch embedding and the position step together: timm's
   ``PatchEmbed`` and ``_pos_embed``, against the MJP model's fused embedding (jigsaw and position term in the GEMM)
-  with its DAL loss.
+  with its DAL loss attached.
 - ``sampler``: one call of the model's ``JigsawSampler`` against one ``torch.add`` of two tiny tensors.
 
 Operations are counted with a ``TorchDispatchMode`` (every operator the dispatcher hands to Python: aten ops,
@@ -103,9 +106,8 @@ def position_steps(models: dict[str, torch.nn.Module], device: torch.device | st
     images = torch.randn(BATCH, 3, IMAGE, IMAGE, generator=generator).to(device)
     grad = torch.randn(BATCH, num_positions + plain.num_prefix_tokens, DIM, generator=generator).to(device, dtype)
     grads = {dtype: grad.to(dtype) for dtype in (torch.float32, torch.bfloat16)}  # made once, not per step
-    one = torch.ones((), device=device)
 
-    def step(model: torch.nn.Module, *, mjp: bool, embed: bool) -> Callable[[], None]:
+    def step(model: torch.nn.Module, *, explicit: bool, embed: bool) -> Callable[[], None]:
         parameters = list(model.parameters())  # listed once: walking the modules is the harness's cost, not MJP's
 
         def run() -> None:
@@ -114,19 +116,21 @@ def position_steps(models: dict[str, torch.nn.Module], device: torch.device | st
             tokens.grad = None
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
                 out = model._pos_embed(model.patch_embed(images) if embed else tokens)
-                aux = model.mjp_aux_loss() if mjp else None
-            if aux is None:
+                aux = model.mjp_aux_loss() if explicit else None
+            if aux is None:  # an MJP model's training forward attached its DAL loss to out
                 out.backward(grads[out.dtype])
             else:
-                torch.autograd.backward([out, aux], [grads[out.dtype], one])
+                torch.autograd.backward([out, aux], [grads[out.dtype], weight])
 
         return run
 
+    weight = torch.full((), 0.01, device=device)  # the explicit loss's weight, as a loop's dal_weight * aux
     return {
-        "plain": step(plain, mjp=False, embed=False),
-        "mjp": step(models["mjp"], mjp=True, embed=False),
-        "plain embed": step(plain, mjp=False, embed=True),
-        "mjp fused embed": step(models["mjp fused"], mjp=True, embed=True),
+        "plain": step(plain, explicit=False, embed=False),
+        "mjp": step(models["mjp"], explicit=False, embed=False),
+        "mjp explicit": step(models["mjp"], explicit=True, embed=False),
+        "plain embed": step(plain, explicit=False, embed=True),
+        "mjp fused embed": step(models["mjp fused"], explicit=False, embed=True),
     }
 
 
@@ -196,7 +200,8 @@ def collect(*, smoke: bool, device: str, repeats: int | None = None) -> dict:
     min_sample = 0.0 if smoke else 0.05
     timings = measure(steps, repeats=repeats, warmup=3, min_sample_s=min_sample, device=device)
     timings.update(measure(samplers, repeats=repeats, warmup=3, min_sample_s=min_sample, device=device))
-    baselines = {"plain": "plain", "mjp": "plain", "plain embed": "plain embed", "mjp fused embed": "plain embed"}
+    baselines = {"plain": "plain", "mjp": "plain", "mjp explicit": "plain"}
+    baselines.update({"plain embed": "plain embed", "mjp fused embed": "plain embed"})
     baselines.update({"torch.add": "torch.add", "sampler": "torch.add"})
     rows = []
     for name, timing in timings.items():

@@ -33,30 +33,51 @@ and ``mjp_<base>`` shares its base's pretrained configs, so ``pretrained=True`` 
 All MJP state lives in ``model.mjp`` (``unk_embed``, the DAL regressor, the sampler and its counter), so a plain
 timm state dict loads with ``strict=False`` (only ``mjp.*`` keys missing), and an MJP state dict loads back into
 the plain model the same way (only ``mjp.*`` keys unexpected).
+
+DAL trains in any loop: a training forward computes the DAL loss and attaches it to the tokens at
+``model.mjp_dal_weight`` (default 0.01; :class:`DALWeightSchedule` decays it as the paper does), so a backward of the
+output alone (timm's ``train.py``: ``criterion(model(x), y).backward()``) gives every parameter its gradient, the
+regressor's included (DDP needs no ``find_unused_parameters``). ``model.mjp_aux_loss()`` stays for loops that add
+``w * loss`` themselves: its weight then replaces the attached one.
 """
 
 from __future__ import annotations
 
 from mjp_fast.timm.base import _MJPMixin as MJPModel
 from mjp_fast.timm.convert import convert, fast_patch_embed
+from mjp_fast.timm.eva import MJPEva
 from mjp_fast.timm.fused import FusedPatchEmbed, FusedVisionTransformer
 from mjp_fast.timm.fused import _is_fused as is_fused
-from mjp_fast.timm.pixel import MJPConvNeXt, MJPPixelVisionTransformer, MJPResNet, MJPSwinTransformer
+from mjp_fast.timm.pixel import (
+    MJPBeit,
+    MJPConvNeXt,
+    MJPPixelVisionTransformer,
+    MJPResNet,
+    MJPSwinTransformer,
+    MJPVisionTransformerRelPos,
+)
+from mjp_fast.timm.pixel import _MJPPixelMixin as MJPPixelModel
 from mjp_fast.timm.registry import REGISTERED_BASES, register
+from mjp_fast.timm.schedule import DALWeightSchedule
 from mjp_fast.timm.state import MJPState
 from mjp_fast.timm.vit import MJPVisionTransformer
 
 __all__ = [
     "REGISTERED_BASES",
+    "DALWeightSchedule",
     "FusedPatchEmbed",
     "FusedVisionTransformer",
+    "MJPBeit",
     "MJPConvNeXt",
+    "MJPEva",
     "MJPModel",
+    "MJPPixelModel",
     "MJPPixelVisionTransformer",
     "MJPResNet",
     "MJPState",
     "MJPSwinTransformer",
     "MJPVisionTransformer",
+    "MJPVisionTransformerRelPos",
     "convert",
     "fast_patch_embed",
     "is_fused",

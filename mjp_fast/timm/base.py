@@ -1,4 +1,5 @@
-"""What every converted model has (``mjp_eval``, ``mjp_aux_loss``), and the MJP class of a timm class."""
+"""What every converted model has (``mjp_eval``, ``mjp_aux_loss``, ``mjp_dal_weight``), and the MJP class of a timm
+class."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from mjp_fast.timm.schedule import check_dal_weight
 from mjp_fast.timm.state import MJPState
 
 _SUBCLASSES: dict[tuple[type, type], type] = {}
@@ -46,9 +48,33 @@ class _MJPMixin:
             self.train(was_training)
 
     def mjp_aux_loss(self) -> torch.Tensor:
-        """The DAL loss of the last forward, unweighted (the training loop applies its weight); zero when DAL is
-        off. No host sync."""
+        """The DAL loss of the last forward, unweighted, for a loop that adds ``w * loss`` to its total itself; zero
+        when DAL is off. No host sync.
+
+        Optional: a training forward already attaches the DAL loss to the model's output at ``mjp_dal_weight`` (the
+        output's backward trains DAL). Where that forward attached it, the first call after it returns that loss,
+        made so that a backward through it counts it at the loop's weight ``w`` in place of ``mjp_dal_weight``
+        (never both); later calls, and calls after a forward that attached nothing, compute it again (a loss of its
+        own, counted at ``w`` on top of what is attached). A call whose result is never back-propagated (logging)
+        changes nothing: ``model.mjp.last_dal_loss`` reads the attached loss without a graph.
+        """
         raise NotImplementedError
+
+    @property
+    def mjp_dal_weight(self) -> float:
+        """The weight at which a training forward attaches the DAL loss to the output (``model.mjp.dal_weight``, a 0-d
+        float32 buffer, not in the state dict).
+
+        Set it to a finite float >= 0 (0: DAL off, the plain gradients) between steps, before the forward that should
+        apply it, or let :class:`mjp_fast.timm.DALWeightSchedule` decay it; the buffer is filled in place (the same
+        tensor: compiled graphs and CUDA graphs keep reading it). Reading it reads the buffer back (a host sync on a
+        GPU).
+        """
+        return self.mjp.get_dal_weight()
+
+    @mjp_dal_weight.setter
+    def mjp_dal_weight(self, value: float) -> None:
+        self.mjp.set_dal_weight(check_dal_weight("mjp_dal_weight", value))
 
 
 class _MJPNoDALMixin(_MJPMixin):

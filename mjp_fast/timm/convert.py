@@ -3,11 +3,15 @@ place, keeping its weights."""
 
 from __future__ import annotations
 
+import warnings
+
 from timm.models._features import FeatureGetterNet
+from timm.models.eva import Eva
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
 from mjp_fast.timm.base import _mjp_class, _MJPMixin
+from mjp_fast.timm.eva import MJPEva, _eva_layout, _FusedEvaMixin
 from mjp_fast.timm.features import _WRAPPER_MIXINS
 from mjp_fast.timm.fused import (
     _fuse_patch_embed,
@@ -18,6 +22,7 @@ from mjp_fast.timm.fused import (
     _unfuse_patch_embed,
 )
 from mjp_fast.timm.pixel import _PIXEL_CLASSES
+from mjp_fast.timm.schedule import DEFAULT_DAL_WEIGHT, check_dal_weight
 from mjp_fast.timm.state import MJPState, _check_backend, _check_unk, _dal_kind, _dal_reduction_scale
 from mjp_fast.timm.vit import MJPVisionTransformer
 
@@ -29,6 +34,25 @@ def _grid(model: nn.Module, patch_size: int) -> tuple[int, int]:
     return 224 // patch_size, 224 // patch_size
 
 
+def _model_name(model: nn.Module) -> str:
+    """timm's architecture name of ``model`` where its pretrained config has one, else its class name."""
+    config = getattr(model, "pretrained_cfg", None)
+    architecture = config.get("architecture") if isinstance(config, dict) else None
+    return f"{architecture} ({type(model).__name__})" if architecture else type(model).__name__
+
+
+def _without_dal(model: nn.Module, dal: str | None, asked: bool, what_mjp_does: str) -> None:
+    """No DAL for a model without an absolute position table; DAL that was asked for (``asked``: not ``"auto"``)
+    gets one warning line naming the model. Returns None, the DAL kind of such a model."""
+    if dal is not None and asked:
+        warnings.warn(
+            f"model: {_model_name(model)} has no absolute position table: {what_mjp_does}, and dal={dal!r} is "
+            "ignored (no table to regress)",
+            stacklevel=3,
+        )
+    return None
+
+
 def _first(value: int | tuple[int, ...] | list[int]) -> int:
     return value[0] if isinstance(value, (tuple, list)) else value
 
@@ -37,7 +61,7 @@ def convert(
     model: nn.Module,
     ratio: float = 0.1,
     prob: float = 0.5,
-    dal: str | None = "nonlinear",
+    dal: str | None = "auto",
     seed: int = 0,
     *,
     min_block: int = 8,
@@ -49,6 +73,7 @@ def convert(
     fused_patch_embed: bool | None = None,
     unk: bool = True,
     dal_reduction: str = "mean",
+    dal_weight: float = DEFAULT_DAL_WEIGHT,
 ) -> nn.Module:
     """Turns a timm model into its MJP version in place, keeping its weights; returns it.
 
@@ -59,7 +84,9 @@ def convert(
             ``FeatureListNet``/``FeatureDictNet``: their input is jigsawed).
         ratio, prob, seed, min_block, min_aspect, shared, backend: as :class:`mjp_fast.JigsawSampler`.
         dal: the DAL regressor's kind (``"nonlinear"``, ``"linear"``, ``"pca"``), or None or ``"none"`` (timm's
-            ``create_model`` drops None-valued keywords, so ``mjp_dal="none"`` is how to say it there). ViTs only.
+            ``create_model`` drops None-valued keywords, so ``mjp_dal="none"`` is how to say it there), or
+            ``"auto"`` (default): ``"nonlinear"`` where the model has an absolute position table, else none. A model
+            without a table asked for DAL warns once (naming the model) and trains without it.
         patch_size: the jigsaw's patch size for pixel-space models (default: the model's patch embedding's, else
             16); ViTs use their own.
         dal_normalize: regress coordinates scaled to [0, 1] instead of raw integers.
@@ -70,6 +97,9 @@ def convert(
             out. Models without position embeddings: no effect.
         dal_reduction: ``"mean"`` (default, the paper's code: ``F.l1_loss``) or ``"sum"`` (the paper's formula,
             twice the mean) over the two coordinates in ``mjp_aux_loss()`` (see :func:`mjp_fast.dal_loss`).
+        dal_weight: the weight at which a training forward attaches the DAL loss to the model's output (finite,
+            >= 0; default 0.01, the paper's start): any loop that back-propagates the output trains DAL. Change it
+            with ``model.mjp_dal_weight`` or :class:`mjp_fast.timm.DALWeightSchedule`. Not in the state dict.
         fused_patch_embed: run the ViT's patch embedding, jigsaw and position term as one
             :func:`mjp_fast.mjp_patch_embed` call (``backend`` chooses its backend). None: wherever the patch
             embedding is timm's standard one (``PatchEmbed``, a Conv2d with stride equal to its square kernel, no
@@ -92,9 +122,11 @@ def convert(
     if fused_patch_embed is not None and not isinstance(fused_patch_embed, bool):
         raise TypeError(f"fused_patch_embed must be a bool or None, got {type(fused_patch_embed).__name__}")
     _check_backend(backend)
-    dal = _dal_kind(dal)
+    asked_dal, dal_argument = not (isinstance(dal, str) and dal == "auto"), dal
+    dal = _dal_kind(dal) if asked_dal else "nonlinear"  # "auto": where the model has a table to regress
     _check_unk(unk)
     _dal_reduction_scale(dal_reduction)  # checked before anything changes
+    dal_weight = check_dal_weight("dal_weight", dal_weight)
     sampler_settings = dict(
         ratio=ratio, prob=prob, seed=seed, min_block=min_block, min_aspect=min_aspect, shared=shared, backend=backend
     )
@@ -102,12 +134,13 @@ def convert(
     if wrapper_class is FeatureGetterNet:
         convert(
             model.model,
-            dal=dal,
+            dal=dal_argument,
             patch_size=patch_size,
             dal_normalize=dal_normalize,
             fused_patch_embed=fused_patch_embed,
             unk=unk,
             dal_reduction=dal_reduction,
+            dal_weight=dal_weight,
             **sampler_settings,
         )
         model.__class__ = _mjp_class(type(model), None, _WRAPPER_MIXINS[wrapper_class])
@@ -122,19 +155,28 @@ def convert(
         if fused_patch_embed and reason is not None:
             raise ValueError(f"fused_patch_embed=True: {reason}")
         fuse = fused_patch_embed is not False and reason is None
+    elif isinstance(model, Eva):  # EVA-02, DINOv3, PE, the vit_*_rope_* models: a table, a rotary table, or both
+        if model.pos_embed is None:  # RoPE only
+            dal = _without_dal(model, dal, asked_dal, "it gets the identity rotation at the shuffled positions")
+        grid, dim, patch_size = _eva_layout(model)
+        new_class = _mjp_class(_original_class(type(model)), Eva, MJPEva)
+        reason = _unfusable_reason(model) if fused_patch_embed is not False else None
+        if fused_patch_embed and reason is not None:
+            raise ValueError(f"fused_patch_embed=True: {reason}")
+        fuse = fused_patch_embed is not False and reason is None
     else:
         if wrapper_class is not None:
             mjp_class, timm_class = _WRAPPER_MIXINS[wrapper_class], None
         else:
             timm_class = next((base for base in _PIXEL_CLASSES if isinstance(model, base)), None)
             if timm_class is None:
-                supported = ", ".join(base.__name__ for base in (*_PIXEL_CLASSES, *_WRAPPER_MIXINS))
+                families = (VisionTransformer, Eva, *_PIXEL_CLASSES, *_WRAPPER_MIXINS)
+                supported = ", ".join(dict.fromkeys(base.__name__ for base in families))
                 raise TypeError(f"model: convert() supports timm {supported}; got {type(model).__name__}")
             mjp_class = _PIXEL_CLASSES[timm_class]
         if fused_patch_embed:
             raise ValueError(f"fused_patch_embed=True: {_unfusable_reason(model)}")
-        if dal is not None:
-            raise ValueError(f"dal={dal!r} needs absolute position embeddings, which {type(model).__name__} lacks")
+        dal = _without_dal(model, dal, asked_dal, "it gets the pixel-space jigsaw")
         if patch_size is None:
             embed = getattr(model, "patch_embed", None)
             patch_size = _first(getattr(embed, "patch_size", 16) if embed is not None else 16)
@@ -148,6 +190,7 @@ def convert(
         dal_normalize=dal_normalize,
         unk=unk,
         dal_reduction=dal_reduction,
+        dal_weight=dal_weight,
         **sampler_settings,
     )
     reference = next(model.parameters(), None)
@@ -180,7 +223,8 @@ def fast_patch_embed(model: nn.Module, *, backend: str | None = None) -> nn.Modu
     the backend).
 
     Args:
-        model: a timm ``VisionTransformer`` with absolute position embeddings and timm's standard patch
+        model: a timm ``VisionTransformer`` (a distilled DeiT too) or ``Eva`` (EVA-02, PE, the ``_ape`` RoPE
+            models) with absolute position embeddings and timm's standard patch
             embedding (``PatchEmbed``; a Conv2d with stride equal to its square kernel; no norm; flattened output;
             a fixed image size: no ``dynamic_img_size``, ``dynamic_img_pad`` or ``strict_img_size=False``), an MJP
             version of one, or timm's ``features_only`` wrapper (``FeatureGetterNet``) of one.
@@ -188,20 +232,23 @@ def fast_patch_embed(model: nn.Module, *, backend: str | None = None) -> nn.Modu
             model's own (``convert``'s ``backend``).
 
     Raises:
-        TypeError: not a timm VisionTransformer. ValueError: a patch embedding the fused op cannot compute (the
+        TypeError: not a timm VisionTransformer or Eva. ValueError: a patch embedding the fused op cannot compute (the
         message says why), or an unknown backend.
     """
     target = model.model if isinstance(model, FeatureGetterNet) else model
-    if not isinstance(target, VisionTransformer):
-        raise TypeError(f"model must be a timm VisionTransformer (or its FeatureGetterNet), got {type(model).__name__}")
+    if not isinstance(target, (VisionTransformer, Eva)):
+        raise TypeError(
+            f"model must be a timm VisionTransformer or Eva (or its FeatureGetterNet), got {type(model).__name__}"
+        )
     reason = _unfusable_reason(target)
     if reason is not None:
         raise ValueError(f"model: its patch embedding cannot be fused: {reason}")
     _check_backend(backend)
     if isinstance(target, _MJPMixin):
         backend = backend if backend is not None else target.mjp.sampler.backend
-    elif not isinstance(target, _FusedViTMixin):
-        target.__class__ = _fused_model_class(type(target))
+    elif not isinstance(target, (_FusedViTMixin, _FusedEvaMixin)):
+        mixin = _FusedEvaMixin if isinstance(target, Eva) else _FusedViTMixin
+        target.__class__ = _fused_model_class(type(target), mixin)
     _fuse_patch_embed(target.patch_embed, backend)
     return model
 
@@ -209,4 +256,4 @@ def fast_patch_embed(model: nn.Module, *, backend: str | None = None) -> nn.Modu
 def _has_position_embeddings(model: nn.Module) -> bool:
     """Whether ``model`` (or the model in timm's ``FeatureGetterNet``) is a ViT with absolute position embeddings."""
     inner = model.model if isinstance(model, FeatureGetterNet) else model
-    return isinstance(inner, VisionTransformer) and inner.pos_embed is not None
+    return isinstance(inner, (VisionTransformer, Eva)) and inner.pos_embed is not None

@@ -9,6 +9,7 @@ from timm.models import DefaultCfg, get_arch_pretrained_cfgs, register_model
 from torch import nn
 
 from mjp_fast.timm.convert import _has_position_embeddings, convert
+from mjp_fast.timm.schedule import DEFAULT_DAL_WEIGHT
 
 REGISTERED_BASES = (
     "deit_tiny_patch16_224",
@@ -31,6 +32,7 @@ def _make_entrypoint(base: str):
         mjp_fused_patch_embed: bool | None = None,
         mjp_unk: bool = True,
         mjp_dal_reduction: str = "mean",
+        mjp_dal_weight: float = DEFAULT_DAL_WEIGHT,
         **kwargs,
     ) -> nn.Module:
         # The base's own entry point builds the model (and, with features_only, timm's feature wrapper around it)
@@ -48,6 +50,7 @@ def _make_entrypoint(base: str):
             fused_patch_embed=mjp_fused_patch_embed,
             unk=mjp_unk,
             dal_reduction=mjp_dal_reduction,
+            dal_weight=mjp_dal_weight,
         )
         config = getattr(model, "pretrained_cfg", None)
         if isinstance(config, dict):
@@ -62,7 +65,8 @@ def _make_entrypoint(base: str):
         "by default the paper's nonlinear DAL where the model has absolute position embeddings, else none. "
         "mjp_fused_patch_embed: as convert's fused_patch_embed (default: fused where the patch embedding is standard). "
         "mjp_unk, mjp_dal_reduction: as convert's unk (False: shuffled patches keep the position embeddings of where "
-        "they land; no mjp.unk_embed) and dal_reduction ('mean' or 'sum')."
+        "they land; no mjp.unk_embed) and dal_reduction ('mean' or 'sum'). mjp_dal_weight: as convert's dal_weight "
+        "(default 0.01): the weight at which a training forward attaches the DAL loss to the output."
     )
     return entrypoint
 
@@ -75,10 +79,10 @@ def register(base: str) -> str:
     """Registers ``mjp_<base>`` with timm for any timm model ``base``; returns that name.
 
     ``timm.create_model("mjp_<base>", mjp_ratio=..., mjp_prob=..., mjp_dal=..., mjp_seed=..., mjp_unk=...,
-    mjp_dal_reduction=..., mjp_fused_patch_embed=..., **timm_kwargs)`` then builds ``base`` (``pretrained``,
-    ``pretrained_cfg_overlay``, ``features_only`` and the other keywords go to timm) and converts it with
-    :func:`convert`. ``mjp_<base>`` carries the base's pretrained configs (its tags in ``timm.list_pretrained``), so
-    ``pretrained=True`` loads the base's weights; MJP's own parameters start fresh.
+    mjp_dal_reduction=..., mjp_dal_weight=..., mjp_fused_patch_embed=..., **timm_kwargs)`` then builds ``base``
+    (``pretrained``, ``pretrained_cfg_overlay``, ``features_only`` and the other keywords go to timm) and converts it
+    with :func:`convert`. ``mjp_<base>`` carries the base's pretrained configs (its tags in
+    ``timm.list_pretrained``), so ``pretrained=True`` loads the base's weights; MJP's own parameters start fresh.
     Registering a name twice is a no-op.
 
     Raises:

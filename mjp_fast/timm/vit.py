@@ -19,10 +19,11 @@ class MJPVisionTransformer(_MJPMixin, VisionTransformer):
         state, patch_embed, pos_embed = self.mjp, self.patch_embed, self.pos_embed
         if _is_fused(patch_embed):  # x: the images, passed through by patch_embed
             return _fused_pos_embed(self, x, state)
-        if pos_embed is None or not state.sampler.active:
+        if pos_embed is None or not state.engaged:
             state.last_jigsaw = None
             return super()._pos_embed(x)
         grid = patch_embed.grid_size  # the model's (set_input_size may have changed it since the sampler was made)
+        dal_table = dal_grid = None  # DAL regresses the stored table, not one resampled for another input size
         if self.dynamic_img_size:
             batch, rows, cols, dim = x.shape
             grid = (rows, cols)
@@ -30,8 +31,12 @@ class MJPVisionTransformer(_MJPMixin, VisionTransformer):
                 pos_embed, new_size=grid, old_size=patch_embed.grid_size, num_prefix_tokens=_prefix_positions(self)
             )
             x = x.reshape(batch, rows * cols, dim)
+            dal_table, dal_grid = self.pos_embed, patch_embed.grid_size
         # The whole table and the prefix tokens go in: the kernels write [B, P + N, D] at once (no slice, no cat).
-        x = state(x, pos_embed, grid, prefix=_prefix_tokens(self), prefix_positions=_prefix_positions(self))
+        prefix, prefix_positions = _prefix_tokens(self), _prefix_positions(self)
+        x = state(
+            x, pos_embed, grid, prefix=prefix, prefix_positions=prefix_positions, dal_table=dal_table, dal_grid=dal_grid
+        )
         return self.pos_drop(x)
 
     def mjp_aux_loss(self) -> torch.Tensor:
@@ -40,10 +45,11 @@ class MJPVisionTransformer(_MJPMixin, VisionTransformer):
         if regressor is None or pos_embed is None:
             anchor = pos_embed if pos_embed is not None else state.unk_embed
             return anchor.new_zeros((), dtype=torch.float32)
-        stepped = state.dal_of_step(pos_embed)
-        if stepped is not None:
-            return stepped
-        coords, jigsaw = state.dal_coordinates, state.last_jigsaw
+        attached = state.claim_dal(pos_embed)  # the loss the last forward attached, counted at the loop's weight
+        if attached is not None:
+            return attached
+        # Computed here: the last forward attached nothing (eval mode, no grad), or its loss was handed out already.
+        coords, jigsaw = state.dal_coordinates_for(self.patch_embed.grid_size), state.last_jigsaw
         mask = jigsaw.mask if jigsaw is not None else None
         if mask is not None and mask.shape[1] != coords.shape[0]:
             mask = None  # the last input had another grid (dynamic size): regress every stored position

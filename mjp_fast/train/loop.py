@@ -5,10 +5,11 @@ One process per GPU under ``torchrun`` (DDP), or one process on a CPU or GPU:
     torchrun --nproc_per_node=8 -m mjp_fast.cli train --config deit_s.yaml --data /data/imagenet
 
 Per step: mixup/cutmix on the batch, then the model's forward (which jigsaws the batch: MJP comes after mixup, as
-in the paper's code), the classification loss plus ``dal_weight(step) * model.mjp_aux_loss()``, backward, gradient
-clipping and the optimizer step (all four in :class:`TrainStep`), then the schedule. The jigsaw starts at
-``mjp_from_epoch`` (default: the end of warm-up); the DAL weight decays from ``dal_weight`` to ``dal_weight_end``
-along a cosine over the whole run.
+in the paper's code, and attaches the DAL loss to its tokens at the model's ``mjp_dal_weight``, set to
+``dal_weight(step)``), the classification loss, backward (which trains DAL too), gradient clipping and the
+optimizer step (all four in :class:`TrainStep`), then the schedule. The jigsaw starts at ``mjp_from_epoch``
+(default: the end of warm-up); the DAL weight decays from ``dal_weight`` to ``dal_weight_end`` along a cosine over
+the whole run.
 
 Reproducibility and resumption: each step seeds the global generators from ``(seed, rank, epoch, batch)`` (mixup,
 drop-path) and each sample its transform (see :mod:`mjp_fast.train.data`); the jigsaw stream is the model's
@@ -44,6 +45,7 @@ from torch.utils.data import DataLoader, Dataset
 from mjp_fast._atomic import write_atomically
 from mjp_fast.evaluate.metrics import evaluate_model
 from mjp_fast.evaluate.position import model_position_regression
+from mjp_fast.timm.schedule import dal_weight_cosine
 from mjp_fast.train import checkpoint as checkpoint_io
 from mjp_fast.train.config import ConfigError, TrainConfig, save_config
 from mjp_fast.train.data import (
@@ -160,11 +162,9 @@ def default_output(config: TrainConfig) -> str:
 
 
 def dal_weight_at(config: TrainConfig, step: int, total_steps: int) -> float:
-    """The DAL weight after ``step`` of ``total_steps`` optimizer steps: cosine from dal_weight to dal_weight_end."""
-    progress = min(max(step / max(total_steps, 1), 0.0), 1.0)
-    return config.dal_weight_end + (config.dal_weight - config.dal_weight_end) * 0.5 * (
-        1 + math.cos(math.pi * progress)
-    )
+    """The DAL weight after ``step`` of ``total_steps`` optimizer steps: cosine from dal_weight to dal_weight_end (the
+    cosine of :class:`mjp_fast.timm.DALWeightSchedule`)."""
+    return dal_weight_cosine(config.dal_weight, config.dal_weight_end, step, total_steps)
 
 
 def amp_dtype(config: TrainConfig, device: torch.device) -> torch.dtype | None:
@@ -287,9 +287,9 @@ def _check_divergence(
 class StepLosses:
     """One micro-batch's losses: 0-d float tensors on the training device, not read back (see :class:`_StepTally`)."""
 
-    total: torch.Tensor  # what the backward ran on (before the division by accum_steps): loss + dal_weight * dal
+    total: torch.Tensor  # loss + dal_weight * dal: what the backward trained (before the division by accum_steps)
     loss: torch.Tensor  # the classification loss
-    dal: torch.Tensor | None  # the unweighted DAL loss; None without DAL
+    dal: torch.Tensor | None  # the unweighted DAL loss (detached where it was attached to the tokens); None without DAL
 
 
 @dataclass
@@ -299,7 +299,16 @@ class TrainStep:
 
     Built once per run, called once per batch; the loop around it keeps the step count, the schedule and the
     checkpoints. ``forward_model`` runs the forward (the model itself, or it compiled and/or DDP-wrapped);
-    ``model`` is the bare model, whose parameters are clipped and whose ``mjp_aux_loss`` is read.
+    ``model`` is the bare model, whose parameters are clipped, whose ``mjp_dal_weight`` is set and whose DAL loss is
+    read.
+
+    The DAL loss trains attached to the model's output (the model's forward attaches it at ``mjp_dal_weight``, set
+    here to ``dal_weight / accum_steps`` where it changes: the backward runs on the classification loss divided by
+    ``accum_steps``), so the backward is of the classification loss alone and the DAL loss is only read for the
+    records. With the fp16 scaler, whose loss scale is a device tensor that changes during the run, the loss
+    ``loss + dal_weight * model.mjp_aux_loss()`` is scaled and back-propagated instead: that explicit loss's weight
+    replaces the attached one, so the scaled backward scales DAL too. Either way the gradients are those of
+    ``(loss + dal_weight * dal) / accum_steps``.
     """
 
     model: nn.Module
@@ -310,6 +319,7 @@ class TrainStep:
     amp_dtype: torch.dtype | None = None  # autocast's dtype; None: no autocast
     scaler: torch.amp.GradScaler | None = None  # fp16's loss scaler; None: plain backward and step
     ddp: bool = False  # forward_model is DDP-wrapped: gradients are all-reduced at updates only
+    _attached_weight: float | None = field(default=None, init=False, repr=False)  # the model's mjp_dal_weight, as set
 
     @property
     def dal_on(self) -> bool:
@@ -332,7 +342,8 @@ class TrainStep:
         Args:
             images: float ``[B, C, H, W]`` on the training device (after mixup, if any).
             targets: int64 ``[B]`` class indices, or float ``[B, num_classes]`` soft targets (mixup).
-            dal_weight: the DAL loss's weight in the total (unused without DAL).
+            dal_weight: the DAL loss's weight in the total (unused without DAL); the model's ``mjp_dal_weight``
+                follows it (divided by ``accum_steps``).
             update: this micro-batch ends an accumulation: clip the gradients, step the optimizer, zero the
                 gradients. Else the gradients only accumulate (and DDP does not all-reduce them).
             tally: the epoch's running sums; this batch is added to them, a non-finite total recorded.
@@ -342,6 +353,8 @@ class TrainStep:
         Returns:
             The batch's losses (``total`` before the division by ``accum_steps``).
         """
+        if self.dal_on:
+            self._set_attached_weight(dal_weight / self.config.accum_steps)
         sync = contextlib.nullcontext() if (update or not self.ddp) else self.forward_model.no_sync()
         with sync:
             dtype = self.amp_dtype
@@ -349,21 +362,36 @@ class TrainStep:
             with torch.autocast(images.device.type, dtype=dtype, enabled=dtype is not None):
                 logits = self.forward_model(images)
                 loss = self.criterion(logits, targets)
-                total = loss
+                objective = total = loss  # what the backward runs on; what it trains
                 dal = None
                 if self.dal_on:
-                    dal = self.model.mjp_aux_loss()
-                    total = total + dal_weight * dal
+                    # attached to the logits' graph by the forward (read without a graph), unless the scaler needs it
+                    # explicit, or the forward attached none
+                    dal = self.model.mjp.last_dal_loss if self.scaler is None else None
+                    if dal is None:
+                        dal = self.model.mjp_aux_loss()
+                        objective = total = loss + dal_weight * dal
+                    else:
+                        total = loss + dal_weight * dal
                 unk = getattr(getattr(self.model, "mjp", None), "unk_embed", None) if self.ddp else None
                 if unk is not None:
-                    total = total + 0.0 * unk.sum()  # keeps unk_embed in the graph while the jigsaw is off
+                    # unk_embed takes no part in a forward while the jigsaw is off (prob 0 during warm-up): DDP
+                    # would find it unused. In the graph with a zero gradient instead.
+                    objective = objective + 0.0 * unk.sum()
             # a non-finite total is only recorded here; it is raised at the next read (see _StepTally)
             tally.add(total, loss, dal, images.shape[0], batch_index, step)
-            scaled = total / self.config.accum_steps
+            scaled = objective / self.config.accum_steps
             (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
         if update:
             self._update()
         return StepLosses(total, loss, dal)
+
+    def _set_attached_weight(self, weight: float) -> None:
+        """Sets the model's ``mjp_dal_weight`` (the weight at which its forward attaches the DAL loss), where it
+        changed since the last step: a write to a device buffer, not a read."""
+        if weight != self._attached_weight:
+            self.model.mjp_dal_weight = weight
+            self._attached_weight = weight
 
     def _update(self) -> None:
         """Clips the accumulated gradients, steps the optimizer (through the scaler), zeros the gradients."""

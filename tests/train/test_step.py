@@ -1,5 +1,6 @@
 """One training step alone (:class:`mjp_fast.train.loop.TrainStep`) on a tiny MJP ViT: losses and gradients against
-the same sums done by hand, accumulation, clipping, AMP, the fp16 scaler, DDP's no_sync and the divergence watch."""
+the same sums done by hand (the step's DAL loss attached to the model's output, the hand's explicit), accumulation,
+clipping, AMP, the fp16 scaler, a compiled forward, DDP's no_sync and the divergence watch."""
 
 import contextlib
 import copy
@@ -69,13 +70,48 @@ def test_losses_and_gradients_are_the_classification_plus_weighted_dal_done_by_h
     torch.testing.assert_close(losses.dal, expected.dal)
     torch.testing.assert_close(losses.total, expected.total)
     torch.testing.assert_close(losses.total, losses.loss + 0.3 * losses.dal)
-    # the backward ran on the same total, divided by accum_steps
+    # the backward trained the same total, divided by accum_steps (the DAL part attached to the model's output)
+    _assert_same_grads(model, twin)
+    assert model.pos_embed.grad.abs().sum() > 0
+
+
+def _assert_same_grads(model, twin, **tolerance):
     for (name, parameter), twin_parameter in zip(model.named_parameters(), twin.parameters(), strict=True):
         if twin_parameter.grad is None:
             assert parameter.grad is None, name
         else:
-            torch.testing.assert_close(parameter.grad, twin_parameter.grad, msg=name)
-    assert model.pos_embed.grad.abs().sum() > 0
+            torch.testing.assert_close(parameter.grad, twin_parameter.grad, msg=name, **tolerance)
+
+
+def test_the_step_trains_dal_attached_to_the_output_without_calling_mjp_aux_loss(monkeypatch):
+    config, model = _tiny(accum_steps=4)
+    twin = copy.deepcopy(model)
+    images, targets = _batch()
+    buffer = model.mjp.dal_weight
+    # the attached path: the backward is of the classification loss; the DAL loss is read without a graph
+    monkeypatch.setattr(model, "mjp_aux_loss", lambda: pytest.fail("the attached path needs no mjp_aux_loss"))
+    losses = _run(_step(model, config), images, targets, update=False, dal_weight=0.2)
+    expected = _by_hand(twin, images, targets, dal_weight=0.2, accum_steps=4)
+    assert model.mjp_dal_weight == pytest.approx(0.2 / 4) and model.mjp.dal_weight is buffer
+    assert not losses.dal.requires_grad
+    torch.testing.assert_close(losses.dal, expected.dal.detach())
+    torch.testing.assert_close(losses.total, expected.total.detach())
+    _assert_same_grads(model, twin)
+    assert model.mjp.dal_regressor.net[0].weight.grad.abs().sum() > 0
+
+
+def test_a_compiled_forward_trains_the_same():
+    # compile=true: the model's forward compiled (aot_eager here: tracing, functionalization and autograd on the CPU)
+    config, model = _tiny()
+    twin = copy.deepcopy(model)
+    step = TrainStep(model, torch.compile(model, backend="aot_eager"), torch.optim.SGD(model.parameters(), lr=0.1),
+                     nn.CrossEntropyLoss(), config)  # fmt: skip
+    for seed, weight in ((0, 0.3), (1, 0.1)):  # a new weight: the same graph reads the buffer in place
+        images, targets = _batch(seed)
+        losses = _run(step, images, targets, update=False, dal_weight=weight)
+        expected = _by_hand(twin, images, targets, dal_weight=weight)
+        torch.testing.assert_close(losses.dal, expected.dal.detach())
+    _assert_same_grads(model, twin, rtol=1e-4, atol=1e-6)
 
 
 def test_the_dal_weight_changes_the_total_and_the_position_gradient_only_through_dal():

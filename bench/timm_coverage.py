@@ -1,0 +1,281 @@
+"""Which timm ViTs MJP covers, and how: a sweep over timm's ViT families, and ``docs/timm-coverage.md`` from it.
+
+For every small model of timm's ViT families (``vit_*``, ``deit*``, ``eva*``, ``beit*``, ``flexivit*`` whose name
+says tiny, small, little, ...), built with ``pretrained=False`` at its own input size (its pretrained config's),
+the sweep does what a new user would:
+
+1. ``mjp_fast.timm.convert(model, ratio=0.1, prob=1.0)``;
+2. eval mode: the output must equal the unconverted model's (within float tolerance: the fused embedding sums
+   in another order);
+3. one training step: forward, cross-entropy plus ``0.01 * mjp_aux_loss()``, backward; every parameter that
+   requires a gradient must get one (MJP's ``unk_embed`` and DAL regressor included);
+4. ``mjp_eval(ratio=0.5)``: the consistency protocol's jigsawed eval must run and give finite outputs.
+
+It records what MJP does there (the unknown embedding on the absolute table, the identity rotation for RoPE, or
+the pixel-space jigsaw), whether the patch embedding runs fused, and the timm version, then writes JSON and the
+Markdown page::
+
+    python bench/timm_coverage.py                      # every small model, full depth (minutes on 2 CPU cores)
+    python bench/timm_coverage.py --depth 1 --models 'eva*'   # quicker: one block each, a subset
+
+The test suite runs :data:`EXAMPLES`, one tiny model per family, through :func:`check_model` (tests/timm/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import fnmatch
+import json
+import os
+import re
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make `bench` and `mjp_fast` importable from the checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import timm
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "docs" / "timm-coverage.md"
+RESULTS = ROOT / "bench" / "results"
+FAMILY_PATTERNS = ("vit_*", "deit*", "eva*", "beit*", "flexivit*")
+# What a name says about its size: the issue's "small models" (tiny, small, little, ... in the name).
+SMALL_WORDS = re.compile(r"tiny|small|little|mediumd|betwixt|wee|micro|nano")
+
+# One tiny model per family for the test suite: (timm name, keyword overrides, input side or None for the
+# model's own). The overrides keep each step to a fraction of a second on a CPU; the family's code paths stay.
+TINY = dict(embed_dim=32, depth=2, num_heads=2)
+EXAMPLES: dict[str, tuple[str, dict[str, Any], int | None]] = {
+    "ViT, class token": ("deit_tiny_patch16_224", dict(img_size=32, patch_size=4, **TINY), None),
+    "ViT, registers, global pool": (
+        "vit_betwixt_patch16_reg4_gap_256",
+        dict(img_size=32, patch_size=4, **TINY),
+        None,
+    ),
+    "ViT, no_embed_class (DeiT III)": ("deit3_small_patch16_224", dict(img_size=32, patch_size=4, **TINY), None),
+    "ViT at 518 px (DINOv2)": ("vit_small_patch14_reg4_dinov2", dict(embed_dim=32, depth=1, num_heads=2), None),
+    "ViT, dynamic_img_size": (
+        "vit_tiny_patch16_224",
+        dict(img_size=32, patch_size=4, dynamic_img_size=True, **TINY),
+        48,
+    ),
+    "ViT, hybrid (ResNet stem)": ("vit_tiny_r_s16_p8_224", dict(img_size=32, depth=2), None),
+    "distilled DeiT": ("deit_tiny_distilled_patch16_224", dict(img_size=32, patch_size=4, **TINY), None),
+    "EVA-02 (table + RoPE)": ("eva02_tiny_patch14_224", dict(img_size=28, patch_size=4, **TINY), None),
+    "RoPE ViT": ("vit_small_patch16_rope_224", dict(img_size=32, patch_size=4, **TINY), None),
+    "RoPE ViT, mixed + table": ("vit_small_patch16_rope_mixed_ape_224", dict(img_size=32, patch_size=4, **TINY), None),
+    "DINOv3": ("vit_small_patch16_dinov3", dict(img_size=32, patch_size=4, **TINY), None),
+    "PE core": ("vit_pe_core_tiny_patch16_384", dict(img_size=32, patch_size=4, **TINY), None),
+    "relative-position ViT": ("vit_relpos_small_patch16_224", dict(img_size=32, patch_size=4, **TINY), None),
+    "BEiT": ("beit_base_patch16_224", dict(img_size=32, patch_size=4, **TINY), None),
+}
+
+
+def small_models(patterns: tuple[str, ...] = FAMILY_PATTERNS) -> list[str]:
+    """The small models of timm's ViT families, in timm's order, without duplicates."""
+    names = dict.fromkeys(name for pattern in patterns for name in timm.list_models(pattern))
+    return [name for name in names if SMALL_WORDS.search(name)]
+
+
+def input_side(model: nn.Module) -> int:
+    """The square input side the model was made for: its patch embedding's image size, else its config's."""
+    size = getattr(getattr(model, "patch_embed", None), "img_size", None)
+    if size is not None:
+        return int(size[0] if isinstance(size, (tuple, list)) else size)
+    return int(model.pretrained_cfg["input_size"][-1])
+
+
+def what_mjp_does(model: nn.Module) -> str:
+    """How a converted model applies MJP, in the coverage table's words."""
+    import mjp_fast.timm as mjp_timm
+
+    if isinstance(model, mjp_timm.MJPPixelModel):
+        return "pixel jigsaw"
+    parts = []
+    if getattr(model, "pos_embed", None) is not None:
+        parts.append("UNK on the table" if model.mjp.unk_embed is not None else "table, naive shuffle")
+    if getattr(model, "rope", None) is not None:
+        parts.append("RoPE identity")
+    return " + ".join(parts) if parts else "tokens moved"
+
+
+def _logits(output: Any) -> torch.Tensor:
+    """The classifier output of a timm model's forward (a distilled DeiT in distilled training gives two)."""
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+def check_model(
+    name: str,
+    overrides: dict[str, Any] | None = None,
+    side: int | None = None,
+    *,
+    backend: str | None = None,
+    device: str = "cpu",
+    batch: int = 2,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Converts, trains one step, and evaluates one timm model; returns the record of what happened.
+
+    Args:
+        name: a timm model name. overrides: keywords for ``timm.create_model`` (smaller sizes for tests).
+        side: the input side in pixels (default: the model's own).
+        backend: MJP's backend (default automatic).
+
+    Returns:
+        A JSON-ready dict: ``name``, ``timm_class``, ``input_size``, ``mjp`` (what MJP does), ``fused``, ``ok``,
+        ``steps`` (each step's outcome: ``True`` or the error's first line), ``eval_max_diff``, ``seconds``.
+    """
+    import mjp_fast.timm as mjp_timm
+
+    start = time.perf_counter()
+    record: dict[str, Any] = {"name": name, "overrides": overrides or {}, "steps": {}}
+    torch.manual_seed(seed)
+    try:
+        base = timm.create_model(name, pretrained=False, num_classes=10, **(overrides or {})).to(device)
+    except Exception as error:  # noqa: BLE001 - recorded: the sweep goes on
+        record.update(ok=False, error=f"create: {_first_line(error)}", seconds=time.perf_counter() - start)
+        return record
+    record["timm_class"] = type(base).__name__
+    side = side or input_side(base)
+    record["input_size"] = side
+    images = torch.randn(batch, 3, side, side, device=device)
+    targets = torch.randint(0, 10, (batch,), device=device)
+    steps = record["steps"]
+    try:
+        model = mjp_timm.convert(copy.deepcopy(base), ratio=0.1, prob=1.0, backend=backend)
+        steps["convert"] = True
+        record["mjp"] = what_mjp_does(model)
+        record["fused"] = mjp_timm.is_fused(model.patch_embed) if hasattr(model, "patch_embed") else False
+        # Before the training step, whose forward moves BatchNorm statistics (the hybrid ViTs' ResNet stems).
+        model.eval()
+        base.eval()
+        with torch.no_grad():
+            expected, got = _logits(base(images)), _logits(model(images))
+        difference = (expected - got).abs().max().item()
+        record["eval_max_diff"] = difference
+        scale = expected.abs().max().item() + 1e-6
+        if not difference <= 1e-4 * scale + 1e-5:
+            raise RuntimeError(f"eval output differs from timm's by {difference:.3g}")
+        steps["eval = timm"] = True
+        model.train()
+        logits = _logits(model(images))
+        loss = nn.functional.cross_entropy(logits, targets) + 0.01 * model.mjp_aux_loss()
+        loss.backward()
+        missing = [key for key, p in model.named_parameters() if p.requires_grad and p.grad is None]
+        if not torch.isfinite(loss):
+            raise RuntimeError(f"the loss is {loss.item()}")
+        if any(key.startswith("mjp.") for key in missing):
+            raise RuntimeError(f"no gradient reached {', '.join(k for k in missing if k.startswith('mjp.'))}")
+        steps["train step"] = True
+        record["params_without_grad"] = missing
+        with torch.no_grad(), model.mjp_eval(ratio=0.5, seed=0):
+            jigsawed = _logits(model(images))
+        if not torch.isfinite(jigsawed).all():
+            raise RuntimeError("mjp_eval gave non-finite outputs")
+        steps["mjp_eval"] = True
+    except Exception as error:  # noqa: BLE001 - recorded: the sweep goes on
+        failed = next(step for step in ("convert", "eval = timm", "train step", "mjp_eval") if step not in steps)
+        steps[failed] = _first_line(error)
+        record["traceback"] = traceback.format_exc(limit=4)
+    record["ok"] = all(value is True for value in steps.values()) and len(steps) == 4
+    record["seconds"] = round(time.perf_counter() - start, 2)
+    return record
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"
+
+
+def render(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    """``docs/timm-coverage.md`` from the sweep's records."""
+    families: dict[tuple[str, str, str], list[str]] = {}
+    for record in records:
+        key = (record.get("timm_class", "?"), record.get("mjp", "-"), "yes" if record.get("fused") else "no")
+        families.setdefault(key, []).append(record["name"])
+    lines = [
+        "# MJP across timm's ViT families",
+        "",
+        "Generated by `python bench/timm_coverage.py` (do not edit by hand). Each small model of timm's ViT families",
+        "(`vit_*`, `deit*`, `eva*`, `beit*`, `flexivit*` with tiny, small, little, ... in the name) was built with",
+        "`pretrained=False` at its own input size, converted with `mjp_fast.timm.convert(model, ratio=0.1,",
+        "prob=1.0)`, trained one step (cross-entropy plus `0.01 * mjp_aux_loss()`; every MJP parameter must get a",
+        "gradient), compared with the unconverted model in eval mode, and evaluated under `mjp_eval(ratio=0.5)`.",
+        "",
+        f"Run: timm {meta['timm']}, torch {meta['torch']}, {meta['device']}, backend {meta['backend']}, "
+        f"{meta['depth_note']}, {meta['date']}. {sum(r['ok'] for r in records)} of {len(records)} models pass "
+        "every step.",
+        "",
+        "What MJP does: **UNK on the table**: the shuffled positions get the learned unknown embedding instead of",
+        "their row of the absolute position table, and DAL regresses the table (the paper's method). **RoPE",
+        "identity**: the shuffled positions get no rotation (cos 1, sin 0), the rotary analogue of the unknown",
+        "embedding (docs/design.md). **pixel jigsaw**: the model keeps its positions in relative biases (or has no",
+        "position table at all), so there is no row to replace: its input images are jigsawed, as the paper's",
+        "Swin and ResNet rows. **fused**: the patch embedding, the jigsaw and the position term run as one",
+        "`mjp_patch_embed` call (timm's standard `PatchEmbed` and an absolute table).",
+        "",
+        "| timm class | what MJP does | fused embedding | models |",
+        "|---|---|---|---|",
+    ]
+    for (timm_class, mjp, fused), names in sorted(families.items()):
+        lines.append(f"| `{timm_class}` | {mjp} | {fused} | {', '.join(f'`{n}`' for n in names)} |")
+    lines += ["", "## Every model", "", "| model | input | timm class | what MJP does | fused | result | s |"]
+    lines.append("|---|---|---|---|---|---|---|")
+    for record in records:
+        failed = [f"{step}: {value}" for step, value in record["steps"].items() if value is not True]
+        result = "ok" if record["ok"] else "; ".join(failed) or record.get("error", "failed")
+        lines.append(
+            f"| `{record['name']}` | {record.get('input_size', '-')} | `{record.get('timm_class', '-')}` | "
+            f"{record.get('mjp', '-')} | {'yes' if record.get('fused') else 'no'} | {result} | {record['seconds']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="*", help="fnmatch pattern over the small models (default: all)")
+    parser.add_argument("--depth", type=int, default=None, help="build each model with this many blocks")
+    parser.add_argument("--backend", default=None, help="MJP's backend (default automatic)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--json", type=Path, default=None, help="default bench/results/timm-coverage-<date>.json")
+    parser.add_argument("--doc", type=Path, default=DOC, help="the Markdown page to write (default %(default)s)")
+    args = parser.parse_args(argv)
+
+    import mjp_fast.backend
+
+    names = [name for name in small_models() if fnmatch.fnmatch(name, args.models)]
+    overrides = {"depth": args.depth} if args.depth is not None else {}
+    records = []
+    for name in names:
+        record = check_model(name, overrides, backend=args.backend, device=args.device)
+        records.append(record)
+        status = "ok" if record["ok"] else "FAILED " + json.dumps(record["steps"] or record.get("error"))
+        print(f"{name:48s} {record.get('mjp', '-'):28s} {record['seconds']:7.1f} s  {status}", flush=True)
+    date = time.strftime("%Y-%m-%d", time.gmtime())
+    meta = {
+        "timm": timm.__version__,
+        "torch": torch.__version__,
+        "device": args.device,
+        "backend": args.backend or mjp_fast.backend.resolve_backend(None, torch.device(args.device)),
+        "depth_note": f"{args.depth} block(s) per model" if args.depth is not None else "full depth",
+        "date": date,
+    }
+    path = args.json or RESULTS / f"timm-coverage-{args.device}-{date}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"meta": meta, "records": records}, indent=1) + "\n")
+    args.doc.write_text(render(records, meta))
+    print(f"{sum(r['ok'] for r in records)} of {len(records)} pass; wrote {path} and {args.doc}")
+    return 0 if all(record["ok"] for record in records) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
