@@ -42,6 +42,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import timm
 import torch
+from timm.layers import HybridEmbed
 from torch import nn
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -101,6 +102,8 @@ def what_mjp_does(model: nn.Module) -> str:
     if isinstance(model, mjp_timm.MJPPixelModel):
         return "pixel jigsaw"
     parts = []
+    if isinstance(getattr(model, "patch_embed", None), HybridEmbed):  # a CNN stem: its input images are jigsawed
+        parts.append("pixel jigsaw")
     if getattr(model, "pos_embed", None) is not None:
         parts.append("UNK on the table" if model.mjp.unk_embed is not None else "table, naive shuffle")
     if getattr(model, "rope", None) is not None:
@@ -218,10 +221,12 @@ def render(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "What MJP does: **UNK on the table**: the shuffled positions get the learned unknown embedding instead of",
         "their row of the absolute position table, and DAL regresses the table (the paper's method). **RoPE",
         "identity**: the shuffled positions get no rotation (cos 1, sin 0), the rotary analogue of the unknown",
-        "embedding (docs/design.md). **pixel jigsaw**: the model keeps its positions in relative biases (or has no",
-        "position table at all), so there is no row to replace: its input images are jigsawed, as the paper's",
-        "Swin and ResNet rows. **fused**: the patch embedding, the jigsaw and the position term run as one",
-        "`mjp_patch_embed` call (timm's standard `PatchEmbed` and an absolute table).",
+        "embedding; without a table the shuffled tokens get the unknown embedding added, as a marker (docs/design.md",
+        "section 7). **pixel jigsaw**: the model keeps its positions in relative biases (or has no position table),",
+        "so there is no row to replace: its input images are jigsawed, as the paper's Swin and ResNet rows. A hybrid",
+        "ViT (a CNN stem, whose receptive fields cross the patches' borders) gets its images jigsawed too, one block",
+        "of pixels per token, and the unknown embedding on its table. **fused**: the patch embedding, the jigsaw and",
+        "the position term run as one `mjp_patch_embed` call (timm's standard `PatchEmbed` and an absolute table).",
         "",
         "| timm class | what MJP does | fused embedding | models |",
         "|---|---|---|---|",

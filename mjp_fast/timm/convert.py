@@ -24,7 +24,7 @@ from mjp_fast.timm.fused import (
 from mjp_fast.timm.pixel import _PIXEL_CLASSES
 from mjp_fast.timm.schedule import DEFAULT_DAL_WEIGHT, check_dal_weight
 from mjp_fast.timm.state import MJPState, _check_backend, _check_unk, _dal_kind, _dal_reduction_scale
-from mjp_fast.timm.vit import MJPVisionTransformer
+from mjp_fast.timm.vit import MJPVisionTransformer, _jigsaw_pixels_before, _pixel_block
 
 
 def _grid(model: nn.Module, patch_size: int) -> tuple[int, int]:
@@ -145,10 +145,12 @@ def convert(
         )
         model.__class__ = _mjp_class(type(model), None, _WRAPPER_MIXINS[wrapper_class])
         return model
-    fuse = False
+    fuse, pixel_block = False, None
     if isinstance(model, VisionTransformer) and model.pos_embed is not None:
         grid, dim = tuple(model.patch_embed.grid_size), model.embed_dim
-        patch_size = _first(model.patch_embed.patch_size)
+        # A hybrid ViT (CNN stem) jigsaws its images, a block of pixels per token; others move their tokens.
+        pixel_block = _pixel_block(model.patch_embed)
+        patch_size = pixel_block or _first(model.patch_embed.patch_size)
         # A plain model fused by fast_patch_embed becomes the MJP version of its timm class.
         new_class = _mjp_class(_original_class(type(model)), VisionTransformer, MJPVisionTransformer)
         reason = _unfusable_reason(model) if fused_patch_embed is not False else None
@@ -207,6 +209,8 @@ def convert(
         _fuse_patch_embed(model.patch_embed, backend)
     elif isinstance(model, VisionTransformer):
         _unfuse_patch_embed(model.patch_embed)
+        if pixel_block is not None:
+            _jigsaw_pixels_before(model.patch_embed, state)
     if wrapper_class is not None:  # the wrapper runs its entries in order: the jigsaw goes first
         model._modules = dict(mjp=model._modules.pop("mjp"), **model._modules)
     return model

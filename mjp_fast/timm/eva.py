@@ -3,15 +3,16 @@ on the absolute position table where there is one, and the identity rotation on 
 
 ``Eva._pos_embed`` returns ``(tokens, rope)``. In training (or inside ``mjp_eval``) this front end
 
-- moves the patch tokens by the jigsaw: with an absolute table through :class:`MJPState` (the masked positions get
-  ``unk_embed``, as a plain ViT), fused with the patch embedding where it is timm's standard one; without a table
-  (RoPE only) by :func:`mjp_fast.ops.permute.permute_rows` after timm's own convolution;
+- moves the patch tokens by the jigsaw through :class:`MJPState`, and the masked positions get ``unk_embed``: with
+  an absolute table in place of their row, as a plain ViT (fused with the patch embedding where it is timm's
+  standard one); without a table (RoPE only) added to the moved tokens, the one learned marker of a position the
+  model must not know (after timm's own convolution);
 - gives the shuffled positions no rotation: each sample's rotary table is :func:`mjp_fast.ops.rope_identity.
   rope_identity` of timm's, batched as timm's patch-dropout path batches it (``[B, 1, N, E]``; a mixed rope's
   ``[depth, B, H, N, E]``). With ``unk=False`` (the naive shuffle) every position keeps its rotation (and its row).
 
-Under ``torch.fx`` the jigsaw is one node (the ``mjp`` module with a table, ``_jigsaw_patch_tokens`` without), and the
-rotary table of the sampled jigsaw one more (``_jigsaw_rope``): both run when the graph runs.
+Under ``torch.fx`` the jigsaw is one node (the ``mjp`` module), and the rotary table of the sampled jigsaw one more
+(``_jigsaw_rope``): both run when the graph runs.
 """
 
 from __future__ import annotations
@@ -22,22 +23,11 @@ from timm.layers import resample_abs_pos_embed
 from timm.layers.pos_embed_sincos import apply_keep_indices_nlc
 from timm.models.eva import Eva
 
-from mjp_fast.ops.permute import permute_rows
 from mjp_fast.ops.rope_identity import rope_identity
 from mjp_fast.timm.base import _MJPMixin
 from mjp_fast.timm.fused import _fused_pos_embed, _is_fused, _prefix_positions, _prefix_tokens
 from mjp_fast.timm.state import MJPState
 from mjp_fast.timm.vit import MJPVisionTransformer
-
-
-@torch.fx.wrap  # one call_function node under FX: the sampler's Python runs when the graph runs
-def _jigsaw_patch_tokens(state: MJPState, tokens: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
-    """Without a position table: the sampler's next jigsaws (kept in ``state.last_jigsaw``) move the patch tokens
-    ``[B, N, D]`` (moving embedded tokens is moving patches); ``tokens`` themselves when the sampler is inactive."""
-    sampler = state.sampler
-    jigsaw = sampler.forward(tokens.shape[0], tokens.device, grid) if sampler.active else None
-    state.last_jigsaw = jigsaw
-    return tokens if jigsaw is None else permute_rows(tokens, jigsaw.perm)
 
 
 @torch.fx.wrap  # one call_function node under FX: it reads the jigsaw the graph's MJP node has just sampled
@@ -86,17 +76,13 @@ class MJPEva(_MJPMixin, Eva):
             )  # fmt: skip
             x = self.pos_drop(x)
         else:
-            x = self.pos_drop(self._prepend_prefix(_jigsaw_patch_tokens(state, x, grid)))
+            # No table (RoPE only): the tokens move, the shuffled ones get unk_embed; the prefix tokens go in front.
+            x = self.pos_drop(state(x, None, grid, prefix=_prefix_tokens(self), prefix_positions=0))
         # One table per sample where the jigsaw gives the shuffled positions no rotation (not for the naive shuffle).
         batched = rope is not None and state.sampler.active and state.use_unk
         if batched:
             rope = _jigsaw_rope(state, rope, x)
         return _drop_patches(self, x, rope, batched)
-
-    def _prepend_prefix(self, x: torch.Tensor) -> torch.Tensor:
-        """The class and register tokens in front of the patch tokens, as timm's ``Eva`` (no table to add)."""
-        to_cat = [token.expand(x.shape[0], -1, -1) for token in (self.cls_token, self.reg_token) if token is not None]
-        return torch.cat(to_cat + [x], dim=1) if to_cat else x
 
     def mjp_aux_loss(self) -> torch.Tensor:
         if self.pos_embed is None:  # RoPE only: no table to regress (convert gives it no DAL)
@@ -161,9 +147,8 @@ class _FusedEvaMixin:
 
 
 def _eva_layout(model: Eva) -> tuple[tuple[int, int], int | None, int]:
-    """The state's grid, token width (None without a position table: no ``unk_embed``, no DAL) and patch size."""
+    """The state's grid, token width (``unk_embed``'s, with or without a position table) and patch size."""
     embed = model.patch_embed
     patch_size = embed.patch_size
     patch_size = patch_size[0] if isinstance(patch_size, (tuple, list)) else patch_size
-    dim = model.embed_dim if model.pos_embed is not None else None
-    return tuple(embed.grid_size), dim, patch_size
+    return tuple(embed.grid_size), model.embed_dim, patch_size

@@ -202,14 +202,17 @@ class MJPState(nn.Module):
         prefix_positions: int = 0,
         dal_table: torch.Tensor | None = None,
         dal_grid: tuple[int, int] | None = None,
+        pixels_jigsawed: bool = False,
     ) -> torch.Tensor:
         """MJP on one batch: the jigsaw when the sampler is active (training, or inside ``mjp_eval``), else the plain
         step; in training with a DAL regressor and grad enabled, the DAL loss attached to the result.
 
         Args:
             x: with ``pos_table``, the patch tokens ``[B, N, D]`` of a ViT (``N = grid[0] * grid[1]``), or its
-                images ``[B, C, H, W]`` when ``weight`` is given; without ``pos_table``, the images
-                ``[B, C, H, W]`` of a pixel-space model (H and W multiples of ``patch_size``).
+                images ``[B, C, H, W]`` when ``weight`` is given; without ``pos_table``, the patch tokens
+                ``[B, N, D]`` of a model without a position table (RoPE only: moved, ``unk_embed`` added to the
+                shuffled ones), or the images ``[B, C, H, W]`` of a pixel-space model (H and W multiples of
+                ``patch_size``).
             pos_table: the model's position table ``[1, Q + N, D]``: the first Q (``prefix_positions``) rows are the
                 prefix tokens', the others the patch positions'.
             grid: the patch grid of ``x`` (default: the sampler's).
@@ -220,6 +223,9 @@ class MJPState(nn.Module):
                 ``prefix_positions`` is 0 or P.
             dal_table, dal_grid: the table the DAL loss regresses and its grid, when ``pos_table`` is another (the
                 model's own table, resampled for another input size); default ``pos_table`` and ``grid``.
+            pixels_jigsawed: ``x`` are the tokens of images this module jigsawed in this forward (a hybrid ViT,
+                whose CNN stem sees the jigsawed images): the masked positions get ``unk_embed`` as usual, but the
+                tokens are in jigsaw order already and stay where they are.
 
         Returns:
             ViT: ``[B, P + N, D]``: the prefix tokens plus their position rows, then the (jigsawed) patch tokens plus
@@ -233,12 +239,23 @@ class MJPState(nn.Module):
             # that runs the module itself when the graph runs, as a leaf module would.
             tracer = x.tracer
             args = (x, pos_table, grid, weight, bias, backend, prefix, prefix_positions, dal_table, dal_grid)
+            args += (pixels_jigsawed,)
             return tracer.create_proxy("call_module", tracer.path_of_module(self), args, {})
         if pos_table is None:
-            return self._jigsaw_images(x)
+            if x.dim() != 3:
+                return self._jigsaw_images(x)
+            # Tokens without a position table (a RoPE-only Eva): the same step with a table of zeros, so the tokens
+            # move and the shuffled ones get unk_embed, the one learned marker of an unknown position.
+            pos_table = x.new_zeros((1, x.shape[1], x.shape[2]))
         sampler = self.sampler
         # The sampler's forward, not its __call__: a submodule of ours, with no hooks to run (a step's host time).
-        sampled = jigsaw = sampler.forward(x.shape[0], x.device, grid) if sampler.active else None
+        if not sampler.active:
+            sampled = jigsaw = None
+        elif pixels_jigsawed:  # the images' jigsaw, sampled by this module's pixel step of the same forward
+            sampled = self.last_jigsaw
+            jigsaw = Jigsaw(sampled.mask, _identity_perm(sampled.perm))
+        else:
+            sampled = jigsaw = sampler.forward(x.shape[0], x.device, grid)
         self.last_jigsaw = sampled  # also forgets the last forward's DAL loss
         # The DAL loss rides on the tokens in training only; the regressor's forward is not needed otherwise.
         regressor = self.dal_regressor if self.training and torch.is_grad_enabled() else None
@@ -361,6 +378,11 @@ class MJPState(nn.Module):
         jigsaw = self.sampler(x.shape[0], x.device, (x.shape[-2] // patch, x.shape[-1] // patch))
         self.last_jigsaw = jigsaw
         return x if jigsaw is None else jigsaw_images(x, jigsaw, patch, validate=False)
+
+
+def _identity_perm(perm: torch.Tensor) -> torch.Tensor:
+    """``[B, N]`` int64: every token stays where it is (``perm``'s shape and device)."""
+    return torch.arange(perm.shape[1], device=perm.device).expand(perm.shape[0], -1).contiguous()
 
 
 def _describe(value: object) -> str:

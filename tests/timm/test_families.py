@@ -16,6 +16,7 @@ import torch
 
 import mjp_fast.timm as mjp_timm
 from bench.timm_coverage import EXAMPLES, check_model, render, small_models
+from mjp_fast import jigsaw_images
 
 # What MJP must do in each family (the coverage table's words), and whether the embedding runs fused.
 EXPECTED = {
@@ -24,7 +25,7 @@ EXPECTED = {
     "ViT, no_embed_class (DeiT III)": ("UNK on the table", True),
     "ViT at 518 px (DINOv2)": ("UNK on the table", True),
     "ViT, dynamic_img_size": ("UNK on the table", False),
-    "ViT, hybrid (ResNet stem)": ("UNK on the table", False),
+    "ViT, hybrid (ResNet stem)": ("pixel jigsaw + UNK on the table", False),
     "distilled DeiT": ("UNK on the table", True),
     "EVA-02 (table + RoPE)": ("UNK on the table + RoPE identity", True),
     "RoPE ViT": ("RoPE identity", False),
@@ -82,6 +83,27 @@ def test_distilled_deit_takes_both_prefix_tokens_fused_or_not():
         assert model.dist_token.grad is not None and model.head_dist.weight.grad is not None
     fast = mjp_timm.fast_patch_embed(copy.deepcopy(plain))
     torch.testing.assert_close(fast.forward_features(images), expected)
+
+
+def test_a_hybrid_vit_jigsaws_its_images_and_gives_the_masked_tokens_unk():
+    # A CNN stem's tokens see across their patches' borders: the images are jigsawed, one block per token (32 px
+    # here: 64 px over a 2x2 grid), and the tokens, in jigsaw order from the stem, get unk_embed where masked.
+    plain = timm.create_model("vit_small_resnet26d_224", img_size=64, depth=1, num_classes=10)
+    model = mjp_timm.convert(copy.deepcopy(plain), ratio=0.5, prob=1.0, min_block=2)
+    assert model.mjp.patch_size == 32 and len(model.state_dict()) == len(plain.state_dict()) + 6
+    images = torch.randn(2, 3, 64, 64)
+    model.train(), plain.train()  # BatchNorm in the stem: batch statistics on both sides
+    tokens = model._pos_embed(model.patch_embed(images))
+    jigsaw = model.mjp.last_jigsaw
+    assert jigsaw.mask.any()
+    embedded = plain.patch_embed(jigsaw_images(images, jigsaw, 32))
+    rows = torch.where(jigsaw.mask[..., None], model.mjp.unk_embed, plain.pos_embed[:, 1:])
+    expected = torch.cat(((plain.cls_token + plain.pos_embed[:, :1]).expand(2, -1, -1), embedded + rows), dim=1)
+    torch.testing.assert_close(tokens, expected)
+    copied = copy.deepcopy(model)  # the embedding's state is the copy's own
+    assert copied.patch_embed.__dict__["_mjp_state"] is copied.mjp
+    model.eval(), plain.eval()
+    torch.testing.assert_close(model(images), plain(images))
 
 
 def test_pixel_space_families_warn_once_when_dal_is_asked_for():
