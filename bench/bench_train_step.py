@@ -4,7 +4,8 @@ Compared, in the same run, with identical starting weights:
 
 - ``plain``: ``timm.create_model(<deit>, pretrained=False)``; loss: cross-entropy.
 - ``mjp prob=0.5`` and ``mjp prob=1.0``: a deep copy of it through ``mjp_fast.timm.convert(copy, ratio=0.1,
-  prob=..., dal="nonlinear")``; loss: cross-entropy + 0.01 * ``model.mjp_aux_loss()`` (DAL).
+  prob=..., dal="nonlinear", dal_weight=0.01)``; loss: cross-entropy, whose backward trains DAL too (the forward
+  attaches the DAL loss to the tokens at ``mjp_dal_weight``, as in ``mjp train`` and any timm loop).
 
 A step is forward, loss, backward, ``AdamW.step()`` and ``zero_grad(set_to_none=True)``, on one fixed synthetic
 batch already on the device (no data loading: it is the same for both). After warm-up rounds, the variants run
@@ -98,10 +99,9 @@ def variant_name(prob: float | str | None) -> str:
 class Trainer:
     """One model, its optimizer and its training step."""
 
-    def __init__(self, model: torch.nn.Module, *, mjp: bool, device: torch.device, compile_model: bool) -> None:
-        # mjp: add the DAL loss (the MJP models); the plain models, fused embedding or not, train without it.
+    def __init__(self, model: torch.nn.Module, *, device: torch.device, compile_model: bool) -> None:
+        # The same step for every variant: an MJP model's forward attaches its DAL loss to the output.
         self.model = model
-        self.mjp = mjp
         self.device = device
         self.forward = torch.compile(model) if compile_model else model
         self.optimizer = torch.optim.AdamW(
@@ -111,9 +111,7 @@ class Trainer:
     def step(self, images: torch.Tensor, targets: torch.Tensor) -> None:
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
             logits = self.forward(images)
-            loss = F.cross_entropy(logits.float(), targets)
-            if self.mjp:
-                loss = loss + DAL_WEIGHT * self.model.mjp_aux_loss()
+            loss = F.cross_entropy(logits.float(), targets)  # MJP models: DAL rides on it (mjp_dal_weight)
         loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -159,7 +157,9 @@ def _models(
     # The honest baseline for MJP's own cost: MJP models run the fused patch embedding, so this one does too.
     models[FAST] = mjp_timm.fast_patch_embed(copy.deepcopy(plain))
     for prob in MJP_PROBS:
-        models[prob] = mjp_timm.convert(copy.deepcopy(plain), ratio=MJP_RATIO, prob=prob, dal=DAL_KIND, seed=0)
+        models[prob] = mjp_timm.convert(
+            copy.deepcopy(plain), ratio=MJP_RATIO, prob=prob, dal=DAL_KIND, seed=0, dal_weight=DAL_WEIGHT
+        )
     return {prob: model.to(device).train() for prob, model in models.items()}
 
 
@@ -174,26 +174,21 @@ def _isolated(
     images = torch.randn(batch, 3, *image_size, generator=generator).to(device)
     num_tokens = baseline.patch_embed.num_patches + baseline.num_prefix_tokens
     grad = torch.randn(batch, num_tokens, baseline.embed_dim, generator=generator).to(device)
-    one = torch.ones((), device=device)
 
-    def position_part(model: torch.nn.Module, mjp: bool) -> Callable[[], None]:
+    def position_part(model: torch.nn.Module) -> Callable[[], None]:
         # The fused patch embedding with the position step (and, for MJP, the jigsaw and the DAL loss), forward
         # and backward, gradients set to None as in training.
         def run() -> None:
             model.zero_grad(set_to_none=True)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-                out = model._pos_embed(model.patch_embed(images))
-                aux = model.mjp_aux_loss() * DAL_WEIGHT if mjp else None
-            if aux is None:
-                out.backward(grad.to(out.dtype))
-            else:
-                torch.autograd.backward([out, aux], [grad.to(out.dtype), one])
+                out = model._pos_embed(model.patch_embed(images))  # MJP: DAL attached at mjp_dal_weight
+            out.backward(grad.to(out.dtype))
 
         return run
 
-    functions = {variant_name(FAST): position_part(baseline, False)}
+    functions = {variant_name(FAST): position_part(baseline)}
     for prob in MJP_PROBS:
-        functions[variant_name(prob)] = position_part(models[prob], True)
+        functions[variant_name(prob)] = position_part(models[prob])
     timings = measure(functions, repeats=repeats, warmup=2, min_sample_s=0.0 if smoke else 0.05, device=device)
     return {prob: timings[variant_name(prob)].median_s - timings[variant_name(FAST)].median_s for prob in MJP_PROBS}
 
@@ -229,10 +224,7 @@ def run_model(
 
     device = torch.device(device)
     models = _models(name, image_size, device, depth=1 if smoke else None)
-    trainers = {
-        prob: Trainer(model, mjp=prob not in (None, FAST), device=device, compile_model=compile_model)
-        for prob, model in models.items()
-    }
+    trainers = {prob: Trainer(model, device=device, compile_model=compile_model) for prob, model in models.items()}
     generator = torch.Generator().manual_seed(0)
     images = torch.randn(batch, 3, image_size, image_size, generator=generator).to(device)
     targets = torch.randint(0, 1000, (batch,), generator=generator).to(device)

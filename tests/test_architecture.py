@@ -85,7 +85,7 @@ def test_the_package_table_is_the_import_graph():
         assert uses == actual.get(unit, set()), f"{unit}: documented {sorted(uses)}, imports {sorted(actual[unit])}"
 
 
-@pytest.mark.parametrize("folder", ["sampler", "ops", "triton"])
+@pytest.mark.parametrize("folder", ["sampler", "ops", "triton", "timm"])
 def test_each_folder_table_is_its_import_graph(folder):
     modules = _modules()
     prefix = f"mjp_fast.{folder}."

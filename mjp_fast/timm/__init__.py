@@ -5,26 +5,32 @@
 
     model = timm.create_model("mjp_deit_small_patch16_224", mjp_ratio=0.1, mjp_prob=0.5, mjp_dal="nonlinear")
 
-A converted ViT jigsaws its patch tokens in training mode: the tokens of masked positions are permuted among
-themselves and get the unknown position embedding ``mjp.unk_embed`` (with ``unk=False``, the position embedding of
-where they land); the class and register tokens keep theirs.
-Shuffling the tokens after timm's patch embedding equals shuffling the patches before it (the embedding is one
-linear map, and its optional norm one per-token function, applied to each patch alone), so every timm variant
-works: class token or not, register tokens, ``no_embed_class``, ``dynamic_img_size``, ``set_input_size``.
-In eval mode the model is the plain timm model, unless inside ``model.mjp_eval(...)``.
+One core, :class:`MJPState` (``model.mjp``: the sampler, ``unk_embed``, the DAL regressor and the step that applies
+them), and one front end per timm family, which :func:`convert` picks (docs/timm-coverage.md lists the models):
+
+- ``vit.py``: ``VisionTransformer`` and its subclasses (the distilled DeiT: any number of prefix tokens). In training
+  the patch tokens of masked positions are permuted among themselves and get ``unk_embed`` instead of their row
+  of ``pos_embed`` (with ``unk=False``, the row of where they land); the prefix tokens keep theirs. Moving the
+  tokens after timm's patch embedding equals moving the patches before it where each token is a function of its own
+  patch (one linear map, an optional per-token norm): class token or not, register tokens, ``no_embed_class``,
+  ``dynamic_img_size``, ``set_input_size``. A hybrid ViT's CNN stem sees across the patches' borders, so its input
+  images are jigsawed instead, one block of pixels per token, and the masked positions get ``unk_embed``.
+- ``eva.py``: ``Eva`` (EVA-02, DINOv3, PE, the RoPE ViTs): ``unk_embed`` on the table where there is one, no rotation
+  at the shuffled positions, and ``unk_embed`` added to the shuffled tokens where there is no table.
+- ``pixel.py``: models without an absolute table (ResNet, Swin, ConvNeXt, the relative-position ViTs, BEiT) get the
+  pixel-space jigsaw of their input, as the paper's ResNet-50 + MJP and Swin-T + MJP rows.
+
+In eval mode a model is the plain timm model, unless inside ``model.mjp_eval(...)``.
 
 Where the patch embedding is timm's standard one (a ``PatchEmbed`` whose ``proj`` is a Conv2d with stride equal
-to its square kernel, no norm, flattened output, a fixed image size), the embedding, the jigsaw and the position
-term run as one :func:`mjp_fast.mjp_patch_embed` call (``convert(..., fused_patch_embed=None)``, automatic): the
-``patch_embed`` module then passes the images through and the model's ``_pos_embed`` embeds them, reading the
-same ``patch_embed.proj`` weights. Outputs equal timm's Conv2d path within float tolerance (the GEMM sums in
-another order), in training and in eval mode; under autocast the op runs in the autocast dtype, as timm's Conv2d
-would, and returns the dtype of timm's sum. Under FX the fused call is one node: ``mjp`` when it jigsaws, else a
-``_fused_patch_embed`` call (there is no ``patch_embed.proj`` node). :func:`fast_patch_embed` does the same for a
-plain timm ViT.
-
-Models without absolute position embeddings (timm ResNet, Swin, ConvNeXt) get the pixel-space jigsaw of their
-input only, as the paper's ResNet-50 + MJP and Swin-T + MJP rows.
+to its square kernel, no norm, flattened output, a fixed image size) and the model has an absolute table, the
+embedding, the jigsaw and the position term run as one :func:`mjp_fast.mjp_patch_embed` call
+(``convert(..., fused_patch_embed=None)``, automatic): the ``patch_embed`` module then passes the images through and
+the model's ``_pos_embed`` embeds them, reading the same ``patch_embed.proj`` weights. Outputs equal timm's Conv2d
+path within float tolerance (the GEMM sums in another order), in training and in eval mode; under autocast the op
+runs in the autocast dtype, as timm's Conv2d would, and returns the dtype of timm's sum. Under FX the fused call is
+one node: ``mjp`` when it jigsaws, else a ``_fused_patch_embed`` call (there is no ``patch_embed.proj`` node).
+:func:`fast_patch_embed` does the same for a plain timm ViT or Eva.
 
 timm's conventions carry over: ``features_only=True`` (timm's feature wrappers around the MJP model),
 ``forward_intermediates``, FX tracing in eval and training mode (MJP is one ``call_module`` node of the graph),
