@@ -78,6 +78,21 @@ class _ExplicitAuxLoss(torch.autograd.Function):
         return grad - ctx.weight, None
 
 
+class _KeepInGraph(torch.autograd.Function):
+    """output (any shape), unused (a tensor the forward did not use). Forward: a view of ``output``. Backward: the
+    output's gradient, and zeros for ``unused``."""
+
+    @staticmethod
+    def forward(ctx, output, unused):  # type: ignore[override]
+        ctx.unused_like = (unused.shape, unused.dtype, unused.device)  # its gradient's; nothing to save
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        shape, dtype, device = ctx.unused_like
+        return grad, torch.zeros(shape, dtype=dtype, device=device) if ctx.needs_input_grad[1] else None
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Public functions
 # ----------------------------------------------------------------------------------------------------------------
@@ -105,3 +120,21 @@ def explicit_aux_loss(aux_loss: torch.Tensor, weight: torch.Tensor) -> torch.Ten
     (without the output) gives ``grad - weight``: use it with the output, as a training loss does.
     """
     return _ExplicitAuxLoss.apply(aux_loss, weight)
+
+
+def keep_in_graph(output: torch.Tensor, unused: torch.Tensor) -> torch.Tensor:
+    """``output`` (as a view) whose backward gives ``unused`` a zero gradient.
+
+    A parameter that takes no part in a forward (MJP's ``unk_embed`` while the jigsaw is off: ``prob`` 0 during
+    warm-up, ratio 0) then still gets a gradient from the output, which is its true gradient (the loss does not
+    depend on it), so DDP, which by default requires a gradient for every parameter, needs no
+    ``find_unused_parameters``.
+
+    Args:
+        output: the tensor the loop back-propagates through, any shape and float dtype.
+        unused: a tensor (a parameter) that ``output`` does not depend on.
+
+    Returns:
+        ``output``'s values, same shape and dtype.
+    """
+    return _KeepInGraph.apply(output, unused)

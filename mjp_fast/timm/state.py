@@ -18,7 +18,7 @@ from torch import nn
 from mjp_fast._validate import check_int
 from mjp_fast.backend import KNOWN_BACKENDS, resolve_backend
 from mjp_fast.nn import DAL_KINDS, DALRegressor
-from mjp_fast.ops.aux_loss import attach_aux_loss, explicit_aux_loss
+from mjp_fast.ops.aux_loss import attach_aux_loss, explicit_aux_loss, keep_in_graph
 from mjp_fast.ops.dal_loss import DAL_REDUCTIONS, _coordinates, dal_loss_unchecked, dal_scale, grid_coordinates
 from mjp_fast.ops.jigsaw_images import jigsaw_images
 from mjp_fast.ops.pos_embed import mjp_position_dal_step, mjp_position_step
@@ -167,9 +167,10 @@ class MJPState(nn.Module):
     @property
     def engaged(self) -> bool:
         """Whether the model's forward must call this module: the sampler jigsaws (training, or inside
-        ``mjp_eval``), or it trains with a DAL regressor (its loss is attached to the tokens every training forward,
-        also while the jigsaw is off: ``prob`` 0 during warm-up, ratio 0)."""
-        return self.sampler.active or (self.training and self.dal_regressor is not None)
+        ``mjp_eval``), or it trains with a DAL regressor or ``unk_embed`` (the DAL loss is attached to the tokens
+        every training forward, and ``unk_embed`` kept in their graph, also while the jigsaw is off: ``prob`` 0 during
+        warm-up, ratio 0)."""
+        return self.sampler.active or (self.training and (self.dal_regressor is not None or self.unk_embed is not None))
 
     def get_dal_weight(self) -> float:
         """The ``dal_weight`` buffer's value (a read back: a host sync on a GPU)."""
@@ -292,6 +293,11 @@ class MJPState(nn.Module):
                         out, loss = stepped
             if out is None:
                 out = mjp_position_step(x, pos_table, unk_embed, jigsaw, backend, prefix, prefix_positions)
+        unk = self.unk_embed
+        if jigsaw is None and unk is not None and self.training and torch.is_grad_enabled() and unk.requires_grad:
+            # The jigsaw is off, so nothing uses unk_embed: its gradient is zero, given through the output, so that
+            # every parameter gets one from the output (DDP needs no find_unused_parameters).
+            out = keep_in_graph(out, unk)
         if regressor is None:
             return out
         return self._attach_dal(out, loss, regressor, dal_table, dal_grid, sampled, prefix_positions)

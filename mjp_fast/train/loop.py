@@ -373,11 +373,6 @@ class TrainStep:
                         objective = total = loss + dal_weight * dal
                     else:
                         total = loss + dal_weight * dal
-                unk = getattr(getattr(self.model, "mjp", None), "unk_embed", None) if self.ddp else None
-                if unk is not None:
-                    # unk_embed takes no part in a forward while the jigsaw is off (prob 0 during warm-up): DDP
-                    # would find it unused. In the graph with a zero gradient instead.
-                    objective = objective + 0.0 * unk.sum()
             # a non-finite total is only recorded here; it is raised at the next read (see _StepTally)
             tally.add(total, loss, dal, images.shape[0], batch_index, step)
             scaled = objective / self.config.accum_steps

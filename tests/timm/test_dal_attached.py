@@ -85,12 +85,13 @@ def test_a_backward_of_the_output_alone_reaches_every_parameter(backend, fused, 
 @pytest.mark.parametrize("off", ["prob_0", "ratio_0"])
 def test_dal_trains_while_the_jigsaw_is_off(fused, off):
     # prob 0 (the loop's warm-up) or ratio 0 (the paper's DAL-only row): no jigsaw, DAL still attached, every stored
-    # position regressed. unk_embed takes no part in such a forward: no gradient (as in plain timm for an unused
-    # parameter; mjp train's DDP step keeps it in the graph with a zero gradient).
+    # position regressed. unk_embed takes no part in such a forward: its gradient is zero, and it comes from the
+    # output, as every other parameter's (DDP needs no find_unused_parameters).
     model = _model(fused=fused, **({"prob": 0.0} if off == "prob_0" else {"ratio": 0.0}))
     assert not model.mjp.sampler.active and model.mjp.engaged
     model(_batch()[0]).sum().backward()
-    assert _without_grad(model) == ["mjp.unk_embed"]
+    assert _without_grad(model) == []
+    assert not model.mjp.unk_embed.grad.any()
     assert model.mjp.last_jigsaw is None
     torch.testing.assert_close(model.mjp.last_dal_loss, _reference_dal(model).detach())
 
@@ -116,9 +117,11 @@ def test_a_timm_train_py_loop_trains_the_regressor():
     assert all(math.isfinite(loss) for loss in losses)
 
 
-def test_ddp_without_find_unused_parameters_trains_dal_from_the_output_alone():
+@pytest.mark.parametrize("prob", [1.0, 0.0], ids=["jigsaw_on", "jigsaw_off"])
+def test_ddp_without_find_unused_parameters_trains_dal_from_the_output_alone(prob):
     # DDP refuses the next step when a parameter got no gradient in the last one (find_unused_parameters=False, the
-    # default): two steps of a loop that back-propagates only the criterion, as timm's train.py under torchrun.
+    # default): three steps of a loop that back-propagates only the criterion, as timm's train.py under torchrun,
+    # with the jigsaw on, and off (warm-up: unk_embed takes no part, and gets its zero gradient from the output).
     import socket
 
     import torch.distributed as dist
@@ -128,7 +131,7 @@ def test_ddp_without_find_unused_parameters_trains_dal_from_the_output_alone():
         port = probe.getsockname()[1]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     try:
-        model = _model()
+        model = _model(prob=prob)
         wrapped = nn.parallel.DistributedDataParallel(model)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         before = model.mjp.dal_regressor.net[0].weight.detach().clone()
