@@ -78,17 +78,19 @@ def convert(
     """Turns a timm model into its MJP version in place, keeping its weights; returns it.
 
     Args:
-        model: a timm ``VisionTransformer`` (any size; class token or not; register tokens; ``no_embed_class``),
-            or a timm ``ResNet``, ``SwinTransformer`` or ``ConvNeXt`` (pixel-space jigsaw only), or timm's
-            ``features_only`` wrapper of one of them (``FeatureGetterNet``: the wrapped model is converted;
-            ``FeatureListNet``/``FeatureDictNet``: their input is jigsawed).
+        model: a timm ``VisionTransformer`` (any size; class token or not; register tokens; ``no_embed_class``;
+            a distilled DeiT; a hybrid with a CNN stem, whose images are jigsawed), an ``Eva`` (EVA-02, DINOv3, PE,
+            the RoPE ViTs), or, for the pixel-space jigsaw only, a ``VisionTransformerRelPos``, ``Beit``,
+            ``ResNet``, ``SwinTransformer`` or ``ConvNeXt``; or timm's ``features_only`` wrapper of one of them
+            (``FeatureGetterNet``: the wrapped model is converted; ``FeatureListNet``/``FeatureDictNet``: their input
+            is jigsawed). docs/timm-coverage.md lists the timm models each family covers.
         ratio, prob, seed, min_block, min_aspect, shared, backend: as :class:`mjp_fast.JigsawSampler`.
         dal: the DAL regressor's kind (``"nonlinear"``, ``"linear"``, ``"pca"``), or None or ``"none"`` (timm's
             ``create_model`` drops None-valued keywords, so ``mjp_dal="none"`` is how to say it there), or
             ``"auto"`` (default): ``"nonlinear"`` where the model has an absolute position table, else none. A model
             without a table asked for DAL warns once (naming the model) and trains without it.
         patch_size: the jigsaw's patch size for pixel-space models (default: the model's patch embedding's, else
-            16); ViTs use their own.
+            16); ViTs use their own (a hybrid ViT: its image size over its token grid).
         dal_normalize: regress coordinates scaled to [0, 1] instead of raw integers.
         unk: masked positions get the learned unknown embedding ``mjp.unk_embed`` (MJP, default). False: the
             patches of the masked positions are still permuted among themselves, but every position keeps its own
