@@ -259,7 +259,8 @@ class MJPState(nn.Module):
             sampled = jigsaw = sampler.forward(x.shape[0], x.device, grid)
         self.last_jigsaw = sampled  # also forgets the last forward's DAL loss
         # The DAL loss rides on the tokens in training only; the regressor's forward is not needed otherwise.
-        regressor = self.dal_regressor if self.training and torch.is_grad_enabled() else None
+        training = self.training and torch.is_grad_enabled()
+        regressor = self.dal_regressor if training else None
         if dal_table is None:
             dal_table, dal_grid = pos_table, grid
         unk_embed = self.unk_embed
@@ -294,19 +295,32 @@ class MJPState(nn.Module):
             if out is None:
                 out = mjp_position_step(x, pos_table, unk_embed, jigsaw, backend, prefix, prefix_positions)
         unk = self.unk_embed
-        if jigsaw is None and unk is not None and self.training and torch.is_grad_enabled() and unk.requires_grad:
+        if jigsaw is None and unk is not None and training and unk.requires_grad:
             # The jigsaw is off, so nothing uses unk_embed: its gradient is zero, given through the output, so that
             # every parameter gets one from the output (DDP needs no find_unused_parameters).
             out = keep_in_graph(out, unk)
         if regressor is None:
             return out
-        return self._attach_dal(out, loss, regressor, dal_table, dal_grid, sampled, prefix_positions)
+        return self._attach_dal(out, loss, dal_table, dal_grid, sampled, prefix_positions)
+
+    def dal_loss(
+        self, table: torch.Tensor, grid: tuple[int, int] | None, jigsaw: Jigsaw | None, prefix_positions: int
+    ) -> torch.Tensor:
+        """The DAL loss (0-d float32) of ``table`` ``[1, Q + N, D]`` (its first ``prefix_positions`` rows skipped),
+        whose positions form ``grid`` (None: the state's), over the positions ``jigsaw`` left unmasked (every one
+        without a jigsaw, or when its mask is of another grid: an input of another size)."""
+        coords = self.dal_coordinates_for(grid)
+        mask = jigsaw.mask if jigsaw is not None else None
+        if mask is not None and mask.shape[1] != coords.shape[0]:
+            mask = None  # the input had another grid (dynamic size): regress every stored position
+        # The whole table: its prefix rows are skipped by the kernels, so nothing is sliced here.
+        backend = self.backend_for(coords.device)
+        return dal_loss_unchecked(table, self.dal_regressor, coords, mask, backend, prefix_positions, self.dal_scale)
 
     def _attach_dal(
         self,
         out: torch.Tensor,
         loss: torch.Tensor | None,
-        regressor: nn.Module,
         table: torch.Tensor,
         grid: tuple[int, int] | None,
         sampled: Jigsaw | None,
@@ -315,13 +329,7 @@ class MJPState(nn.Module):
         """``out`` with the DAL loss of ``table`` (of ``grid``; ``loss``, or computed here) attached at
         ``dal_weight``; the loss is kept for ``mjp_aux_loss`` and ``last_dal_loss``."""
         if loss is None:
-            coords = self.dal_coordinates_for(grid)
-            mask = sampled.mask if sampled is not None else None
-            if mask is not None and mask.shape[1] != coords.shape[0]:
-                mask = None  # the input had another grid (dynamic size): regress every stored position
-            # The whole table: its prefix rows are skipped by the kernels, so nothing is sliced here.
-            backend = self.backend_for(coords.device)
-            loss = dal_loss_unchecked(table, regressor, coords, mask, backend, prefix_positions, self.dal_scale)
+            loss = self.dal_loss(table, grid, sampled, prefix_positions)
         stash = self.__dict__.get("_dal_stash")
         if stash is not None:  # None: a model pickled before the stash existed
             stash["loss"], stash["unclaimed"] = loss, (table, sampled)

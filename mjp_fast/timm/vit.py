@@ -15,7 +15,6 @@ from timm.layers import HybridEmbed, resample_abs_pos_embed
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
-from mjp_fast.ops.dal_loss import dal_loss_unchecked
 from mjp_fast.timm.base import _MJPMixin
 from mjp_fast.timm.fused import _fused_pos_embed, _is_fused, _prefix_positions, _prefix_tokens
 
@@ -99,20 +98,7 @@ class MJPVisionTransformer(_MJPMixin, VisionTransformer):
         if attached is not None:
             return attached
         # Computed here: the last forward attached nothing (eval mode, no grad), or its loss was handed out already.
-        coords, jigsaw = state.dal_coordinates_for(self.patch_embed.grid_size), state.last_jigsaw
-        mask = jigsaw.mask if jigsaw is not None else None
-        if mask is not None and mask.shape[1] != coords.shape[0]:
-            mask = None  # the last input had another grid (dynamic size): regress every stored position
-        # The whole table: its prefix rows are skipped by the kernels, so nothing is sliced here.
-        return dal_loss_unchecked(
-            pos_embed,
-            regressor,
-            coords,
-            mask,
-            state.backend_for(coords.device),
-            _prefix_positions(self),
-            state.dal_scale,
-        )
+        return state.dal_loss(pos_embed, self.patch_embed.grid_size, state.last_jigsaw, _prefix_positions(self))
 
     def no_weight_decay(self) -> set[str]:
         extra = {"mjp.unk_embed"} if self.mjp.unk_embed is not None else set()
