@@ -88,14 +88,6 @@ def small_models(patterns: tuple[str, ...] = FAMILY_PATTERNS) -> list[str]:
     return [name for name in names if SMALL_WORDS.search(name)]
 
 
-def input_side(model: nn.Module) -> int:
-    """The square input side the model was made for: its patch embedding's image size, else its config's."""
-    size = getattr(getattr(model, "patch_embed", None), "img_size", None)
-    if size is not None:
-        return int(size[0] if isinstance(size, (tuple, list)) else size)
-    return int(model.pretrained_cfg["input_size"][-1])
-
-
 def what_mjp_does(model: nn.Module) -> str:
     """How a converted model applies MJP, in the coverage table's words."""
     import mjp_fast.timm as mjp_timm
@@ -139,6 +131,7 @@ def check_model(
         ``steps`` (each step's outcome: ``True`` or the error's first line), ``eval_max_diff``, ``seconds``.
     """
     import mjp_fast.timm as mjp_timm
+    from mjp_fast.train.models import input_size
 
     start = time.perf_counter()
     record: dict[str, Any] = {"name": name, "overrides": overrides or {}, "steps": {}}
@@ -149,7 +142,7 @@ def check_model(
         record.update(ok=False, error=f"create: {_first_line(error)}", seconds=time.perf_counter() - start)
         return record
     record["timm_class"] = type(base).__name__
-    side = side or input_side(base)
+    side = side or input_size(base)  # the model's own: its patch embedding's image size, else its config's
     record["input_size"] = side
     images = torch.randn(batch, 3, side, side, device=device)
     targets = torch.randint(0, 10, (batch,), device=device)

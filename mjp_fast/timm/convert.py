@@ -257,9 +257,3 @@ def fast_patch_embed(model: nn.Module, *, backend: str | None = None) -> nn.Modu
         target.__class__ = _fused_model_class(type(target), mixin)
     _fuse_patch_embed(target.patch_embed, backend)
     return model
-
-
-def _has_position_embeddings(model: nn.Module) -> bool:
-    """Whether ``model`` (or the model in timm's ``FeatureGetterNet``) is a ViT with absolute position embeddings."""
-    inner = model.model if isinstance(model, FeatureGetterNet) else model
-    return isinstance(inner, (VisionTransformer, Eva)) and inner.pos_embed is not None

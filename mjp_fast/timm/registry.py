@@ -8,7 +8,7 @@ import timm
 from timm.models import DefaultCfg, get_arch_pretrained_cfgs, register_model
 from torch import nn
 
-from mjp_fast.timm.convert import _has_position_embeddings, convert
+from mjp_fast.timm.convert import convert
 from mjp_fast.timm.schedule import DEFAULT_DAL_WEIGHT
 
 REGISTERED_BASES = (
@@ -40,7 +40,7 @@ def _make_entrypoint(base: str):
         # base's pretrained configs. Then MJP's own parameters are added, freshly initialized.
         model = timm.create_model(base, pretrained=pretrained, **kwargs)
         if mjp_dal is None:  # not given (timm drops None-valued keywords, so "none" is how to turn DAL off)
-            mjp_dal = "nonlinear" if _has_position_embeddings(model) else "none"
+            mjp_dal = "auto"  # convert's: nonlinear where the model has an absolute position table, else none
         model = convert(
             model,
             ratio=mjp_ratio,
