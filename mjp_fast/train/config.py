@@ -125,6 +125,13 @@ class TrainConfig:
         "decode a folder dataset's images once into memory (uint8 pixels, shared by the loader workers and by "
         "every run of the process): for datasets that fit in memory, such as CIFAR",
     )
+    normalize_on_device: str = _field(
+        "auto",
+        "data",
+        "the loader gives uint8 images, normalized and randomly erased on the training device, as timm's "
+        "prefetcher does (a quarter of the bytes to move, no float work in the loader processes; auto: on CUDA)",
+        ("auto", "on", "off"),
+    )
 
     # augmentation
     auto_augment: str | None = _field(
@@ -182,6 +189,12 @@ class TrainConfig:
         0, "runtime", "also checkpoint every N optimizer steps within an epoch (0: at the end of each epoch only)"
     )
     log_interval: int = _field(50, "runtime", "steps between progress-bar updates of loss and learning rate")
+    sync_debug: bool = _field(
+        False,
+        "runtime",
+        "raise at any host-device synchronization inside a training step after the first (CUDA only: a check that "
+        "the steps keep the GPU's queue full)",
+    )
     progress: str = _field("auto", "runtime", "progress bars (auto: when stderr is a terminal)", ("auto", "on", "off"))
     tensorboard: bool = _field(False, "runtime", "also write TensorBoard scalars (needs the tensorboard package)")
 

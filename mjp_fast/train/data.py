@@ -31,6 +31,7 @@ import torch
 from PIL import Image
 from timm.data import ImageDataset, create_transform
 from timm.data.distributed_sampler import OrderedDistributedSampler, RepeatAugSampler
+from timm.data.random_erasing import RandomErasing
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, Subset
 
 from mjp_fast.train.augment import pillow_safe
@@ -253,8 +254,9 @@ def set_transform(dataset: Dataset, transform: Any) -> None:
     base.transform = transform
 
 
-def train_transform(config: TrainConfig, img_size: int, mean: tuple, std: tuple) -> Any:
-    """timm's training transform with the config's augmentations, normalized float output.
+def train_transform(config: TrainConfig, img_size: int, mean: tuple, std: tuple, *, on_device: bool = False) -> Any:
+    """timm's training transform with the config's augmentations: normalized float ``[3, H, W]`` output, or with
+    ``on_device`` uint8 ``[3, H, W]`` that :class:`DeviceNormalize` normalizes and randomly erases on the device.
 
     Its auto-augment operations posterize through :func:`mjp_fast.train.augment.posterize`, which takes the 0 bits
     that the recipe's RandAugment draws at full magnitude on any Pillow (Pillow 13 refuses them).
@@ -272,8 +274,37 @@ def train_transform(config: TrainConfig, img_size: int, mean: tuple, std: tuple)
         re_prob=config.reprob,
         re_mode=config.remode,
         re_count=config.recount,
+        use_prefetcher=on_device,  # timm's name: uint8 out, no normalization and no random erasing here
     )
     return pillow_safe(transform)
+
+
+class DeviceNormalize:
+    """A uint8 batch to the normalized float32 one the model trains on, then random erasing: on the batch's device.
+
+    timm's prefetcher does the same on a GPU (``timm.data.PrefetchLoader``) but one batch ahead, on a side stream;
+    here it runs in the step, in order, so its random draws come after the previous step's (and a resumed run draws
+    what the uninterrupted one drew). Erasing fills with normal noise in the normalized space, as on the CPU.
+
+    Args:
+        mean, std: per channel, in [0, 1] units (the model's).
+        config: its ``reprob``, ``remode``, ``recount``.
+        device: where the batches are.
+    """
+
+    def __init__(self, mean: tuple, std: tuple, config: TrainConfig, device: torch.device) -> None:
+        self.mean = torch.tensor([255.0 * value for value in mean], device=device).view(1, -1, 1, 1)
+        self.std = torch.tensor([255.0 * value for value in std], device=device).view(1, -1, 1, 1)
+        self.erase = (
+            RandomErasing(config.reprob, mode=config.remode, max_count=config.recount, device=device)
+            if config.reprob > 0
+            else None
+        )
+
+    def __call__(self, images: torch.Tensor) -> torch.Tensor:
+        """uint8 ``[B, C, H, W]`` -> float32 ``[B, C, H, W]``, normalized, some samples erased."""
+        images = images.float().sub_(self.mean).div_(self.std)
+        return self.erase(images) if self.erase is not None else images
 
 
 def eval_transform(img_size: int, interpolation: str, crop_pct: float) -> Any:
@@ -388,6 +419,7 @@ def normalize_batch(images: torch.Tensor, mean: torch.Tensor, std: torch.Tensor)
 
 
 __all__ = [
+    "DeviceNormalize",
     "DigitsDataset",
     "InMemoryImageDataset",
     "SeededDataset",

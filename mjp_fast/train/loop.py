@@ -11,10 +11,11 @@ optimizer step (all four in :class:`TrainStep`), then the schedule. The jigsaw s
 (default: the end of warm-up); the DAL weight decays from ``dal_weight`` to ``dal_weight_end`` along a cosine over
 the whole run.
 
-Reproducibility and resumption: each step seeds the global generators from ``(seed, rank, epoch, batch)`` (mixup,
-drop-path) and each sample its transform (see :mod:`mjp_fast.train.data`); the jigsaw stream is the model's
-``mjp.sampler`` counter, a buffer in the checkpoint. A run resumed from any checkpoint, at an epoch boundary or
-within an epoch (``checkpoint_steps``), continues exactly as the uninterrupted run.
+Reproducibility and resumption: each epoch seeds the global generators from ``(seed, rank, epoch)`` (mixup,
+drop-path), a checkpoint within an epoch saves their states, and each sample seeds its transform (see
+:mod:`mjp_fast.train.data`); the jigsaw stream is the model's ``mjp.sampler`` counter, a buffer in the checkpoint.
+A run resumed from any checkpoint, at an epoch boundary or within an epoch (``checkpoint_steps``), continues
+exactly as the uninterrupted run.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from mjp_fast.timm.schedule import dal_weight_cosine
 from mjp_fast.train import checkpoint as checkpoint_io
 from mjp_fast.train.config import ConfigError, TrainConfig, save_config
 from mjp_fast.train.data import (
+    DeviceNormalize,
     SeededEpochSampler,
     build_datasets,
     default_workers,
@@ -187,7 +189,7 @@ class _TallyReading:
     """One read back of a :class:`_StepTally`: plain Python numbers."""
 
     sums: dict[str, float]  # this rank's running sums, in the checkpoint's ``running`` format
-    diverged: bool  # a total loss on this rank was NaN or infinite
+    diverged: bool  # a loss on this rank was NaN or infinite
     first_bad: tuple[float, float, float, int, int]  # the first such batch: total, classification, DAL, batch, step
     all_sums: dict[str, float] | None = None  # every rank's sums together (read with all_ranks=True)
     diverged_anywhere: bool = False  # on any rank (read with all_ranks=True; else this rank)
@@ -195,71 +197,98 @@ class _TallyReading:
 
 
 class _StepTally:
-    """The epoch's running loss sums and the divergence watch, kept on the training device.
+    """The epoch's running loss sums and the divergence watch, at no kernel launch per step.
 
     Reading a device tensor back (``float``, ``.item()``, ``bool``, ``.tolist()``) makes the host wait until the
-    GPU has run everything queued, which stalls the launch queue; so each step only adds to these tensors, and the
-    loop reads them back at log intervals, before a checkpoint and at the epoch's end (as timm's train script reads
-    its losses only at log intervals). A NaN or infinite total loss is recorded on the device with its batch and
-    step, and raised as :class:`TrainingDiverged` at the next read: the loop reads before every checkpoint, so no
-    checkpoint is written after the loss went bad.
+    GPU has run everything queued, which stalls the launch queue; so the loop reads the tally back only at log
+    intervals, before a checkpoint and at the epoch's end (as timm's train script reads its losses only at log
+    intervals). Between reads, :meth:`add` only keeps each batch's 0-d losses (a detached reference: no kernel)
+    and its host numbers; every :attr:`FOLD_EVERY` batches, at a change of batch size and at a read, the kept losses
+    are folded into the device sums with a few launches for all of them, so the per-step cost is a fraction of a
+    launch and the memory held is bounded. A NaN or infinite classification or DAL loss (so a non-finite total) is
+    recorded on the device with its place, and raised as :class:`TrainingDiverged` at the next read: the loop reads
+    before every checkpoint, so no checkpoint is written after the loss went bad.
     """
 
-    # values: loss sum, DAL sum, samples (the sums weight each batch's mean by its size), then a flag set by the
-    # first non-finite total loss and that batch's total, classification and DAL losses, batch index and step.
-    _SIZE = 9
+    FOLD_EVERY = 32
+    # device values: loss sum, DAL sum (each batch's mean weighted by its size), a flag set by the first non-finite
+    # loss, that batch's classification and DAL losses and its ordinal in the tally (see _places)
+    _SIZE = 6
 
     def __init__(self, device: torch.device, running: dict[str, float] | None = None) -> None:
-        # float64 keeps the sums what the Python floats they replace were; MPS has no float64
+        # float64 keeps the sums what Python floats would be; MPS has no float64
         self.dtype = torch.float32 if device.type == "mps" else torch.float64
-        start = [running["loss"], running["dal"], running["samples"]] if running else [0.0, 0.0, 0.0]
-        self.values = torch.tensor(start + [0.0] * (self._SIZE - 3), dtype=self.dtype, device=device)
-        self.no_dal = torch.zeros((), dtype=self.dtype, device=device)
+        start = [running["loss"], running["dal"]] if running else [0.0, 0.0]
+        self.values = torch.tensor(start + [0.0] * (self._SIZE - 2), dtype=self.dtype, device=device)
+        self.samples = int(running["samples"]) if running else 0  # a host number: batch sizes are
+        self._pending: list[torch.Tensor] = []  # the kept batches' losses, classification then DAL (if on)
+        self._pending_batch = 0  # the batch size of every kept batch
+        self._pending_first = 0  # the ordinal of the first kept batch
+        self._has_dal = False
+        self._places: list[tuple[int, int, float]] = []  # per batch added: its index in the epoch, step, DAL weight
 
     def add(
-        self, total: torch.Tensor, loss: torch.Tensor, dal: torch.Tensor | None, batch: int, batch_index: int, step: int
+        self, loss: torch.Tensor, dal: torch.Tensor | None, batch: int, batch_index: int, step: int, dal_weight: float
     ) -> None:
-        """Adds one batch (``total``, ``loss``, ``dal``: 0-d means over ``batch`` samples): device ops only."""
+        """Adds one batch (``loss``, ``dal``: 0-d means over ``batch`` samples; the total it trained was ``loss +
+        dal_weight * dal``): no device work, except a fold every :attr:`FOLD_EVERY` batches."""
+        kept = len(self._places) - self._pending_first
+        if self._pending and (batch != self._pending_batch or kept >= self.FOLD_EVERY):
+            self._fold()
+        if not self._pending:
+            self._pending_batch, self._pending_first, self._has_dal = batch, len(self._places), dal is not None
+        self._pending.append(loss.detach())
+        if self._has_dal:
+            self._pending.append(dal.detach())
+        self._places.append((batch_index, step, dal_weight if dal is not None else 0.0))
+        self.samples += batch
+
+    def _fold(self) -> None:
+        """Adds the kept batches to the device sums and records the first non-finite one (about ten launches)."""
+        if not self._pending:
+            return
+        columns = 2 if self._has_dal else 1
+        rows = torch.stack(self._pending).to(self.dtype).view(-1, columns)  # [kept, classification (, DAL)]
+        self._pending = []
         values = self.values
-        losses = torch.stack(
-            [loss.detach().to(self.dtype), self.no_dal if dal is None else dal.detach().to(self.dtype)]
-        )
-        # multiply, then add: the same two roundings as the Python floats of before, so the records do not move
-        values[0:2].add_(losses * batch)
-        values[2].add_(batch)
-        total = total.detach().to(self.dtype)
-        first = torch.isfinite(total).logical_not_().logical_and_(values[3] == 0)
-        values[4:7].copy_(torch.where(first, torch.cat([total.reshape(1), losses]), values[4:7]))
-        values[7].masked_fill_(first, batch_index)
-        values[8].masked_fill_(first, step)
-        values[3].masked_fill_(first, 1.0)
+        # multiply, then add: each batch's mean weighted by its size, as the Python floats the sums once were
+        values[0:columns].add_(rows.mul(self._pending_batch).sum(0))
+        bad = rows.isfinite().logical_not_().any(1)  # [kept]
+        first = torch.argmax(bad.to(torch.uint8)).view(1)  # the first bad kept batch (0 when none); index_select,
+        # not rows[first]: indexing with a 0-d tensor may read it back
+        new = bad.index_select(0, first).logical_and_(values[2] == 0)  # the tally's first bad batch is in this fold
+        ordinal = (first + self._pending_first).to(self.dtype)
+        bad_row = torch.cat([rows.index_select(0, first).view(-1), rows.new_zeros(2 - columns), ordinal])
+        values[3:6].copy_(torch.where(new, bad_row, values[3:6]))
+        values[2:3].masked_fill_(new, 1.0)
 
     def read(self, *, all_ranks: bool = False, last_loss: torch.Tensor | None = None) -> _TallyReading:
         """Everything in one host read; ``all_ranks`` adds the sums and flag of every rank (a collective)."""
+        self._fold()
         parts = [self.values]
         if all_ranks:
-            reduced = self.values[:4].clone()
+            reduced = torch.cat([self.values[:3], self.values.new_tensor([float(self.samples)])])
             dist.all_reduce(reduced)
             parts.append(reduced)
         if last_loss is not None:
             parts.append(last_loss.detach().to(self.dtype).reshape(1))
         numbers = torch.cat(parts).tolist()  # the one host-device synchronization
+        sums = {"loss": numbers[0], "dal": numbers[1], "samples": float(self.samples)}
+        loss, dal, ordinal = numbers[3], numbers[4], int(numbers[5])
+        batch_index, step, weight = self._places[ordinal] if numbers[2] > 0 else (0, 0, 0.0)
         reading = _TallyReading(
-            sums=_sums_dict(numbers[0:3]),
-            diverged=numbers[3] > 0,
-            first_bad=(numbers[4], numbers[5], numbers[6], int(numbers[7]), int(numbers[8])),
-            diverged_anywhere=numbers[3] > 0,
+            sums=sums,
+            diverged=numbers[2] > 0,
+            first_bad=(loss + weight * dal, loss, dal, batch_index, step),
+            diverged_anywhere=numbers[2] > 0,
         )
         if all_ranks:
-            reading.all_sums = _sums_dict(numbers[self._SIZE : self._SIZE + 3])
-            reading.diverged_anywhere = numbers[self._SIZE + 3] > 0
+            reduced_numbers = numbers[self._SIZE : self._SIZE + 4]
+            reading.all_sums = {"loss": reduced_numbers[0], "dal": reduced_numbers[1], "samples": reduced_numbers[3]}
+            reading.diverged_anywhere = reduced_numbers[2] > 0
         if last_loss is not None:
             reading.last_loss = numbers[-1]
         return reading
-
-
-def _sums_dict(numbers: list[float]) -> dict[str, float]:
-    return dict(zip(("loss", "dal", "samples"), numbers, strict=True))
 
 
 def _check_divergence(
@@ -283,13 +312,32 @@ def _check_divergence(
     )
 
 
+@contextlib.contextmanager
+def _syncs_allowed() -> Iterator[None]:
+    """Lifts ``sync_debug``'s error mode (``torch.cuda.set_sync_debug_mode``) for a host read the step needs."""
+    mode = torch.cuda.get_sync_debug_mode() if torch.cuda.is_available() else 0
+    if mode:
+        torch.cuda.set_sync_debug_mode(0)
+    try:
+        yield
+    finally:
+        if mode:
+            torch.cuda.set_sync_debug_mode(mode)
+
+
 @dataclass
 class StepLosses:
     """One micro-batch's losses: 0-d float tensors on the training device, not read back (see :class:`_StepTally`)."""
 
-    total: torch.Tensor  # loss + dal_weight * dal: what the backward trained (before the division by accum_steps)
     loss: torch.Tensor  # the classification loss
     dal: torch.Tensor | None  # the unweighted DAL loss (detached where it was attached to the tokens); None without DAL
+    dal_weight: float = 0.0  # the DAL loss's weight in the total
+
+    @property
+    def total(self) -> torch.Tensor:
+        """``loss + dal_weight * dal``: what the backward trained (before the division by ``accum_steps``). Computed
+        on access (two launches), not by the step: the step's own backward never needs it where DAL is attached."""
+        return self.loss if self.dal is None else self.loss + self.dal_weight * self.dal
 
 
 @dataclass
@@ -346,7 +394,7 @@ class TrainStep:
                 follows it (divided by ``accum_steps``).
             update: this micro-batch ends an accumulation: clip the gradients, step the optimizer, zero the
                 gradients. Else the gradients only accumulate (and DDP does not all-reduce them).
-            tally: the epoch's running sums; this batch is added to them, a non-finite total recorded.
+            tally: the epoch's running sums; this batch is added to them, a non-finite loss recorded.
             batch_index: the batch's index in its epoch, and ``step`` the optimizer steps taken before it: where a
                 non-finite loss happened, for the tally.
 
@@ -362,7 +410,7 @@ class TrainStep:
             with torch.autocast(images.device.type, dtype=dtype, enabled=dtype is not None):
                 logits = self.forward_model(images)
                 loss = self.criterion(logits, targets)
-                objective = total = loss  # what the backward runs on; what it trains
+                objective = loss  # what the backward runs on
                 dal = None
                 if self.dal_on:
                     # attached to the logits' graph by the forward (read without a graph), unless the scaler needs it
@@ -370,16 +418,15 @@ class TrainStep:
                     dal = self.model.mjp.last_dal_loss if self.scaler is None else None
                     if dal is None:
                         dal = self.model.mjp_aux_loss()
-                        objective = total = loss + dal_weight * dal
-                    else:
-                        total = loss + dal_weight * dal
-            # a non-finite total is only recorded here; it is raised at the next read (see _StepTally)
-            tally.add(total, loss, dal, images.shape[0], batch_index, step)
-            scaled = objective / self.config.accum_steps
+                        objective = loss + dal_weight * dal
+            # a non-finite loss is only recorded here; it is raised at the next read (see _StepTally)
+            tally.add(loss, dal, images.shape[0], batch_index, step, dal_weight)
+            accum_steps = self.config.accum_steps
+            scaled = objective / accum_steps if accum_steps > 1 else objective  # no launch for a division by 1
             (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
         if update:
             self._update()
-        return StepLosses(total, loss, dal)
+        return StepLosses(loss, dal, dal_weight if dal is not None else 0.0)
 
     def _set_attached_weight(self, weight: float) -> None:
         """Sets the model's ``mjp_dal_weight`` (the weight at which its forward attaches the DAL loss), where it
@@ -396,7 +443,8 @@ class TrainStep:
                 scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
             dispatch_clip_grad(self.model.parameters(), config.clip_grad, mode=config.clip_mode)
         if scaler is not None:
-            scaler.step(optimizer)  # skips the step when the unscaled gradients hold an inf or NaN
+            with _syncs_allowed():  # the scaler reads its inf check back to decide: fp16's one sync per step
+                scaler.step(optimizer)  # skips the step when the unscaled gradients hold an inf or NaN
             scaler.update()
         else:
             optimizer.step()
@@ -593,6 +641,8 @@ def _build_run(config: TrainConfig, context: Distributed, output: Path, state: d
     initialization draws from them), and a resumed run's generators are restored after everything that draws.
     """
     device = context.device
+    if config.sync_debug and device.type != "cuda":
+        raise ConfigError(f"sync_debug=true needs a CUDA device (it is torch.cuda.set_sync_debug_mode), got {device}")
     if config.threads is not None:
         torch.set_num_threads(config.threads)
     seed_everything(draw_seed(config.seed, context.rank))
@@ -616,6 +666,7 @@ def _build_run(config: TrainConfig, context: Distributed, output: Path, state: d
     dtype = amp_dtype(config, device)
     scaler = torch.amp.GradScaler("cuda") if dtype == torch.float16 else None
     mixup, criterion = _build_mixup_and_criterion(config, num_classes)
+    on_device = normalizes_on_device(config, device)
     start = _restore(state, model_name, model, optimizer, scheduler, scaler, config, batches_per_epoch, context, output)
 
     ddp = context.world_size > 1
@@ -639,6 +690,7 @@ def _build_run(config: TrainConfig, context: Distributed, output: Path, state: d
         train_step=TrainStep(model, forward_model, optimizer, criterion, config, dtype, scaler, ddp),
         scheduler=scheduler,
         mixup=mixup,
+        normalize=DeviceNormalize(config.mean, config.std, config, device) if on_device else None,
         loader=loader,
         sampler=sampler,
         val_loader=val_loader,
@@ -672,7 +724,8 @@ def _build_loaders(
 ) -> tuple[DataLoader, SeededEpochSampler, DataLoader]:
     """Sets the datasets' transforms; returns the training loader, its sampler and the validation loader (this
     rank's shards)."""
-    set_transform(train_set, train_transform(config, img_size, tuple(config.mean), tuple(config.std)))
+    mean, std, on_device = tuple(config.mean), tuple(config.std), normalizes_on_device(config, context.device)
+    set_transform(train_set, train_transform(config, img_size, mean, std, on_device=on_device))
     set_transform(val_set, eval_transform(img_size, config.interpolation, config.crop_pct))
     pin = context.device.type == "cuda"
     loader, sampler = train_loader(config, train_set, rank=context.rank, world_size=context.world_size, pin_memory=pin)
@@ -686,6 +739,12 @@ def _build_loaders(
         pin_memory=pin,
     )
     return loader, sampler, val_loader
+
+
+def normalizes_on_device(config: TrainConfig, device: torch.device) -> bool:
+    """Whether the training loader gives uint8 images that the step normalizes on ``device`` (config
+    ``normalize_on_device``; auto: on CUDA, where the loader's bytes cross to the GPU and its host is often slow)."""
+    return config.normalize_on_device == "on" or (config.normalize_on_device == "auto" and device.type == "cuda")
 
 
 def _build_optimizer(config: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
@@ -764,6 +823,7 @@ class _Start:
     step: int = 0  # optimizer steps taken
     history: list[dict[str, Any]] = field(default_factory=list)  # the records of the epochs trained
     running: dict[str, float] | None = None  # the loss sums of ``epoch``'s trained batches (None: none yet)
+    rng: dict[str, Any] | None = None  # the global generators' states after batch ``batch`` (checkpoint.rng_states)
 
 
 def _restore(
@@ -778,8 +838,8 @@ def _restore(
     context: Distributed,
     output: Path,
 ) -> _Start:
-    """Loads a checkpoint (``state``; None: a new run) into the model, optimizer, schedule, scaler and the global
-    generators; returns where training resumes.
+    """Loads a checkpoint (``state``; None: a new run) into the model, optimizer, schedule and scaler; returns where
+    training resumes, with the global generators' states that :meth:`_Run._train_batches` restores mid-epoch.
 
     A checkpoint of a schedule other than the config's keeps its weights and optimizer state, and the schedule
     continues as the config says; one written after its epoch's last batch resumes at the next epoch's start.
@@ -805,9 +865,8 @@ def _restore(
         step=state["step"],
         history=list(state.get("metrics", [])),
         running=state.get("running"),
+        rng=state.get("rng"),
     )
-    if state.get("rng") is not None:
-        checkpoint_io.restore_rng_states(state["rng"])
     if start.batch >= batches_per_epoch:  # saved after its epoch's last batch
         start = _Start(epoch=start.epoch + 1, step=start.step, history=start.history)
     _say(context, f"resuming {output} at epoch {start.epoch + 1}, batch {start.batch}, step {start.step}")
@@ -832,6 +891,7 @@ class _Run:
     train_step: TrainStep  # also holds the optimizer, the scaler and the AMP dtype
     scheduler: Scheduler | None
     mixup: Mixup | None
+    normalize: DeviceNormalize | None  # the uint8 batches' normalization and random erasing on the device, if there
     loader: DataLoader
     sampler: SeededEpochSampler
     val_loader: DataLoader
@@ -844,6 +904,7 @@ class _Run:
     step: int = field(init=False)  # optimizer steps taken
     history: list[dict[str, Any]] = field(init=False)  # a record per epoch trained
     final: dict[str, Any] = field(init=False, default_factory=dict)  # the last epoch's results (FINAL_KEYS)
+    _warm: bool = field(init=False, default=False)  # a batch has been trained (compiled, autotuned)
 
     def __post_init__(self) -> None:
         self.step = self.start.step
@@ -923,26 +984,12 @@ class _Run:
         """
         config, context = self.config, self.context
         images_trained = 0
-        for batch_index, (images, targets) in enumerate(self.loader, start=first_batch):
-            seed_everything(draw_seed(config.seed, context.rank, epoch, batch_index, 1))
-            images = images.to(context.device, non_blocking=True)
-            targets = targets.to(context.device, non_blocking=True)
-            if self.mixup is not None:
-                images, targets = self.mixup(images, targets)
+        batches = iter(self.loader)  # before the generators are set: making an iterator draws from them
+        self._set_generators(epoch, first_batch)
+        for batch_index, (images, targets) in enumerate(batches, start=first_batch):
             update = (batch_index + 1) % config.accum_steps == 0 or batch_index + 1 == self.batches_per_epoch
-            losses = self.train_step(
-                images,
-                targets,
-                dal_weight=dal_weight_at(config, self.step, self.total_steps),
-                update=update,
-                tally=tally,
-                batch_index=batch_index,
-                step=self.step,
-            )
-            if update:
-                self.step += 1
-                if self.scheduler is not None:
-                    self.scheduler.step_update(num_updates=self.step)
+            with self._strict_syncs():
+                losses = self._train_batch(images, targets, batch_index, update, tally)
             batch = images.shape[0] * context.world_size
             images_trained += batch
             if bar is not None:
@@ -962,6 +1009,61 @@ class _Run:
                     self._stop_if_diverged(reading, epoch, f"at batch {batch_index}")
                     self._save(epoch, done, reading.sums)
         return images_trained
+
+    def _train_batch(
+        self, images: torch.Tensor, targets: torch.Tensor, batch_index: int, update: bool, tally: _StepTally
+    ) -> StepLosses:
+        """One batch from the loader (``images`` ``[B, C, H, W]``, ``targets`` ``[B]``, on the host): to the device,
+        mixup, the :class:`TrainStep`, and at an update the step count and the schedule. No host read."""
+        device = self.context.device
+        images = images.to(device, non_blocking=True)  # from pinned memory on CUDA: the host does not wait
+        targets = targets.to(device, non_blocking=True)
+        if self.normalize is not None:
+            images = self.normalize(images)
+        if self.mixup is not None:
+            images, targets = self.mixup(images, targets)
+        losses = self.train_step(
+            images,
+            targets,
+            dal_weight=dal_weight_at(self.config, self.step, self.total_steps),
+            update=update,
+            tally=tally,
+            batch_index=batch_index,
+            step=self.step,
+        )
+        if update:
+            self.step += 1
+            if self.scheduler is not None:
+                self.scheduler.step_update(num_updates=self.step)
+        return losses
+
+    @contextlib.contextmanager
+    def _strict_syncs(self) -> Iterator[None]:
+        """With ``sync_debug``, a batch's training runs under ``torch.cuda.set_sync_debug_mode("error")``: a host
+        read of a device tensor in it raises. Not the run's first batch (compiling and Triton's autotuning read the
+        device), nor the loop's own reads between batches (log intervals, checkpoints)."""
+        if not (self.config.sync_debug and self._warm):
+            self._warm = True
+            yield
+            return
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+
+    def _set_generators(self, epoch: int, first_batch: int) -> None:
+        """Seeds the global generators (mixup's, drop-path's) from ``(seed, rank, epoch)`` at an epoch's start, or, in
+        the epoch a run resumed within, restores them as its checkpoint saved them after batch ``first_batch``.
+
+        Once per epoch, not per batch: a checkpoint within the epoch saves their states, so a resumed run draws what
+        the uninterrupted one drew without the per-step cost of seeding three generators (and CUDA's).
+        """
+        start = self.start
+        if first_batch > 0 and epoch == start.epoch and start.rng is not None:
+            checkpoint_io.restore_rng_states(start.rng)
+        else:
+            seed_everything(draw_seed(self.config.seed, self.context.rank, epoch, 1))
 
     def _end_epoch(self, epoch: int, tally: _StepTally, images: int, seconds: float) -> dict[str, Any]:
         """Reads the epoch's losses (under DDP every rank's), steps the schedule to the next epoch; returns the

@@ -51,7 +51,7 @@ def _by_hand(model, images, targets, dal_weight, accum_steps=1) -> StepLosses:
     dal = model.mjp_aux_loss()
     total = loss + dal_weight * dal
     (total / accum_steps).backward()
-    return StepLosses(total, loss, dal)
+    return StepLosses(loss, dal, dal_weight)
 
 
 def _parameters(model) -> list[torch.Tensor]:
