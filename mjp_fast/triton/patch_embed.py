@@ -26,6 +26,9 @@ Backward, only what is asked for:
 - images: ``dA = dY @ W`` over the patch rows, stored back to the permuted patch locations; ``perm`` permutes
   each sample's positions, so every pixel is written exactly once.
 
+The forward and image-gradient GEMMs are autotuned once per power-of-two bucket of ``B * N`` (:func:`tuning_bucket`),
+not once per batch size; the weight gradient's tiles follow from ``D`` and ``K``.
+
 Each launcher is a plain function (``*_launch``) that eager callers use directly, and a torch operator over it
 that launches through ``torch.library.wrap_triton``, for torch.compile.
 """
@@ -130,6 +133,28 @@ GPU_GEMM_SHAPES = (
 )
 
 
+def tuning_bucket(total_tokens: int | torch.SymInt) -> int | torch.SymInt:
+    """The GEMM kernels' autotuning key for ``total_tokens`` (``B * N``) patch tokens: the power of two that covers
+    it, so that one tuning serves every batch size in a factor of two.
+
+    Keyed on the exact count, the autotuner would run every config again, under a host sync, for each new batch
+    size: an epoch's last batch, each evaluation batch size. What decides the best tile and warps is how many
+    programs there are for the SMs, which changes little within a factor of two. Symbolic sizes (torch.compile with
+    a dynamic batch) pass through unchanged: Inductor tunes the configs itself and never reads the key, and the bit
+    arithmetic of a power of two would only add nodes to the graph.
+    """
+    if isinstance(total_tokens, int):
+        return triton.next_power_of_2(max(total_tokens, 1))
+    return total_tokens
+
+
+# The GEMM kernels' autotuning key: the token count's bucket (see tuning_bucket), the GEMM's other sides, and (added
+# by the autotuner) the dtype of every tensor argument. token_bucket is a kernel argument that the kernels never
+# read, only because triton.autotune keys on arguments by name; it is not specialized (do_not_specialize), so it
+# adds no compiled variants.
+GEMM_AUTOTUNE_KEY = ["token_bucket", "D", "K"]
+
+
 def _gemm_configs() -> list[triton.Config]:
     """Tiles tried on the GPU: large ones for Hopper and Ampere tensor cores, small ones as a safe default."""
     if interpreting():
@@ -196,8 +221,8 @@ def _forward_patch_tile(
     )
 
 
-@triton.autotune(configs=_gemm_configs(), key=["total_tokens", "D", "K"])
-@triton.jit
+@triton.autotune(configs=_gemm_configs(), key=GEMM_AUTOTUNE_KEY)
+@triton.jit(do_not_specialize=["token_bucket"])
 def _forward_kernel(
     images_ptr,  # [B, C, H, W], any strides
     weight_ptr,  # [D, K] (the Conv2d weight [D, C, patch, patch], contiguous)
@@ -215,6 +240,7 @@ def _forward_kernel(
     total_prefix,  # B * P: the prefix rows (HAS_PREFIX)
     prefix_count,  # P (HAS_PREFIX)
     prefix_positions,  # Q: 0 or P (HAS_PREFIX)
+    token_bucket,  # tuning_bucket(B * N): the autotuning key, never read
     PATCH: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_PERM: tl.constexpr, HAS_MASK: tl.constexpr,
     HAS_PREFIX: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -289,8 +315,8 @@ def _grad_weight_kernel(
     )
 
 
-@triton.autotune(configs=_gemm_configs(), key=["total_tokens", "D", "K"])
-@triton.jit
+@triton.autotune(configs=_gemm_configs(), key=GEMM_AUTOTUNE_KEY)
+@triton.jit(do_not_specialize=["token_bucket"])
 def _grad_images_kernel(
     grad_ptr,  # [B, P + N, D]: the output's gradient; only its patch rows are read
     weight_ptr,  # [D, K]
@@ -301,6 +327,7 @@ def _grad_images_kernel(
     cols, K, D,  # patch columns (W / patch), C * patch * patch, channels
     stride_b, stride_c, stride_h, stride_w,  # grad_images'
     prefix_count,  # P (HAS_PREFIX): rows of each sample of grad before its patch rows
+    token_bucket,  # tuning_bucket(B * N): the autotuning key, never read
     PATCH: tl.constexpr, HAS_PERM: tl.constexpr, HAS_PREFIX: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
@@ -418,6 +445,7 @@ def patch_embed_forward_launch(
         total_prefix,
         prefix_count,
         prefix_positions,
+        tuning_bucket(total),
         PATCH=patch,
         HAS_BIAS=bias is not None,
         HAS_PERM=perm is not None,
@@ -494,6 +522,7 @@ def patch_embed_backward_launch(
                 dim,
                 *_image_strides(grad_images),
                 prefix_count,
+                tuning_bucket(total),
                 PATCH=patch,
                 HAS_PERM=perm is not None,
                 HAS_PREFIX=prefix_count > 0,

@@ -91,6 +91,7 @@ def _variants() -> list[tuple[str, object, dict[str, str], dict[str, object], di
             **dict.fromkeys(("total_tokens", "total_prefix", "num_positions", "prefix_count"), "i32"),
             **dict.fromkeys(("prefix_positions", "cols", "K", "D"), "i32"),
             **image_ints,
+            "token_bucket": "i32",  # the autotuning key, never read
             "HAS_PREFIX": "i1",  # replaced by each case's constexpr
         }
         grad_images = {
@@ -100,6 +101,7 @@ def _variants() -> list[tuple[str, object, dict[str, str], dict[str, object], di
             "grad_images_ptr": f"*{dtype}",
             **dict.fromkeys(("total_tokens", "num_positions", "prefix_count", "cols", "K", "D"), "i32"),
             **image_ints,
+            "token_bucket": "i32",
             "HAS_PREFIX": "i1",
         }
         grad_weight = {

@@ -1,0 +1,100 @@
+"""The Triton patch embedding's GEMM kernels autotune once per bucket of the token count, not once per batch size.
+
+The forward and the image gradient are autotuned; each tuning runs every config, under a host sync. Keyed on the
+exact token count ``B * N``, every new batch size (an epoch's last batch, an evaluation batch) tuned again; keyed on
+its power-of-two bucket (:func:`~mjp_fast.triton.patch_embed.tuning_bucket`), batch sizes 1 to 9 tune four times.
+
+In the interpreter the kernels have a single config, and Triton's autotuner skips tuning (no key, no cache entry)
+when there is one config. So the test gives them two interpreter tiles, as the GPU's list gives them several, and a
+benchmark that times each config once; the autotuner's own cache (one entry per tuning) and the benchmark's calls
+count the tunings.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import triton  # noqa: E402
+
+from mjp_fast.triton import patch_embed as patch_kernels  # noqa: E402
+from mjp_fast.triton.common import INTERPRETER_TILE, INTERPRETER_WARPS, interpreting  # noqa: E402
+from tests.triton.helpers import patch_embed_reference, random_jigsaw  # noqa: E402
+
+GRID, PATCH, CHANNELS, DIM = (2, 3), 4, 3, 16
+NUM_POSITIONS = GRID[0] * GRID[1]
+BATCHES = range(1, 10)  # B * N = 6 to 54: the buckets 8, 16, 32 and 64
+AUTOTUNED = {"forward": patch_kernels._forward_kernel, "grad_images": patch_kernels._grad_images_kernel}
+DEVICE = "cpu" if interpreting() else "cuda"
+
+
+def _configs(kernel) -> list[triton.Config]:
+    """Several configs to tune between: the kernel's own on a GPU; two tiles in the interpreter."""
+    if len(kernel.configs) > 1:
+        return kernel.configs
+    small, tall = INTERPRETER_TILE, 2 * INTERPRETER_TILE
+    return [
+        triton.Config({"BLOCK_M": rows, "BLOCK_D": small, "BLOCK_K": small}, num_warps=INTERPRETER_WARPS, num_stages=1)
+        for rows in (small, tall)
+    ]
+
+
+@pytest.fixture
+def bench_calls(monkeypatch) -> dict[str, list[float]]:
+    """Each autotuned kernel with several configs, an empty tuning cache and a benchmark that times one run of a
+    config (the real one repeats it for about 100 ms); returns the benchmark's timings per kernel."""
+    calls: dict[str, list[float]] = {name: [] for name in AUTOTUNED}
+    for name, kernel in AUTOTUNED.items():
+
+        def bench(kernel_call, quantiles, name=name):
+            start = time.perf_counter()
+            kernel_call()
+            if DEVICE == "cuda":
+                torch.cuda.synchronize()
+            calls[name].append(time.perf_counter() - start)
+            return [calls[name][-1]] * len(quantiles)
+
+        monkeypatch.setattr(kernel, "configs", _configs(kernel))
+        monkeypatch.setattr(kernel, "cache", {})
+        # do_bench is a cached property of the autotuner: an entry in the instance's dict takes its place
+        monkeypatch.setitem(kernel.__dict__, "do_bench", bench)
+    return calls
+
+
+def test_gemm_kernels_tune_once_per_bucket_of_the_token_count(bench_calls):
+    # A class token with its row in the table (P = Q = 1), as timm's ViTs have: B * N patch tokens all the same.
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(DIM, CHANNELS, PATCH, PATCH, generator=generator)
+    bias, unk = torch.randn(DIM, generator=generator), torch.randn(DIM, generator=generator)
+    pos = torch.randn(1, 1 + NUM_POSITIONS, DIM, generator=generator)
+    prefix = torch.randn(1, 1, DIM, generator=generator)
+    for batch in BATCHES:
+        images = torch.randn(batch, CHANNELS, GRID[0] * PATCH, GRID[1] * PATCH, generator=generator)
+        mask, perm = random_jigsaw(batch, NUM_POSITIONS, "some", generator)
+        on_device = [tensor.to(DEVICE) for tensor in (images, weight, bias, pos, unk, perm, mask, prefix)]
+        out = patch_kernels.patch_embed_forward_launch(*on_device, 1)
+        grad = torch.randn(out.shape, generator=generator)
+        needs = [True, False, False, False, False, False]  # the image gradient alone: the other autotuned GEMM
+        device_images, device_weight, _, _, _, device_perm, device_mask, _ = on_device
+        grad_images = patch_kernels.patch_embed_backward_launch(
+            grad.to(DEVICE), device_images, device_weight, device_perm, device_mask, *needs, 1, 1, list(pos.shape),
+            list(prefix.shape),
+        )[0]  # fmt: skip
+
+        leaf = images.double().requires_grad_()
+        tables = [tensor.double() for tensor in (weight, bias, pos, unk)]
+        truth = patch_embed_reference(leaf, *tables, perm, mask, prefix.double(), 1)
+        (want_images,) = torch.autograd.grad(truth, leaf, grad.double())
+        torch.testing.assert_close(out.cpu().double(), truth.detach(), atol=1e-5, rtol=1e-5, msg=f"B={batch}")
+        torch.testing.assert_close(grad_images.cpu().double(), want_images, atol=1e-5, rtol=1e-5, msg=f"B={batch}")
+
+    buckets = {triton.next_power_of_2(batch * NUM_POSITIONS) for batch in BATCHES}
+    for name, kernel in AUTOTUNED.items():
+        # one cache entry per tuning, keyed (bucket, D, K, the tensors' dtypes); each tuning times every config once
+        assert len(kernel.cache) == len(buckets), f"{name}: tuned for keys {sorted(kernel.cache)}"
+        assert {key[0] for key in kernel.cache} == buckets, name
+        assert len(bench_calls[name]) == len(kernel.configs) * len(buckets), name
