@@ -4,16 +4,32 @@ Suite runs (``mjp bench``, ``python -m bench.run``) come first, newest first; si
 (``python bench/bench_sampler.py``) after them. Smoke runs are left out. Every section states the device, the
 versions and the shapes, and the pass/fail lines of the aims, as recorded: nothing is measured here.
 
-    python bench/render.py [--results DIR] [--out docs/benchmarks.md]
+Beside the page, in ``docs/benchmarks/``, PNG plots of the newest run of each device that holds the case:
+
+- ``<device>-train-step-overhead.png``: MJP's training-step overhead in percent per model and batch size, the
+  95% confidence interval of the median as error bars, the aims judged on that device as dashed lines.
+- ``<device>-sampler.png``: the jigsaw sampler's time per mask against the batch size, one line per backend and
+  one for the paper's Python loop, one panel per mask ratio.
+- ``<device>-patch-embed.png``: the patch embedding's time per image against the batch size, timm's beside ours
+  on each backend, forward and forward+backward.
+
+``<device>`` is the device's short name (``cpu-amd-epyc``, ``nvidia-h200``), plus ``-threads<N>`` for a CPU run
+at fewer torch threads than the machine has cores, which is not comparable with the others. The PNGs carry no
+timestamp or version, so rendering the same JSON again writes the same bytes.
+
+    python bench/render.py [--results DIR] [--out docs/benchmarks.md] [--plots DIR | --no-plots]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 if __package__ in (None, ""):  # run as a script: make `bench` and `mjp_fast` importable from the checkout
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -29,6 +45,7 @@ from bench.common import (
 )
 
 DEFAULT_OUT = REPO_ROOT / "docs" / "benchmarks.md"
+PLOTS_FOLDER = "benchmarks"  # beside the page: docs/benchmarks/
 CASE_TITLES = {
     "sampler": "Jigsaw sampler",
     "patch_embed": "Patch embedding",
@@ -168,8 +185,499 @@ def _summary(runs: list[tuple[Path, dict]]) -> str:
     return "\n".join(["## Summary: the aims, newest suite run per device", "", markdown_table(headers, rows), ""])
 
 
-def render(results_dir: Path | str = RESULTS_DIR) -> str:
-    """The whole page."""
+# ---------------------------------------------------------------------------------------------------------------
+# Plots: the newest run of each device, drawn as PNGs beside the page
+# ---------------------------------------------------------------------------------------------------------------
+
+PLOT_CASES = {  # case -> the PNG's name after the device, in the order the page shows them
+    "train_step": "train-step-overhead",
+    "sampler": "sampler",
+    "patch_embed": "patch-embed",
+}
+PLOT_TITLES = {
+    "train_step": "MJP's training-step overhead",
+    "sampler": "Jigsaw sampler: time per mask",
+    "patch_embed": "Patch embedding: time per image",
+}
+DPI = 100
+# One color per implementation in every plot, so a backend reads the same across the three of them.
+COLORS = {
+    "python loop": "tab:gray",
+    "timm": "tab:gray",
+    "torch": "tab:blue",
+    "cpu": "tab:orange",
+    "cuda": "tab:green",
+    "triton": "tab:red",
+}
+SPARE_COLORS = ("tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan")
+PROB_COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:purple")
+MARKERS = ("o", "s", "^", "D", "v", "P")
+LOG_SPREAD = 20.0  # patch embedding: a log time axis once the slowest bar is this many times the fastest
+
+
+@dataclass(frozen=True)
+class Plot:
+    """One PNG written: which device and case it shows, and the run it was drawn from."""
+
+    device: str
+    case: str
+    path: Path
+    source: Path
+    date: str
+    device_title: str  # "AMD EPYC, 2 torch threads", "NVIDIA H200"
+
+
+def plot_device(info: dict) -> str:
+    """The device's name in the PNGs' file names: :func:`bench.common.device_label`, plus ``-threads<N>`` for a
+    CPU run at fewer torch threads than the machine has cores (one thread is a different benchmark, not a newer
+    measurement of the same one)."""
+    label = device_label(info)
+    threads, cores = info.get("torch_threads"), info.get("cpu_count")
+    if not info.get("gpu") and threads and cores and threads != cores:
+        label += f"-threads{threads}"
+    return label
+
+
+def _device_title(info: dict) -> str:
+    """``NVIDIA H200`` or ``AMD EPYC, 2 torch threads``: the device as a plot's title names it."""
+    if info.get("gpu"):
+        return str(info["gpu"])
+    threads = info.get("torch_threads")
+    return f"{info.get('cpu', 'CPU')}" + (f", {threads} torch thread{'' if threads == 1 else 's'}" if threads else "")
+
+
+def _mjp_rows(section: dict) -> list[dict]:
+    """The train_step rows of the MJP variants: a numeric ``prob`` (plain timm has None, its fast-embedding twin
+    ``"fast"``) and an overhead."""
+    return [
+        row
+        for row in section.get("results", [])
+        if isinstance(row.get("prob"), (int, float))
+        and not isinstance(row.get("prob"), bool)
+        and (row.get("overhead_vs_fast_median_pct") is not None or row.get("overhead_median_pct") is not None)
+    ]
+
+
+def _plottable(case: str, section: dict) -> bool:
+    """Whether a case's section holds what its plot needs (a case that raised has no results)."""
+    if not isinstance(section, dict) or section.get("error"):
+        return False
+    rows = section.get("results") or []
+    if case == "train_step":
+        return bool(_mjp_rows(section))
+    if case == "sampler":
+        return any(row.get("per_mask_median_s") is not None and row.get("batch") for row in rows)
+    if case == "patch_embed":
+        return any(row.get("median_s") and _patch_embed_batch(row, section) for row in rows)
+    return False
+
+
+def _patch_embed_batch(row: dict, section: dict) -> int | None:
+    """A patch_embed row's batch size: its own when it has one, else the run's (one batch per run so far)."""
+    return row.get("batch") or section.get("config", {}).get("batch")
+
+
+def newest_per_device(runs: list[tuple[Path, dict]]) -> dict[str, dict[str, tuple[Path, dict]]]:
+    """Device -> case -> the newest run (path, payload) whose section of that case can be plotted.
+
+    Newest by the recorded date (ties: the later file name). Suite and single-case runs count alike; a case that
+    raised in the newest run falls back to an older run that has it. Devices and cases in a stable order.
+    """
+    chosen: dict[str, dict[str, tuple[Path, dict]]] = {}
+    for path, payload in sorted(runs, key=lambda item: (item[1].get("date", ""), item[0].name), reverse=True):
+        device = plot_device(payload["device"])
+        for case, section in sections_of(payload).items():
+            if case in PLOT_CASES and _plottable(case, section):
+                chosen.setdefault(device, {}).setdefault(case, (path, payload))
+    return {
+        device: {case: cases[case] for case in PLOT_CASES if case in cases} for device, cases in sorted(chosen.items())
+    }
+
+
+def _new_figure(width: float, height: float) -> Any:
+    from matplotlib.figure import Figure
+
+    # A bare Figure draws with Agg when saved; pyplot (and its global state, its choice of a window backend) is
+    # never involved.
+    return Figure(figsize=(width, height), layout="constrained")
+
+
+def _save(figure: Any, path: Path) -> None:
+    from mjp_fast._atomic import write_atomically
+
+    # "Software" names matplotlib's version; dropping it (and Agg writes no date) makes the bytes depend on the
+    # data alone, so re-rendering unchanged results leaves the committed PNGs unchanged.
+    with write_atomically(path) as stream:
+        figure.savefig(stream, format="png", dpi=DPI, metadata={"Software": None})
+
+
+def _color(name: str, seen: list[str]) -> str:
+    if name in COLORS:
+        return COLORS[name]
+    if name not in seen:
+        seen.append(name)
+    return SPARE_COLORS[seen.index(name) % len(SPARE_COLORS)]
+
+
+def _date(payload: dict) -> str:
+    return str(payload.get("date", "date unknown"))[:10]
+
+
+def _aim_group(aim_text: str, groups: list[tuple[str, int]]) -> int | None:
+    """The (model, batch) group an aim judges, read from its text (``"..., DeiT-Small, batch 256, ..."``): the
+    aims record no model field. None when it names none of them."""
+    from bench.bench_train_step import MODEL_TITLES
+
+    for index, (model, batch) in enumerate(groups):
+        if f"{MODEL_TITLES.get(model, model)}, batch {batch}," in aim_text:
+            return index
+    return None
+
+
+def draw_train_step(section: dict, payload: dict, path: Path) -> None:
+    """MJP's overhead in percent per (model, batch size), one marker per MJP prob, the 95% confidence interval
+    of the median as error bars (the p20-p80 spread where a run recorded no interval), the aims judged on this
+    device as dashed lines over the group they judge."""
+    from bench.bench_train_step import MODEL_TITLES
+
+    rows = _mjp_rows(section)
+    # The aims judge the overhead against plain timm with the same fast patch embedding; runs recorded before
+    # that baseline existed only have the overhead against plain timm.
+    against_fast = any(row.get("overhead_vs_fast_median_pct") is not None for row in rows)
+    metric = "overhead_vs_fast" if against_fast else "overhead"
+    baseline = "plain timm with the same\nfast patch embedding" if against_fast else "plain timm"
+    groups = list(dict.fromkeys((row["model"], row["batch"]) for row in rows))
+    probs = sorted({float(row["prob"]) for row in rows})
+    config = section.get("config", {})
+    how = ", ".join(
+        part
+        for part in (
+            config.get("dtype"),
+            "autocast" if config.get("autocast") else None,
+            "torch.compile" if config.get("compile") else None,
+            f"ratio {config['mjp_ratio']:g}" if config.get("mjp_ratio") is not None else None,
+            f"DAL {config['dal']}" if config.get("dal") else None,
+        )
+        if part
+    )
+
+    figure = _new_figure(max(5.0, 1.9 * len(groups) + 2.4), 4.3)
+    axis = figure.subplots()
+    axis.axhline(0.0, color="black", linewidth=0.8)
+    step = 0.7 / max(1, len(probs))
+    spreads_used = False
+    for index, prob in enumerate(probs):
+        xs, ys, lows, highs = [], [], [], []
+        for group_index, group in enumerate(groups):
+            row = next((r for r in rows if (r["model"], r["batch"]) == group and float(r["prob"]) == prob), None)
+            if row is None or row.get(f"{metric}_median_pct") is None:
+                continue
+            median = row[f"{metric}_median_pct"]
+            low, high = row.get(f"{metric}_ci95_low_pct"), row.get(f"{metric}_ci95_high_pct")
+            if low is None or high is None:
+                low, high = row.get(f"{metric}_p20_pct", median), row.get(f"{metric}_p80_pct", median)
+                spreads_used = True
+            xs.append(group_index + (index - (len(probs) - 1) / 2) * step)
+            ys.append(median)
+            lows.append(max(0.0, median - low))
+            highs.append(max(0.0, high - median))
+        if not xs:
+            continue
+        color = PROB_COLORS[index % len(PROB_COLORS)]
+        axis.errorbar(
+            xs,
+            ys,
+            yerr=[lows, highs],
+            fmt=MARKERS[index % len(MARKERS)],
+            color=color,
+            capsize=4,
+            markersize=6,
+            label=f"MJP, prob {prob:g}",
+        )
+        for x, y in zip(xs, ys, strict=True):
+            axis.annotate(f"{y:+.2f}%", (x, y), xytext=(6, 0), textcoords="offset points", va="center", fontsize=8)
+
+    # Only aims judged here: the others name another device (the GPU's on a CPU run) and would mislead.
+    labelled: set[float] = set()
+    for aim in section.get("aims", []):
+        if aim.get("measured") is None or aim.get("unit", "%") != "%" or aim.get("threshold") is None:
+            continue
+        threshold = float(aim["threshold"])
+        label = None if threshold in labelled else f"aim: at most {threshold:g}%"
+        labelled.add(threshold)
+        group_index = _aim_group(aim.get("aim", ""), groups)
+        if group_index is None:
+            axis.axhline(threshold, color="tab:red", linestyle="--", linewidth=1, label=label)
+        else:
+            axis.hlines(
+                threshold, group_index - 0.45, group_index + 0.45, color="tab:red", linestyles="--", label=label
+            )
+
+    axis.set_xticks(range(len(groups)), [f"{MODEL_TITLES.get(model, model)}\nbatch {batch}" for model, batch in groups])
+    axis.set_xlim(-0.6, len(groups) - 0.4)
+    axis.set_ylabel(f"step overhead against {baseline} (%)", fontsize=9)
+    interval = "median's 95% CI" + (" (p20-p80 where no CI)" if spreads_used else "")
+    axis.set_title(
+        f"median over interleaved pairs of t_MJP / t_baseline - 1\nerror bars: {interval}; {how}", fontsize=8
+    )
+    axis.grid(True, axis="y", alpha=0.3)
+    axis.legend(loc="best", fontsize=8)
+    figure.suptitle(f"{PLOT_TITLES['train_step']}: {_device_title(payload['device'])}, {_date(payload)}")
+    _save(figure, path)
+
+
+def draw_sampler(section: dict, payload: dict, path: Path) -> None:
+    """Time per mask (microseconds, log scale) against the batch size (log scale), one line per implementation
+    with the p20-p80 spread as error bars, one panel per mask ratio."""
+    from bench.bench_sampler import PYTHON_LOOP
+
+    rows = [row for row in section["results"] if row.get("per_mask_median_s") is not None and row.get("batch")]
+    ratios = sorted({row.get("ratio") for row in rows}, key=lambda ratio: (ratio is None, ratio or 0.0))
+    names = list(dict.fromkeys(row["implementation"] for row in rows))
+    # The paper's loop first (the baseline), then the backends in the run's order, then anything else.
+    order = [PYTHON_LOOP] * (PYTHON_LOOP in names) + [name for name in section.get("backends", []) if name in names]
+    order += [name for name in names if name not in order]
+    on_gpu = bool(payload["device"].get("gpu"))
+    labels = {name: f"{name} backend" for name in order}
+    labels[PYTHON_LOOP] = "Python loop (paper's code" + (", on the host CPU)" if on_gpu else ")")
+    if "torch" in labels:
+        labels["torch"] = "torch backend (the oracle)"
+
+    figure = _new_figure(max(5.0, 3.6 * len(ratios) + 0.8), 4.6)
+    axes = figure.subplots(1, len(ratios), sharey=True, squeeze=False)[0]
+    spare: list[str] = []
+    for axis, ratio in zip(axes, ratios, strict=True):
+        batches = sorted({row["batch"] for row in rows if row.get("ratio") == ratio})
+        for index, name in enumerate(order):
+            points = sorted(
+                (row for row in rows if row.get("ratio") == ratio and row["implementation"] == name),
+                key=lambda row: row["batch"],
+            )
+            if not points:
+                continue
+            median = [1e6 * row["per_mask_median_s"] for row in points]
+            low = [1e6 * row.get("per_mask_p20_s", row["per_mask_median_s"]) for row in points]
+            high = [1e6 * row.get("per_mask_p80_s", row["per_mask_median_s"]) for row in points]
+            axis.errorbar(
+                [row["batch"] for row in points],
+                median,
+                yerr=[
+                    [max(0.0, m - lo) for m, lo in zip(median, low, strict=True)],
+                    [max(0.0, hi - m) for m, hi in zip(median, high, strict=True)],
+                ],
+                marker=MARKERS[index % len(MARKERS)],
+                linestyle="--" if name == PYTHON_LOOP else "-",
+                color=_color(name, spare),
+                capsize=3,
+                label=labels[name],
+            )
+        axis.set_xscale("log", base=2)
+        axis.set_yscale("log")
+        axis.set_xticks(batches, [str(batch) for batch in batches])
+        axis.xaxis.set_minor_locator(_null_locator())
+        axis.set_xlabel("batch size (masks per call)")
+        axis.set_title(f"mask ratio {ratio:g}" if ratio is not None else "", fontsize=10)
+        axis.grid(True, which="major", alpha=0.3)
+    axes[0].set_ylabel("time per mask (µs, log scale)")
+    handles, names_shown = axes[0].get_legend_handles_labels()
+    figure.legend(handles, names_shown, loc="outside lower center", ncols=min(3, len(handles)), fontsize=8)
+    grid = section.get("config", {}).get("grid")
+    shape = f", {grid[0]}x{grid[1]} grid" if isinstance(grid, list) and len(grid) == 2 else ""
+    figure.suptitle(f"{PLOT_TITLES['sampler']}{shape}: {_device_title(payload['device'])}, {_date(payload)}")
+    _save(figure, path)
+
+
+def _plain_number_formatter() -> Any:
+    """Tick labels ``10``, ``100``, ``1000`` on a log axis instead of powers of ten: times read at a glance."""
+    from matplotlib.ticker import FuncFormatter
+
+    return FuncFormatter(lambda value, _: f"{value:g}")
+
+
+def _null_locator() -> Any:
+    from matplotlib.ticker import NullLocator
+
+    return NullLocator()
+
+
+def draw_patch_embed(section: dict, payload: dict, path: Path) -> None:
+    """Time per image (microseconds) against the batch size, timm's ``PatchEmbed`` + position add beside
+    ``mjp_patch_embed`` on each backend, one panel per mode; bars at the median, the p20-p80 spread as error
+    bars, ours labelled with the ratio to timm's."""
+    rows = [row for row in section["results"] if row.get("median_s") and _patch_embed_batch(row, section)]
+    modes = list(dict.fromkeys(row.get("mode", "") for row in rows))
+    names = list(dict.fromkeys(row["implementation"] for row in rows))
+    backend_of = {row["implementation"]: row.get("backend") or row["implementation"] for row in rows}
+    # timm first (the baseline), then ours per backend in the run's order, then ours with the sampling of the jigsaw
+    # in each call ("mjp[cpu] + sampling"), then anything else.
+    order = ["timm"] * ("timm" in names)
+    order += [f"mjp[{backend}]" for backend in section.get("backends", []) if f"mjp[{backend}]" in names]
+    order += [name for name in names if name.startswith("mjp[") and name not in order]
+    order += [name for name in names if name not in order]
+
+    def label(name: str) -> str:
+        if not name.startswith("mjp["):
+            return f"{name} PatchEmbed + position add"
+        extra = name.split("]", 1)[1].strip()
+        return f"mjp_patch_embed{' ' + extra if extra else ''}, {backend_of[name]} backend"
+
+    figure = _new_figure(max(5.0, 3.9 * len(modes) + 0.6), 4.8)
+    axes = figure.subplots(1, len(modes), squeeze=False)[0]
+    spare: list[str] = []
+    legend: dict[str, Any] = {}
+    log_panels = []
+    for axis, mode in zip(axes, modes, strict=True):
+        in_mode = [row for row in rows if row.get("mode", "") == mode]
+        shown = [name for name in order if any(row["implementation"] == name for row in in_mode)]
+        batches = sorted({_patch_embed_batch(row, section) for row in in_mode})
+        timm_median = {
+            _patch_embed_batch(row, section): row["median_s"] for row in in_mode if row["implementation"] == "timm"
+        }
+        width = 0.8 / max(1, len(shown))
+        for index, name in enumerate(shown):
+            xs, ys, lows, highs, ratios = [], [], [], [], []
+            for batch_index, batch in enumerate(batches):
+                row = next(
+                    (r for r in in_mode if r["implementation"] == name and _patch_embed_batch(r, section) == batch),
+                    None,
+                )
+                if row is None:
+                    continue
+                scale = 1e6 / batch  # seconds per call -> microseconds per image
+                median = row["median_s"] * scale
+                xs.append(batch_index + (index - (len(shown) - 1) / 2) * width)
+                ys.append(median)
+                lows.append(max(0.0, median - row.get("p20_s", row["median_s"]) * scale))
+                highs.append(max(0.0, row.get("p80_s", row["median_s"]) * scale - median))
+                ratio = row.get("ratio_vs_timm")
+                if ratio is None and batch in timm_median:
+                    ratio = row["median_s"] / timm_median[batch]
+                ratios.append(ratio)
+            bars = axis.bar(
+                xs,
+                ys,
+                width * 0.92,
+                yerr=[lows, highs],
+                capsize=2,
+                color=_color(backend_of[name], spare),
+                # the same backend's color, hatched: the variant that also samples the jigsaw in each call
+                hatch="//" if "]" in name and name.split("]", 1)[1].strip() else None,
+                edgecolor="white",
+                label=label(name),
+                error_kw={"linewidth": 0.8},
+            )
+            legend.setdefault(label(name), bars)
+            if name != "timm":
+                for x, y, high, ratio in zip(xs, ys, highs, ratios, strict=True):
+                    if ratio is not None:
+                        axis.annotate(
+                            f"{ratio:.2f}x",
+                            (x, y + high),
+                            xytext=(0, 2),
+                            textcoords="offset points",
+                            ha="center",
+                            va="bottom",
+                            fontsize=7,
+                        )
+        axis.set_xticks(range(len(batches)), [str(batch) for batch in batches])
+        axis.set_xlabel("batch size (images per call)")
+        axis.set_title(mode, fontsize=10)
+        # One slow variant (the torch oracle sampling its jigsaw on a GPU: ~100x timm) would flatten every other
+        # bar to the axis on a linear scale; past LOG_SPREAD between a panel's slowest and fastest, it is logarithmic.
+        per_image = [row["median_s"] / _patch_embed_batch(row, section) for row in in_mode]
+        if max(per_image) > LOG_SPREAD * min(per_image):
+            axis.set_yscale("log")
+            axis.yaxis.set_major_formatter(_plain_number_formatter())
+            axis.set_ylabel("time per image (µs, log scale)")
+            log_panels.append(axis)
+        axis.margins(y=0.12)  # room for the ratio labels above the bars
+        axis.grid(True, axis="y", alpha=0.3)
+        axis.set_axisbelow(True)
+    if axes[0] not in log_panels:
+        axes[0].set_ylabel("time per image (µs)")
+    # Every panel's implementations (forward+backward has the "+ sampling" variants that forward lacks).
+    figure.legend(list(legend.values()), list(legend), loc="outside lower center", ncols=2, fontsize=8)
+    config = section.get("config", {})
+    shape = ""
+    if config.get("image_size") and config.get("patch_size"):
+        shape = f", {config['image_size']} px, patch {config['patch_size']}, D={config.get('dim', '?')}, "
+        shape += str(config.get("dtype", ""))
+    figure.suptitle(
+        f"{PLOT_TITLES['patch_embed']}{shape}\n{_device_title(payload['device'])}, {_date(payload)}; "
+        "labels: time / timm's",
+        fontsize=11,
+    )
+    _save(figure, path)
+
+
+DRAWERS = {"train_step": draw_train_step, "sampler": draw_sampler, "patch_embed": draw_patch_embed}
+
+
+def draw_plots(runs: list[tuple[Path, dict]], plots_dir: Path | str) -> list[Plot]:
+    """Draws the three plots of the newest run per device into ``plots_dir``; returns what it wrote.
+
+    A case that no run of a device holds gets no plot. PNGs of this naming scheme left from an earlier rendering
+    whose device or case is gone are removed, so the folder shows exactly what the page links.
+    """
+    import matplotlib.style
+
+    plots_dir = Path(plots_dir)
+    plots_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    # matplotlib's defaults, whatever a matplotlibrc on this machine says: the same JSON draws the same PNG.
+    with matplotlib.style.context("default"):
+        for device, cases in newest_per_device(runs).items():
+            for case, (source, payload) in cases.items():
+                path = plots_dir / f"{device}-{PLOT_CASES[case]}.png"
+                DRAWERS[case](sections_of(payload)[case], payload, path)
+                written.append(Plot(device, case, path, source, _date(payload), _device_title(payload["device"])))
+    keep = {plot.path.name for plot in written}
+    for suffix in PLOT_CASES.values():
+        for stale in plots_dir.glob(f"*-{suffix}.png"):
+            if stale.name not in keep:
+                stale.unlink()
+    return written
+
+
+def _plots_markdown(plots: list[Plot], page_dir: Path) -> str:
+    """The page's section that links the PNGs, one subsection per device."""
+    if not plots:
+        return ""
+    lines = [
+        "## Plots: the newest run per device",
+        "",
+        "For each device, each plot is drawn from the newest run that measured its case (named under the plot).",
+        "Training step: MJP's overhead per model and batch size, error bars the median's 95% confidence interval,",
+        "dashed lines the aims judged on that device. Sampler: time per mask against the batch size, per backend",
+        "and for the paper's Python loop (log scales). Patch embedding: time per image against the batch size, timm",
+        "against ours per backend, labelled with the ratio to timm.",
+        "",
+    ]
+    for device in dict.fromkeys(plot.device for plot in plots):
+        shown = [plot for plot in plots if plot.device == device]
+        lines += [f"### {device}: {shown[0].device_title}", ""]
+        for plot in shown:
+            link = Path(os.path.relpath(plot.path, page_dir)).as_posix()
+            lines += [
+                f"![{PLOT_TITLES[plot.case]}, {device}, {plot.date}]({link})",
+                "",
+                f"{PLOT_TITLES[plot.case]}, from `bench/results/{plot.source.name}` ({plot.date})",
+                "",
+            ]
+    return "\n".join(lines)
+
+
+def render(
+    results_dir: Path | str = RESULTS_DIR, *, plots_dir: Path | str | None = None, page_dir: Path | str | None = None
+) -> str:
+    """The whole page.
+
+    Args:
+        results_dir: the folder of the JSON results.
+        plots_dir: where to draw the PNGs (:func:`draw_plots`); None draws none and the page links none.
+        page_dir: the folder the page will be written to, for the PNGs' relative links (default: ``plots_dir``'s
+            parent).
+    """
     runs = load_results(results_dir)
     parts = [INTRODUCTION]
     if not runs:
@@ -177,6 +685,11 @@ def render(results_dir: Path | str = RESULTS_DIR) -> str:
     summary = _summary(runs)
     if summary:
         parts.append(summary)
+    if plots_dir is not None:
+        plots = draw_plots(runs, plots_dir)
+        section = _plots_markdown(plots, Path(page_dir) if page_dir is not None else Path(plots_dir).parent)
+        if section:
+            parts.append(section)
     for path, payload in runs:
         parts.append(render_run(path, payload))
     return "\n".join(parts).rstrip() + "\n"
@@ -186,11 +699,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--results", default=str(RESULTS_DIR), help="directory of the JSON results")
     parser.add_argument("--out", default=str(DEFAULT_OUT), help="the Markdown page to write (default: %(default)s)")
+    plots = parser.add_mutually_exclusive_group()
+    plots.add_argument(
+        "--plots", default=None, help=f"folder of the PNG plots (default: {PLOTS_FOLDER}/ beside the page)"
+    )
+    plots.add_argument("--no-plots", action="store_true", help="write the page alone, without plots or their links")
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(render(args.results), encoding="utf-8")
-    print(f"wrote {out}")
+    plots_dir = None if args.no_plots else Path(args.plots) if args.plots else out.parent / PLOTS_FOLDER
+    out.write_text(render(args.results, plots_dir=plots_dir, page_dir=out.parent), encoding="utf-8")
+    print(f"wrote {out}" + (f" and its plots in {plots_dir}" if plots_dir is not None else ""))
     return 0
 
 

@@ -1,0 +1,293 @@
+"""``bench/render.py``'s plots: PNGs of the newest run per device beside ``docs/benchmarks.md``, linked from it.
+
+Every test renders small synthetic results written to a temporary folder, in the format ``bench/run.py`` records.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+if str(REPO_ROOT) not in sys.path:  # `bench` is a folder of the checkout, not an installed package
+    sys.path.insert(0, str(REPO_ROOT))
+
+from bench import render  # noqa: E402
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+VERSIONS = {"platform": "Linux", "python": "3.11", "torch": "2.14", "mjp_fast": "0.1", "backends": ["torch", "cpu"]}
+CPU = {"device": "cpu", "cpu": "Test CPU", "cpu_count": 2, "torch_threads": 2, "gpu": None, "cuda": None} | VERSIONS
+GPU = {"device": "cuda", "cpu": "Host", "cpu_count": 16, "torch_threads": 16, "gpu": "NVIDIA H200", "cuda": "13"}
+GPU |= VERSIONS
+# The train_step row's fields that only some variants fill (bench/bench_train_step.py records them all, as None).
+TRAIN_STEP_FIELDS = (
+    "overhead_median_pct overhead_p20_pct overhead_p80_pct overhead_ci95_low_pct overhead_ci95_high_pct "
+    "overhead_of_medians_pct quiet_pairs quiet_overhead_median_pct isolated_extra_s isolated_overhead_pct "
+    "overhead_vs_fast_median_pct overhead_vs_fast_p20_pct overhead_vs_fast_p80_pct overhead_vs_fast_ci95_low_pct "
+    "overhead_vs_fast_ci95_high_pct"
+).split()
+SUFFIXES = {"train_step": "train-step-overhead", "sampler": "sampler", "patch_embed": "patch-embed"}
+
+
+def _timing(median_s: float) -> dict:
+    spread = {"p20_s": 0.9 * median_s, "p80_s": 1.2 * median_s, "min_s": 0.8 * median_s}
+    return {"median_s": median_s, **spread, "samples": 5, "calls_per_sample": 1}
+
+
+def sampler_section(backends: tuple[str, ...] = ("torch", "cpu"), batches: tuple[int, ...] = (4, 16)) -> dict:
+    rows = []
+    for ratio in (0.1, 0.5):
+        for batch in batches:
+            for name, per_mask in [("python loop", 50e-6)] + [(b, 1e-6 * (i + 1)) for i, b in enumerate(backends)]:
+                per_mask *= 1 + ratio
+                rows.append(
+                    {
+                        "batch": batch,
+                        "grid": [14, 14],
+                        "ratio": ratio,
+                        "implementation": name,
+                        **_timing(per_mask * batch),
+                        "per_mask_median_s": per_mask,
+                        "per_mask_p20_s": 0.9 * per_mask,
+                        "per_mask_p80_s": 1.2 * per_mask,
+                        "speedup_vs_python": 50e-6 * (1 + ratio) / per_mask,
+                        "mean_masked": 19.0,
+                        "target": 19,
+                        "matches_oracle": None if name == "python loop" else True,
+                    }
+                )
+    return {"config": {"grid": [14, 14]}, "backends": list(backends), "results": rows, "aims": []}
+
+
+def patch_embed_section(backends: tuple[str, ...] = ("torch", "cpu"), batches: tuple[int, ...] = (64,)) -> dict:
+    rows = []
+    for mode, scale in (("forward", 1.0), ("forward+backward", 2.5)):
+        for batch in batches:
+            timm = 1e-5 * batch * scale
+            rows.append({"mode": mode, "batch": batch, "implementation": "timm", "backend": None, **_timing(timm)})
+            rows[-1] |= {"ratio_vs_timm": 1.0, "images_per_s": batch / timm, "max_abs_error_vs_ref": None}
+            for index, backend in enumerate(backends):
+                median = timm * (0.8 + 0.3 * index)
+                rows.append(
+                    {
+                        "mode": mode,
+                        "batch": batch,
+                        "implementation": f"mjp[{backend}]",
+                        "backend": backend,
+                        **_timing(median),
+                        "ratio_vs_timm": median / timm,
+                        "images_per_s": batch / median,
+                        "max_abs_error_vs_ref": 0.0,
+                    }
+                )
+    config = {"batch": batches[0], "image_size": 224, "patch_size": 16, "dim": 384, "dtype": "float32"}
+    return {"config": config, "backends": list(backends), "results": rows, "aims": []}
+
+
+def train_step_section(*, against_fast: bool = True, judged: bool = True) -> dict:
+    """Plain and MJP rows of two models; ``against_fast=False`` is the older format (overhead against plain timm
+    only, as the first H200 run recorded it)."""
+    rows = []
+    for model, batch in (("deit_tiny_patch16_224", 32), ("deit_small_patch16_224", 8)):
+        common = {"model": model, "batch": batch, "image_size": 224, "pairs": 5, "images_per_s": 1.0}
+        common |= dict.fromkeys(TRAIN_STEP_FIELDS)
+        rows.append(common | {"implementation": "plain", "prob": None, **_timing(1.0)})
+        for prob, overhead in ((0.5, 0.4), (1.0, -1.2)):
+            row = common | {"implementation": f"mjp prob={prob:g}", "prob": prob, "overhead_of_medians_pct": 1.0}
+            row |= {"overhead_median_pct": overhead + 1, "overhead_p20_pct": overhead - 2, "overhead_p80_pct": 3.0}
+            row |= {"overhead_ci95_low_pct": overhead, "overhead_ci95_high_pct": overhead + 2}
+            if against_fast:
+                row |= {"overhead_vs_fast_median_pct": overhead, "overhead_vs_fast_ci95_low_pct": overhead - 1}
+                row |= {"overhead_vs_fast_ci95_high_pct": overhead + 1}
+                row |= {"overhead_vs_fast_p20_pct": overhead - 2, "overhead_vs_fast_p80_pct": overhead + 2}
+            rows.append(row | _timing(1.01))
+    aims = [
+        {
+            "aim": f"DeiT-Tiny, batch 32, float32: MJP (prob {prob:g}) overhead at most 2%",
+            "threshold": 2.0,
+            "measured": 0.4 if judged else None,
+            "unit": "%",
+            "verdict": "PASS" if judged else "NOT RUN",
+        }
+        for prob in (0.5, 1.0)
+    ]
+    config = {"dtype": "float32", "autocast": False, "compile": False, "mjp_ratio": 0.1, "dal": "nonlinear"}
+    config["image_size"] = 224
+    return {"config": config, "backends": ["cpu"], "results": rows, "aims": aims}
+
+
+def write_suite(folder: Path, name: str, device: dict, date: str, cases: dict[str, dict]) -> Path:
+    payload = {"suite": "mjp_fast", "smoke": False, "date": date, "device": device, "cases": cases, "aims": []}
+    path = folder / f"{name}.json"
+    path.write_text(json.dumps(payload))
+    return path
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    """Width and height from the PNG header; fails unless the file starts as a PNG does."""
+    data = path.read_bytes()
+    assert data[:8] == PNG_SIGNATURE, path
+    assert data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+def render_into(tmp_path: Path) -> tuple[str, Path]:
+    """Renders ``tmp_path/results`` as ``tmp_path/docs/benchmarks.md`` through the command line; returns the page
+    and the plots' folder."""
+    out = tmp_path / "docs" / "benchmarks.md"
+    assert render.main(["--results", str(tmp_path / "results"), "--out", str(out)]) == 0
+    return out.read_text(encoding="utf-8"), out.parent / render.PLOTS_FOLDER
+
+
+@pytest.fixture
+def results(tmp_path: Path) -> Path:
+    folder = tmp_path / "results"
+    folder.mkdir()
+    return folder
+
+
+def test_each_case_gets_a_valid_png_linked_from_the_page(tmp_path, results):
+    cases = {"sampler": sampler_section(), "patch_embed": patch_embed_section(), "train_step": train_step_section()}
+    write_suite(results, "cpu-test-cpu-2000-01-02", CPU, "2000-01-02T00:00:00+00:00", cases)
+    page, plots = render_into(tmp_path)
+
+    names = sorted(path.name for path in plots.iterdir())
+    assert names == sorted(f"cpu-test-cpu-{suffix}.png" for suffix in SUFFIXES.values())
+    for name in names:
+        width, height = png_size(plots / name)
+        assert 400 <= width <= 1200 and 300 <= height <= 800, (name, width, height)  # dpi 100, a few inches
+        assert 10_000 < (plots / name).stat().st_size < 120_000, name  # drawn, and small enough to commit
+        assert f"](benchmarks/{name})" in page  # a relative link, from docs/ to docs/benchmarks/
+    assert "## Plots: the newest run per device" in page
+    assert "### cpu-test-cpu: Test CPU, 2 torch threads" in page
+    assert "from `bench/results/cpu-test-cpu-2000-01-02.json` (2000-01-02)" in page
+    # the plots sit between the summary and the runs
+    assert page.index("## Plots") < page.index("## cpu-test-cpu-2000-01-02")
+
+
+def test_a_case_no_run_holds_gets_no_plot_and_no_link(tmp_path, results):
+    broken = {"error": "RuntimeError: boom", "config": {}, "backends": [], "results": [], "aims": []}
+    cases = {"sampler": sampler_section(), "train_step": broken}  # no patch_embed at all; train_step raised
+    write_suite(results, "cpu-test-cpu-2000-01-02-suite-sampler-train_step", CPU, "2000-01-02T00:00:00+00:00", cases)
+    page, plots = render_into(tmp_path)
+
+    assert [path.name for path in plots.iterdir()] == ["cpu-test-cpu-sampler.png"]
+    assert "sampler.png)" in page
+    assert "patch-embed.png" not in page and "train-step-overhead.png" not in page
+
+
+def test_no_plottable_run_gives_no_plot_section(tmp_path, results):
+    broken = {"error": "RuntimeError: boom", "config": {}, "backends": [], "results": [], "aims": []}
+    write_suite(results, "cpu-test-cpu-2000-01-02", CPU, "2000-01-02T00:00:00+00:00", {"sampler": broken})
+    page, plots = render_into(tmp_path)
+    assert "## Plots" not in page
+    assert not list(plots.glob("*.png"))
+
+
+def test_two_devices_give_two_sets(tmp_path, results):
+    cpu_cases = {"sampler": sampler_section(), "patch_embed": patch_embed_section(), "train_step": train_step_section()}
+    gpu_cases = {
+        "sampler": sampler_section(("torch", "triton", "cuda"), batches=(64, 256, 1024)),
+        # several batch sizes, and the torch variant ~100x slower than the rest (a log axis)
+        "patch_embed": patch_embed_section(("torch", "cuda", "triton"), batches=(32, 64, 256)),
+        "train_step": train_step_section(against_fast=False, judged=False),  # the first H200 run's format
+    }
+    gpu_cases["patch_embed"]["results"][1]["median_s"] *= 100
+    write_suite(results, "cpu-test-cpu-2000-01-02", CPU, "2000-01-02T00:00:00+00:00", cpu_cases)
+    write_suite(results, "nvidia-h200-2000-01-01", GPU, "2000-01-01T00:00:00+00:00", gpu_cases)
+    page, plots = render_into(tmp_path)
+
+    names = {path.name for path in plots.iterdir()}
+    for device in ("cpu-test-cpu", "nvidia-h200"):
+        assert {f"{device}-{suffix}.png" for suffix in SUFFIXES.values()} <= names
+        assert f"### {device}: " in page
+    assert len(names) == 6
+    for name in names:
+        png_size(plots / name)
+    # devices in a stable (sorted) order
+    assert page.index("### cpu-test-cpu") < page.index("### nvidia-h200")
+
+
+def test_the_newest_run_of_each_device_is_drawn_per_case(tmp_path, results):
+    old_date, new_date = "2000-01-01T10:00:00+00:00", "2000-01-03T09:00:00+00:00"
+    write_suite(
+        results,
+        "cpu-test-cpu-2000-01-01",
+        CPU,
+        old_date,
+        {"sampler": sampler_section(), "train_step": train_step_section()},
+    )
+    write_suite(results, "cpu-test-cpu-2000-01-03-suite-sampler", CPU, new_date, {"sampler": sampler_section()})
+    single = {"benchmark": "patch_embed", "smoke": False, "date": "2000-01-02T00:00:00+00:00", "device": CPU}
+    (results / "cpu-test-cpu-2000-01-02-patch_embed.json").write_text(json.dumps(single | patch_embed_section()))
+    # a newer smoke run is never drawn; a CPU run at one thread is a device of its own
+    smoke = {
+        "suite": "mjp_fast",
+        "smoke": True,
+        "date": "2000-01-09",
+        "device": CPU,
+        "cases": {"sampler": sampler_section()},
+    }
+    (results / "cpu-test-cpu-2000-01-09-smoke.json").write_text(json.dumps(smoke))
+    write_suite(
+        results,
+        "cpu-test-cpu-2000-01-05-threads1",
+        CPU | {"torch_threads": 1},
+        "2000-01-05",
+        {"sampler": sampler_section()},
+    )
+
+    chosen = render.newest_per_device(render.load_results(results))
+    assert list(chosen) == ["cpu-test-cpu", "cpu-test-cpu-threads1"]
+    sources = {case: path.name for case, (path, _) in chosen["cpu-test-cpu"].items()}
+    assert sources == {
+        "train_step": "cpu-test-cpu-2000-01-01.json",  # only the older run has it
+        "sampler": "cpu-test-cpu-2000-01-03-suite-sampler.json",  # newest by the recorded date
+        "patch_embed": "cpu-test-cpu-2000-01-02-patch_embed.json",  # a single-case run counts too
+    }
+    page, plots = render_into(tmp_path)
+    assert "Jigsaw sampler: time per mask, from `bench/results/cpu-test-cpu-2000-01-03-suite-sampler.json`" in page
+    assert "training-step overhead, from `bench/results/cpu-test-cpu-2000-01-01.json`" in page
+    assert "### cpu-test-cpu-threads1: Test CPU, 1 torch thread\n" in page
+    assert (plots / "cpu-test-cpu-threads1-sampler.png").exists()
+    assert len(list(plots.glob("*.png"))) == 4
+
+
+def test_rendering_again_gives_the_same_bytes_and_drops_stale_plots(tmp_path, results):
+    cases = {"sampler": sampler_section(), "patch_embed": patch_embed_section(), "train_step": train_step_section()}
+    write_suite(results, "cpu-test-cpu-2000-01-02", CPU, "2000-01-02T00:00:00+00:00", cases)
+    page, plots = render_into(tmp_path)
+    first = {path.name: path.read_bytes() for path in plots.iterdir()}
+    assert all(b"Software" not in data and b"matplotlib" not in data for data in first.values())
+    (plots / "gone-device-sampler.png").write_bytes(PNG_SIGNATURE)  # a device no longer in the results
+    (plots / "notes.txt").write_text("not ours")
+
+    assert render_into(tmp_path)[0] == page
+    again = {path.name: path.read_bytes() for path in plots.iterdir()}
+    assert again == first | {"notes.txt": b"not ours"}
+
+
+def test_no_plots_writes_the_page_alone(tmp_path, results):
+    write_suite(results, "cpu-test-cpu-2000-01-02", CPU, "2000-01-02T00:00:00+00:00", {"sampler": sampler_section()})
+    out = tmp_path / "docs" / "benchmarks.md"
+    assert render.main(["--results", str(results), "--out", str(out), "--no-plots"]) == 0
+    assert "## Plots" not in out.read_text() and not (out.parent / render.PLOTS_FOLDER).exists()
+    assert "## Plots" not in render.render(results)  # the library call draws only when asked
+
+
+def test_an_aim_is_drawn_over_the_group_it_names():
+    groups = [("deit_tiny_patch16_224", 256), ("deit_small_patch16_224", 256)]
+    aim = "on an H100/H200, DeiT-Small, batch 256, bfloat16: MJP (ratio 0.1, prob 0.5, DAL) overhead at most 0.25%"
+    assert render._aim_group(aim, groups) == 1
+    assert render._aim_group(aim.replace("DeiT-Small", "DeiT-Tiny"), groups) == 0
+    assert render._aim_group("DeiT-Small, batch 8, float32", groups) is None  # not measured here: a full line
+
+
+def test_plot_device_names():
+    assert render.plot_device(CPU) == "cpu-test-cpu"
+    assert render.plot_device(CPU | {"torch_threads": 1}) == "cpu-test-cpu-threads1"
+    assert render.plot_device(GPU) == "nvidia-h200"  # the host's threads do not matter on a GPU
