@@ -213,6 +213,10 @@ SPARE_COLORS = ("tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan")
 PROB_COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:purple")
 MARKERS = ("o", "s", "^", "D", "v", "P")
 LOG_SPREAD = 20.0  # patch embedding: a log time axis once the slowest bar is this many times the fastest
+# Patch embedding: a panel widens with its bars (batches x implementations) up to a cap; where a bar is still
+# narrower than a horizontal ratio label ("1.23x" at 7 pt), the labels turn vertical.
+PANEL_WIDTH, PANEL_WIDTH_PER_BAR, PANEL_WIDTH_MAX = 3.9, 0.16, 6.0  # inches
+LABEL_WIDTH = 0.22  # inches
 
 
 @dataclass(frozen=True)
@@ -500,10 +504,34 @@ def _null_locator() -> Any:
     return NullLocator()
 
 
+def patch_embed_layout(batches: int, bars_per_batch: int) -> tuple[float, bool]:
+    """The width in inches of a patch-embedding panel of ``batches`` groups of ``bars_per_batch`` bars, and
+    whether its ratio labels must stand vertical to stay clear of each other."""
+    bars = batches * bars_per_batch
+    width = min(PANEL_WIDTH_MAX, max(PANEL_WIDTH, PANEL_WIDTH_PER_BAR * bars + 1.0))
+    # the axes take about the panel less 0.6 in of tick labels; the groups, 1 apart, span batches + 0.2 with margins
+    bar_inches = (width - 0.6) / (batches + 0.2) * 0.8 / max(1, bars_per_batch)
+    return width, bar_inches < LABEL_WIDTH
+
+
+def _judged_batches(section: dict, mode: str, modes: Sequence[str]) -> set[int]:
+    """The batch sizes at which the section's aims were judged (PASS or FAIL) in the panel of ``mode``, where the
+    aims record a batch: an aim whose text names one of the ``modes`` (a word of its own: "forward" is not in
+    "forward+backward") counts in that panel only, one that names none in every panel."""
+    judged = set()
+    for aim in section.get("aims", []):
+        if not isinstance(aim, dict) or not aim.get("batch") or aim.get("verdict") not in ("PASS", "FAIL"):
+            continue
+        named = [name for name in modes if name in str(aim.get("aim", "")).split()]
+        if not named or mode in named:
+            judged.add(aim["batch"])
+    return judged
+
+
 def draw_patch_embed(section: dict, payload: dict, path: Path) -> None:
     """Time per image (microseconds) against the batch size, timm's ``PatchEmbed`` + position add beside
     ``mjp_patch_embed`` on each backend, one panel per mode; bars at the median, the p20-p80 spread as error
-    bars, ours labelled with the ratio to timm's."""
+    bars, ours labelled with the ratio to timm's. A batch at which an aim was judged says so under its tick."""
     rows = [row for row in section["results"] if row.get("median_s") and _patch_embed_batch(row, section)]
     modes = list(dict.fromkeys(row.get("mode", "") for row in rows))
     names = list(dict.fromkeys(row["implementation"] for row in rows))
@@ -521,7 +549,11 @@ def draw_patch_embed(section: dict, payload: dict, path: Path) -> None:
         extra = name.split("]", 1)[1].strip()
         return f"mjp_patch_embed{' ' + extra if extra else ''}, {backend_of[name]} backend"
 
-    figure = _new_figure(max(5.0, 3.9 * len(modes) + 0.6), 4.8)
+    # each panel gives every batch a slot per implementation of its mode: the fullest mode sets the bars' width
+    most_bars = max(len({row["implementation"] for row in rows if row.get("mode", "") == mode}) for mode in modes)
+    batch_count = len({_patch_embed_batch(row, section) for row in rows})
+    panel_width, vertical_labels = patch_embed_layout(batch_count, most_bars)
+    figure = _new_figure(max(5.0, panel_width * len(modes) + 0.6), 4.8 + 0.3 * vertical_labels)
     axes = figure.subplots(1, len(modes), squeeze=False)[0]
     spare: list[str] = []
     legend: dict[str, Any] = {}
@@ -578,8 +610,12 @@ def draw_patch_embed(section: dict, payload: dict, path: Path) -> None:
                             ha="center",
                             va="bottom",
                             fontsize=7,
+                            rotation=90 if vertical_labels else 0,
                         )
-        axis.set_xticks(range(len(batches)), [str(batch) for batch in batches])
+        judged = _judged_batches(section, mode, modes)
+        axis.set_xticks(
+            range(len(batches)), [f"{batch}\n(aim)" if batch in judged else str(batch) for batch in batches]
+        )
         axis.set_xlabel("batch size (images per call)")
         axis.set_title(mode, fontsize=10)
         # One slow variant (the torch oracle sampling its jigsaw on a GPU: ~100x timm) would flatten every other
@@ -590,7 +626,7 @@ def draw_patch_embed(section: dict, payload: dict, path: Path) -> None:
             axis.yaxis.set_major_formatter(_plain_number_formatter())
             axis.set_ylabel("time per image (µs, log scale)")
             log_panels.append(axis)
-        axis.margins(y=0.12)  # room for the ratio labels above the bars
+        axis.margins(y=0.2 if vertical_labels else 0.12)  # room for the ratio labels above the bars
         axis.grid(True, axis="y", alpha=0.3)
         axis.set_axisbelow(True)
     if axes[0] not in log_panels:

@@ -77,6 +77,60 @@ def test_patch_embed_benchmark_smoke(tmp_path, capsys):
         assert "ratio_vs_timm" in row
         if row["max_abs_error_vs_ref"] is not None:
             assert row["max_abs_error_vs_ref"] < 1e-4
+    # the batch sweep: every implementation in both modes at each batch, each row naming its batch
+    from bench import bench_patch_embed
+
+    config = payload["config"]
+    assert config["batches"] == list(bench_patch_embed.SMOKE_BATCHES) and config["batch"] in config["batches"]
+    assert {row["batch"] for row in payload["results"]} == set(config["batches"])
+    per_batch = [
+        {(row["mode"], row["implementation"]) for row in payload["results"] if row["batch"] == batch}
+        for batch in config["batches"]
+    ]
+    assert all(implementations == modes for implementations in per_batch)
+    for row in payload["results"]:
+        assert row["images_per_s"] == pytest.approx(row["batch"] / row["median_s"])
+    (aim,) = payload["aims"]
+    assert aim["batch"] == config["batch"] and f"batch {config['batch']}" in aim["aim"]
+    assert "| batch |" in printed
+
+
+@pytest.mark.timeout(120)
+def test_patch_embed_benchmark_sweeps_the_batches_asked_for(tmp_path, capsys):
+    from bench import bench_patch_embed
+
+    options = ["--smoke", "--out", str(tmp_path), "--device", "cpu", "--repeats", "1", "--batches", "3,1,3"]
+    assert bench_patch_embed.main(options) == 0
+    (path,) = tmp_path.glob("*.json")
+    payload = json.loads(path.read_text())
+    assert payload["config"]["batches"] == [3, 1]  # in the order asked, once each
+    assert list(dict.fromkeys(row["batch"] for row in payload["results"])) == [3, 1]  # measured in that order
+    assert {row["batch"] for row in payload["results"]} == {1, 3}
+    (aim,) = payload["aims"]  # the judged batch (2 in a smoke run) was not measured: nothing to judge
+    assert aim["measured"] is None and aim["verdict"] == "NOT RUN" and "not in the sweep" in aim["note"]
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        bench_patch_embed.main(["--smoke", "--out", str(tmp_path), "--batches", "0,4"])
+    assert "--batches: batches must be positive integers" in capsys.readouterr().err
+
+
+def test_patch_embed_aim_is_judged_at_its_batch_only():
+    from bench.bench_patch_embed import AIM_BATCH, AIM_RATIO, _aims, parse_batches
+
+    def row(batch: int, ratio: float) -> dict:
+        return {"mode": "forward+backward", "implementation": "mjp[cpu]", "batch": batch, "ratio_vs_timm": ratio}
+
+    rows = [row(16, 2.0), row(AIM_BATCH, 0.5), row(256, 3.0)]
+    (aim,) = _aims(rows, smoke=False, device="cpu", batch=AIM_BATCH)
+    assert (aim["measured"], aim["verdict"], aim["batch"], aim["threshold"]) == (0.5, "PASS", AIM_BATCH, AIM_RATIO)
+    errors = {"mjp[cpu], batch 16": "RuntimeError: elsewhere"}  # another batch's failure is reported, not judged
+    assert _aims(rows, smoke=False, device="cpu", batch=AIM_BATCH, errors=errors)[0]["verdict"] == "PASS"
+    errors = {f"mjp[cpu] + sampling, batch {AIM_BATCH}": "RuntimeError: here"}
+    assert _aims(rows, smoke=False, device="cpu", batch=AIM_BATCH, errors=errors)[0]["verdict"] == "FAIL"
+    assert parse_batches("16, 64,16") == (16, 64) and parse_batches([8]) == (8,)
+    for bad in ("", "0", "-2,4", "a", []):
+        with pytest.raises(ValueError, match="batches must be positive integers"):
+            parse_batches(bad)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -85,7 +139,7 @@ def test_patch_embed_benchmark_smoke(tmp_path, capsys):
 
 CASE_ROW_KEYS = {
     "sampler": {"batch", "ratio", "per_mask_median_s", "speedup_vs_python", "mean_masked", "matches_oracle"},
-    "patch_embed": {"mode", "backend", "ratio_vs_timm", "images_per_s", "max_abs_error_vs_ref"},
+    "patch_embed": {"mode", "batch", "backend", "ratio_vs_timm", "images_per_s", "max_abs_error_vs_ref"},
     "jigsaw_apply": {"ratio", "output", "backend", "jigsaw_cost_s", "jigsaw_cost_vs_plain_embedding", "check"},
     "host_cost": {"baseline", "ops", "op_counts", "triton_launches", "ratio"},
     "train_step": {

@@ -291,3 +291,36 @@ def test_plot_device_names():
     assert render.plot_device(CPU) == "cpu-test-cpu"
     assert render.plot_device(CPU | {"torch_threads": 1}) == "cpu-test-cpu-threads1"
     assert render.plot_device(GPU) == "nvidia-h200"  # the host's threads do not matter on a GPU
+
+
+def test_patch_embed_panels_widen_with_the_batch_sweep_and_turn_crowded_labels():
+    assert render.patch_embed_layout(1, 5) == (render.PANEL_WIDTH, False)  # one batch: the plots recorded so far
+    assert render.patch_embed_layout(2, 5) == (render.PANEL_WIDTH, False)  # the CPU sweep: labels still fit
+    widths = [render.patch_embed_layout(batches, 7)[0] for batches in range(1, 9)]
+    assert widths == sorted(widths) and widths[-1] == render.PANEL_WIDTH_MAX
+    assert render.patch_embed_layout(5, 7) == (render.PANEL_WIDTH_MAX, True)  # a GPU sweep with sampling variants
+
+
+def test_a_patch_embed_sweep_marks_the_batch_its_aim_judged(tmp_path, results):
+    one = patch_embed_section(("torch", "cuda", "triton"))
+    sweep = patch_embed_section(("torch", "cuda", "triton"), batches=(32, 64, 128, 256, 512))
+    sweep["results"] += [
+        row | {"implementation": f"{row['implementation']} + sampling", "median_s": 1.3 * row["median_s"]}
+        for row in sweep["results"]
+        if row["mode"] == "forward+backward" and row["backend"]
+    ]
+    aim = {"aim": "cpu backend forward+backward at most 1.10x the timm baseline, batch 64", "threshold": 1.1}
+    sweep["aims"] = [aim | {"measured": 0.9, "unit": "x", "verdict": "PASS", "batch": 64}]
+    modes = ["forward", "forward+backward"]
+    assert render._judged_batches(sweep, "forward+backward", modes) == {64}
+    assert render._judged_batches(sweep, "forward", modes) == set()  # "forward" is not a word of "forward+backward"
+    assert render._judged_batches(one, "forward+backward", modes) == set()  # recorded aims name no batch
+    not_run = sweep | {"aims": [sweep["aims"][0] | {"verdict": "NOT RUN", "measured": None}]}
+    assert render._judged_batches(not_run, "forward+backward", modes) == set()
+
+    write_suite(results, "nvidia-h200-2000-01-01", GPU, "2000-01-01T00:00:00+00:00", {"patch_embed": one})
+    write_suite(results, "cpu-test-cpu-2000-01-01", CPU, "2000-01-01T00:00:00+00:00", {"patch_embed": sweep})
+    _, plots = render_into(tmp_path)
+    one_width, one_height = png_size(plots / "nvidia-h200-patch-embed.png")
+    sweep_width, sweep_height = png_size(plots / "cpu-test-cpu-patch-embed.png")
+    assert one_width < sweep_width <= 1400 and one_height <= sweep_height <= 800
