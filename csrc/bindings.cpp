@@ -33,42 +33,101 @@ bool has_cuda() {
 }
 #endif
 
+// The checks every entry of the sampler makes: the sizes, and the tables (int64 [1024, rows] and [1024, cols], on one
+// device). `op` names the entry in the messages.
+void check_sampler_arguments(const char* op, int64_t batch_size, int64_t rows, int64_t cols, int64_t target,
+                             int64_t min_block, const at::Tensor& h_thresholds, const at::Tensor& w_thresholds) {
+  TORCH_CHECK(batch_size >= 0, op, ": batch_size must be >= 0, got ", batch_size);
+  TORCH_CHECK(rows >= 1 && cols >= 1, op, ": grid must be at least 1x1, got ", rows, "x", cols);
+  TORCH_CHECK(rows <= kMaxGridPositions && cols <= kMaxGridPositions && rows * cols <= kMaxGridPositions, op,
+              ": at most 2**30 grid positions, got ", rows, "x", cols);
+  const int64_t num_positions = rows * cols;
+  TORCH_CHECK(target >= 0 && target <= num_positions, op, ": target must be in [0, ", num_positions, "], got ",
+              target);
+  // As sample_jigsaw in Python: BEiT's smallest block is at least one cell.
+  TORCH_CHECK(min_block >= 1 && min_block <= kMaxGridPositions, op, ": min_block must be in [1, 2**30], got ",
+              min_block);
+  TORCH_CHECK(h_thresholds.scalar_type() == at::kLong && w_thresholds.scalar_type() == at::kLong, op,
+              ": threshold tables must be int64, got ", h_thresholds.scalar_type(), " and ",
+              w_thresholds.scalar_type());
+  TORCH_CHECK(h_thresholds.dim() == 2 && h_thresholds.size(0) == 1024 && h_thresholds.size(1) == rows, op,
+              ": h_thresholds must have shape [1024, ", rows, "], got ", h_thresholds.sizes());
+  TORCH_CHECK(w_thresholds.dim() == 2 && w_thresholds.size(0) == 1024 && w_thresholds.size(1) == cols, op,
+              ": w_thresholds must have shape [1024, ", cols, "], got ", w_thresholds.sizes());
+  TORCH_CHECK(h_thresholds.device() == w_thresholds.device(), op, ": threshold tables on different devices (",
+              h_thresholds.device(), ", ", w_thresholds.device(), ")");
+  TORCH_CHECK(h_thresholds.is_cpu() || h_thresholds.is_cuda(), op, ": tables must be on the CPU or a CUDA device, got ",
+              h_thresholds.device());
+#ifndef MJP_WITH_CUDA
+  if (h_thresholds.is_cuda()) fail_no_cuda(op);
+#endif
+}
+
+bool valid_prob_threshold(int64_t prob_threshold) {
+  return prob_threshold >= 0 && prob_threshold <= (int64_t(1) << 32);
+}
+
+// The sampler with its stream position, seed and prob threshold as host integers: sample i uses stream offset + i
+// (offset when shared). What sample_jigsaw(offset=int) calls: the values are kernel arguments, nothing is copied.
 std::tuple<at::Tensor, at::Tensor> sample_jigsaw(int64_t batch_size, int64_t rows, int64_t cols, int64_t target,
                                                  int64_t min_block, uint64_t seed, uint64_t offset, bool shared,
                                                  int64_t prob_threshold, const at::Tensor& h_thresholds,
                                                  const at::Tensor& w_thresholds) {
-  TORCH_CHECK(batch_size >= 0, "sample_jigsaw: batch_size must be >= 0, got ", batch_size);
-  TORCH_CHECK(rows >= 1 && cols >= 1, "sample_jigsaw: grid must be at least 1x1, got ", rows, "x", cols);
-  TORCH_CHECK(rows <= kMaxGridPositions && cols <= kMaxGridPositions && rows * cols <= kMaxGridPositions,
-              "sample_jigsaw: at most 2**30 grid positions, got ", rows, "x", cols);
-  const int64_t num_positions = rows * cols;
-  TORCH_CHECK(target >= 0 && target <= num_positions, "sample_jigsaw: target must be in [0, ", num_positions,
-              "], got ", target);
-  // As sample_jigsaw in Python: BEiT's smallest block is at least one cell.
-  TORCH_CHECK(min_block >= 1 && min_block <= kMaxGridPositions, "sample_jigsaw: min_block must be in [1, 2**30], got ",
-              min_block);
-  TORCH_CHECK(prob_threshold >= 0 && prob_threshold <= (int64_t(1) << 32),
-              "sample_jigsaw: prob_threshold must be in [0, 2**32], got ", prob_threshold);
-  TORCH_CHECK(h_thresholds.scalar_type() == at::kLong && w_thresholds.scalar_type() == at::kLong,
-              "sample_jigsaw: threshold tables must be int64, got ", h_thresholds.scalar_type(), " and ",
-              w_thresholds.scalar_type());
-  TORCH_CHECK(h_thresholds.dim() == 2 && h_thresholds.size(0) == 1024 && h_thresholds.size(1) == rows,
-              "sample_jigsaw: h_thresholds must have shape [1024, ", rows, "], got ", h_thresholds.sizes());
-  TORCH_CHECK(w_thresholds.dim() == 2 && w_thresholds.size(0) == 1024 && w_thresholds.size(1) == cols,
-              "sample_jigsaw: w_thresholds must have shape [1024, ", cols, "], got ", w_thresholds.sizes());
-  TORCH_CHECK(h_thresholds.device() == w_thresholds.device(), "sample_jigsaw: threshold tables on different devices (",
-              h_thresholds.device(), ", ", w_thresholds.device(), ")");
+  check_sampler_arguments("sample_jigsaw", batch_size, rows, cols, target, min_block, h_thresholds, w_thresholds);
+  TORCH_CHECK(valid_prob_threshold(prob_threshold), "sample_jigsaw: prob_threshold must be in [0, 2**32], got ",
+              prob_threshold);
   const auto h = h_thresholds.contiguous();
   const auto w = w_thresholds.contiguous();
-  if (h.is_cuda()) {
 #ifdef MJP_WITH_CUDA
+  if (h.is_cuda()) {
     return sample_jigsaw_cuda(batch_size, rows, cols, target, min_block, seed, offset, shared, prob_threshold, h, w);
-#else
-    fail_no_cuda("sample_jigsaw");
-#endif
   }
-  TORCH_CHECK(h.is_cpu(), "sample_jigsaw: tables must be on the CPU or a CUDA device, got ", h.device());
+#endif
   return sample_jigsaw_cpu(batch_size, rows, cols, target, min_block, seed, offset, shared, prob_threshold, h, w);
+}
+
+// The sampler with its stream position and random settings in tensors on the tables' device, as the operators
+// (dispatch.py's SCHEMA) and the Triton kernel take them: sample i uses stream counter[0] * counter_scale +
+// stream_shift + i (mod 2**64; no + i when shared), with the seed's 64 bits and the prob threshold in params[0] and
+// params[1]. On a GPU the kernel reads the three values from device memory: no host sync, and a CUDA graph replays
+// each step's stream position. There they go unchecked (a check would sync; any value is memory-safe, the
+// threshold only decides the coin); on the CPU they are read in place and the threshold is checked.
+std::tuple<at::Tensor, at::Tensor> sample_jigsaw_from_counter(const at::Tensor& counter, const at::Tensor& params,
+                                                              const at::Tensor& h_thresholds,
+                                                              const at::Tensor& w_thresholds, int64_t batch_size,
+                                                              int64_t rows, int64_t cols, int64_t target,
+                                                              int64_t min_block, int64_t counter_scale,
+                                                              int64_t stream_shift, bool shared) {
+  constexpr const char* op = "sample_jigsaw_from_counter";
+  check_sampler_arguments(op, batch_size, rows, cols, target, min_block, h_thresholds, w_thresholds);
+  TORCH_CHECK(counter.scalar_type() == at::kLong && counter.numel() == 1, op,
+              ": counter must be a one-element int64 tensor, got ", counter.scalar_type(), " ", counter.sizes());
+  TORCH_CHECK(params.scalar_type() == at::kLong && params.numel() == 2, op,
+              ": params must be an int64 tensor of 2 elements (the seed's bits, the prob threshold), got ",
+              params.scalar_type(), " ", params.sizes());
+  TORCH_CHECK(counter.device() == h_thresholds.device(), op, ": counter must be on the tables' device ",
+              h_thresholds.device(), ", got ", counter.device());
+  TORCH_CHECK(params.device() == h_thresholds.device(), op, ": params must be on the tables' device ",
+              h_thresholds.device(), ", got ", params.device());
+  TORCH_CHECK(counter_scale >= 0, op, ": counter_scale must be >= 0, got ", counter_scale);
+  TORCH_CHECK(stream_shift >= 0, op, ": stream_shift must be >= 0, got ", stream_shift);
+  const auto h = h_thresholds.contiguous();
+  const auto w = w_thresholds.contiguous();
+  const auto settings = params.contiguous();  // a copy only when params is not contiguous (a plan's always is)
+#ifdef MJP_WITH_CUDA
+  if (h.is_cuda()) {
+    return sample_jigsaw_from_counter_cuda(counter, settings, static_cast<uint64_t>(counter_scale),
+                                           static_cast<uint64_t>(stream_shift), batch_size, rows, cols, target,
+                                           min_block, shared, h, w);
+  }
+#endif
+  const int64_t* values = settings.data_ptr<int64_t>();
+  TORCH_CHECK(valid_prob_threshold(values[1]), op, ": params[1], the prob threshold, must be in [0, 2**32], got ",
+              values[1]);
+  const uint64_t offset = static_cast<uint64_t>(*counter.data_ptr<int64_t>()) * static_cast<uint64_t>(counter_scale) +
+                          static_cast<uint64_t>(stream_shift);
+  return sample_jigsaw_cpu(batch_size, rows, cols, target, min_block, static_cast<uint64_t>(values[0]), offset,
+                           shared, values[1], h, w);
 }
 
 // One step of a module's sampler (JigsawSampler) on the CPU, in one call: reads the stream position from `counter`
@@ -162,6 +221,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("batch_size"), py::arg("gh"), py::arg("gw"), py::arg("target"), py::arg("min_block"),
         py::arg("seed"), py::arg("offset"), py::arg("shared"), py::arg("prob_threshold"), py::arg("h_thresholds"),
         py::arg("w_thresholds"));
+  m.def("sample_jigsaw_from_counter", &mjp::sample_jigsaw_from_counter,
+        "sample_jigsaw from stream position counter[0] * counter_scale + stream_shift with (seed bits, prob "
+        "threshold) = params: int64 tensors of 1 and 2 elements on the tables' device, read there by the kernel (no "
+        "host sync on a GPU). The arguments of the operator mjp_fast::sample_jigsaw_extension.",
+        py::arg("counter"), py::arg("params"), py::arg("h_thresholds"), py::arg("w_thresholds"),
+        py::arg("batch_size"), py::arg("gh"), py::arg("gw"), py::arg("target"), py::arg("min_block"),
+        py::arg("counter_scale"), py::arg("stream_shift"), py::arg("shared"));
   m.def("sample_jigsaw_step", &mjp::sample_jigsaw_step,
         "sample_jigsaw from stream position counter * counter_scale + stream_shift, then counter += batch_size in "
         "place (counter: a one-element int64 CPU tensor; CPU tables).",

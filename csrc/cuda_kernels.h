@@ -26,11 +26,24 @@ struct Accumulate<double> {
 template <typename scalar_t>
 using accumulate_t = typename Accumulate<scalar_t>::type;
 
-// mask bool [B, N], perm int64 [B, N]; tables int64 [1024, rows] / [1024, cols]; all device pointers.
+// Where a sampler launch finds sample 0's stream index, the seed and the prob threshold. With `counter` set, in device
+// memory, read by the kernel as the Triton kernel reads them (no host sync, and a CUDA graph replays the stream
+// position of each step): stream counter[0] * counter_scale + stream_shift (mod 2**64), seed bits params[0], threshold
+// params[1]. Without, the host's values below: stream `stream_shift`, `seed`, `prob_threshold`.
+struct SamplerStream {
+  const int64_t* counter = nullptr;  // one element, or null
+  const int64_t* params = nullptr;   // two contiguous elements when counter is set
+  uint64_t counter_scale = 1;
+  uint64_t stream_shift = 0;
+  uint64_t seed = 0;
+  int64_t prob_threshold = 0;
+};
+
+// mask bool [B, N], perm int64 [B, N]; tables int64 [1024, rows] / [1024, cols]; all device pointers. Sample i uses
+// stream (sample 0's) + i, or sample 0's when shared.
 cudaError_t launch_sample_jigsaw(int64_t batch_size, int64_t rows, int64_t cols, int64_t target, int64_t min_block,
-                                 uint64_t seed, uint64_t offset, bool shared, int64_t prob_threshold,
-                                 const int64_t* h_thresholds, const int64_t* w_thresholds, bool* mask,
-                                 int64_t* perm, cudaStream_t stream);
+                                 const SamplerStream& source, bool shared, const int64_t* h_thresholds,
+                                 const int64_t* w_thresholds, bool* mask, int64_t* perm, cudaStream_t stream);
 
 // Sizes and image strides of a patch-embedding call (see PatchGeometry in ops.h).
 struct PatchLayout {

@@ -37,21 +37,46 @@ at::Tensor gather_columns(const PatchGeometry& g, const at::Tensor& images, cons
   return columns;
 }
 
+// mask and perm of batch_size samples, from the kernel of sampler_cuda.cu.
+std::tuple<at::Tensor, at::Tensor> launch_sampler(int64_t batch_size, int64_t rows, int64_t cols, int64_t target,
+                                                  int64_t min_block, const cuda::SamplerStream& source, bool shared,
+                                                  const at::Tensor& h_thresholds, const at::Tensor& w_thresholds) {
+  const c10::cuda::CUDAGuard guard(h_thresholds.device());
+  const int64_t num_positions = rows * cols;
+  auto mask = at::empty({batch_size, num_positions}, h_thresholds.options().dtype(at::kBool));
+  auto perm = at::empty({batch_size, num_positions}, h_thresholds.options().dtype(at::kLong));
+  C10_CUDA_CHECK(cuda::launch_sample_jigsaw(batch_size, rows, cols, target, min_block, source, shared,
+                                            h_thresholds.data_ptr<int64_t>(), w_thresholds.data_ptr<int64_t>(),
+                                            mask.data_ptr<bool>(), perm.data_ptr<int64_t>(),
+                                            c10::cuda::getCurrentCUDAStream()));
+  return {mask, perm};
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> sample_jigsaw_cuda(int64_t batch_size, int64_t rows, int64_t cols, int64_t target,
                                                       int64_t min_block, uint64_t seed, uint64_t offset, bool shared,
                                                       int64_t prob_threshold, const at::Tensor& h_thresholds,
                                                       const at::Tensor& w_thresholds) {
-  const c10::cuda::CUDAGuard guard(h_thresholds.device());
-  const int64_t num_positions = rows * cols;
-  auto mask = at::empty({batch_size, num_positions}, h_thresholds.options().dtype(at::kBool));
-  auto perm = at::empty({batch_size, num_positions}, h_thresholds.options().dtype(at::kLong));
-  C10_CUDA_CHECK(cuda::launch_sample_jigsaw(batch_size, rows, cols, target, min_block, seed, offset, shared,
-                                            prob_threshold, h_thresholds.data_ptr<int64_t>(),
-                                            w_thresholds.data_ptr<int64_t>(), mask.data_ptr<bool>(),
-                                            perm.data_ptr<int64_t>(), c10::cuda::getCurrentCUDAStream()));
-  return {mask, perm};
+  cuda::SamplerStream source;
+  source.stream_shift = offset;
+  source.seed = seed;
+  source.prob_threshold = prob_threshold;
+  return launch_sampler(batch_size, rows, cols, target, min_block, source, shared, h_thresholds, w_thresholds);
+}
+
+std::tuple<at::Tensor, at::Tensor> sample_jigsaw_from_counter_cuda(const at::Tensor& counter, const at::Tensor& params,
+                                                                   uint64_t counter_scale, uint64_t stream_shift,
+                                                                   int64_t batch_size, int64_t rows, int64_t cols,
+                                                                   int64_t target, int64_t min_block, bool shared,
+                                                                   const at::Tensor& h_thresholds,
+                                                                   const at::Tensor& w_thresholds) {
+  cuda::SamplerStream source;
+  source.counter = counter.data_ptr<int64_t>();
+  source.params = params.data_ptr<int64_t>();
+  source.counter_scale = counter_scale;
+  source.stream_shift = stream_shift;
+  return launch_sampler(batch_size, rows, cols, target, min_block, source, shared, h_thresholds, w_thresholds);
 }
 
 at::Tensor patch_embed_forward_cuda(const PatchGeometry& g, const at::Tensor& images, const at::Tensor& weight,

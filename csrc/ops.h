@@ -96,6 +96,16 @@ std::tuple<at::Tensor, at::Tensor> sample_jigsaw_cuda(int64_t batch_size, int64_
                                                       int64_t prob_threshold, const at::Tensor& h_thresholds,
                                                       const at::Tensor& w_thresholds);
 
+// The same, with sample 0's stream counter[0] * counter_scale + stream_shift and the seed bits and the prob threshold
+// params[0], params[1], read by the kernel from device memory (counter: int64, one element; params: int64, two
+// contiguous elements; both on the tables' device): the host neither syncs nor needs the values.
+std::tuple<at::Tensor, at::Tensor> sample_jigsaw_from_counter_cuda(const at::Tensor& counter, const at::Tensor& params,
+                                                                   uint64_t counter_scale, uint64_t stream_shift,
+                                                                   int64_t batch_size, int64_t rows, int64_t cols,
+                                                                   int64_t target, int64_t min_block, bool shared,
+                                                                   const at::Tensor& h_thresholds,
+                                                                   const at::Tensor& w_thresholds);
+
 at::Tensor patch_embed_forward_cuda(const PatchGeometry& geometry, const at::Tensor& images, const at::Tensor& weight,
                                     const std::optional<at::Tensor>& bias, const at::Tensor& pos_embed,
                                     const std::optional<at::Tensor>& unk_embed, const std::optional<at::Tensor>& perm,

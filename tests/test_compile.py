@@ -73,5 +73,9 @@ def test_opcheck_sampler(backend):
     operator = {"cpu": torch.ops.mjp_fast.sample_jigsaw_extension, "triton": torch.ops.mjp_fast.sample_jigsaw_triton}
     h_thresholds, w_thresholds = sampler_tables(3, 4, 0.3)
     # One schema for both: counter, params (seed bits, prob threshold), tables, sizes, counter scale and shift
-    arguments = (torch.tensor(5), torch.tensor([123, 2**32]), h_thresholds, w_thresholds, 3, 3, 4, 6, 2, 2, 1, False)
-    torch.library.opcheck(operator[backend].default, arguments, test_utils=("test_schema", "test_faketensor"))
+    samples = [
+        (torch.tensor(5), torch.tensor([123, 2**32]), h_thresholds, w_thresholds, 3, 3, 4, 6, 2, 2, 1, False),
+        (torch.tensor([2**32 - 1]), torch.tensor([-7, 2**31]), h_thresholds, w_thresholds, 2, 3, 4, 12, 1, 4, 9, True),
+    ]
+    for arguments in samples:
+        torch.library.opcheck(operator[backend].default, arguments, test_utils=("test_schema", "test_faketensor"))

@@ -33,6 +33,8 @@ from mjp_fast.sampler.reference import (
     target_count,
 )
 
+_UINT64 = 2**64 - 1
+
 # ----------------------------------------------------------------------------------------------------------------
 # The kernels as torch.library operators (opaque to torch.compile, no graph break): one schema for both
 # ----------------------------------------------------------------------------------------------------------------
@@ -53,22 +55,15 @@ def _fake(counter, params, h_thresholds, w_thresholds, batch_size, rows, cols, *
 
 
 def run_extension(
-    counter: torch.Tensor | int, params: torch.Tensor | tuple[int, int], *tables_and_sizes: torch.Tensor | int | bool
+    counter: torch.Tensor, params: torch.Tensor, *tables_and_sizes: torch.Tensor | int | bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The compiled sampler (``cpu`` or ``cuda`` backend) on the tables' device, with :data:`SCHEMA`'s arguments.
 
-    Inside the operator ``counter`` and ``params`` are tensors, read here on the host (free on a CPU, a sync on a
-    GPU); a plan's eager call passes them as ints, already on the host.
+    ``counter`` and ``params`` go to the kernel as they are: the CUDA kernel reads them from device memory, as the
+    Triton kernel does (no host sync, and a CUDA graph replays each step's stream position); the CPU path reads them
+    in place.
     """
-    h_thresholds, w_thresholds, batch_size, rows, cols, target, min_block, counter_scale, stream_shift, shared = (
-        tables_and_sizes
-    )
-    start = int(counter.reshape(-1)[0]) if isinstance(counter, torch.Tensor) else counter
-    seed, threshold = params.tolist() if isinstance(params, torch.Tensor) else params
-    return backend_module.extension().sample_jigsaw(
-        batch_size, rows, cols, target, min_block, seed & 0xFFFFFFFFFFFFFFFF, start * counter_scale + stream_shift,
-        shared, threshold, h_thresholds, w_thresholds,
-    )  # fmt: skip
+    return backend_module.extension().sample_jigsaw_from_counter(counter, params, *tables_and_sizes)
 
 
 _extension_operator = torch.library.custom_op(
@@ -136,7 +131,8 @@ class SamplerPlan(NamedTuple):
         """``batch_size`` jigsaws; sample ``i`` uses stream ``counter * counter_scale + stream_shift + i``.
 
         ``counter``: an int, or an int64 one-element tensor on the plan's device (what the modules pass: the
-        Triton sampler reads it on the device, so no host sync, and a CUDA graph replays the right stream).
+        ``triton`` and ``cuda`` kernels read it on the device, so no host sync, and a CUDA graph replays the right
+        stream).
         """
         if self.backend == "torch":
             return sample_from_tables(
@@ -144,30 +140,36 @@ class SamplerPlan(NamedTuple):
                 self.h_thresholds, self.w_thresholds, counter * counter_scale + stream_shift, self.shared,
             )  # fmt: skip
         compiling = torch.compiler.is_compiling()
-        if compiling or self.backend == "triton":
-            # The operators and the Triton kernel read the stream position, the seed and the threshold on the device.
-            if not isinstance(counter, torch.Tensor):
-                counter = _as_offset_tensor(counter * counter_scale + stream_shift, self.h_thresholds.device)
-                counter_scale, stream_shift = 1, 0
-            params = self.params
-        else:
-            # Eager extension: the stream position on the host (a sync on a GPU), the plan's own integers. (The
-            # operator wrapper, needed only for torch.compile, costs more host time than sampling a batch of 64.)
-            counter = int(counter) if isinstance(counter, torch.Tensor) else counter
-            params = (self.seed, self.prob_threshold)
+        if not isinstance(counter, torch.Tensor):
+            if not compiling and self.backend != "triton":
+                # An int offset on the extension (sample_jigsaw(offset=int)): it is on the host already, so the
+                # position, the seed and the threshold go as the kernel's arguments, with no tensor to make or copy.
+                offset = (counter * counter_scale + stream_shift) & _UINT64
+                return Jigsaw(
+                    *backend_module.extension().sample_jigsaw(
+                        batch_size, self.rows, self.cols, self.target, self.min_block, self.seed, offset, self.shared,
+                        self.prob_threshold, self.h_thresholds, self.w_thresholds,
+                    )
+                )  # fmt: skip
+            counter = _as_offset_tensor(counter * counter_scale + stream_shift, self.h_thresholds.device)
+            counter_scale, stream_shift = 1, 0
+        # Every kernel reads the stream position, the seed and the threshold from the tensors, on their device.
         arguments = (
-            counter, params, self.h_thresholds, self.w_thresholds, batch_size, self.rows, self.cols, self.target,
+            counter, self.params, self.h_thresholds, self.w_thresholds, batch_size, self.rows, self.cols, self.target,
             self.min_block, counter_scale, stream_shift, self.shared,
         )  # fmt: skip
         if compiling:
             return Jigsaw(*_OPERATORS[self.backend](*arguments))
+        # Eager: the launch itself (the operator wrapper, needed only for torch.compile, costs more host time than
+        # sampling a batch of 64 on the CPU).
         return Jigsaw(*_LAUNCHES[self.backend](*arguments))
 
     def sample_step(
         self, batch_size: int, counter: torch.Tensor, counter_scale: int = 1, stream_shift: int = 0
     ) -> Jigsaw:
         """:meth:`sample`, then ``counter += batch_size`` in place: a module's training step (``counter``: its int64
-        one-element stream counter on the plan's device). On the CPU, one call of the extension does both."""
+        one-element stream counter on the plan's device). On the CPU, one call of the extension does both; on a GPU
+        the increment is a second launch on the device, after the kernel that read the counter."""
         if self.backend == "cpu" and not torch.compiler.is_compiling():
             mask, perm = backend_module.extension().sample_jigsaw_step(
                 counter, counter_scale, stream_shift, batch_size, self.rows, self.cols, self.target, self.min_block,
@@ -229,7 +231,8 @@ def _check_offset(offset: object, batch_size: int, device: torch.device) -> int 
             )
         if with_index(offset.device) != device:
             raise ValueError(f"offset is on {offset.device} but the jigsaw is made on {device}")
-        return offset  # its value stays on the device: checking it would cost a host sync
+        # Its value stays on the device (checking it would cost a host sync); the kernels read an int64.
+        return offset if offset.dtype == torch.int64 else offset.to(torch.int64)
     offset = check_int("offset", offset, minimum=0)
     if offset + batch_size > 2**63:
         raise ValueError(f"offset + batch_size must be <= 2**63, got offset={offset}, batch_size={batch_size}")
@@ -269,7 +272,7 @@ def sample_jigsaw(
         seed: an int in ``[0, 2**64)``.
         offset: the stream index of sample 0: an int >= 0, or a one-element int64 tensor on ``device`` (what
             :class:`mjp_fast.MJPPatchEmbed` passes: no recompilation under torch.compile, and on the ``triton``
-            backend no host sync).
+            and ``cuda`` backends no host sync).
         shared: one jigsaw (that of stream ``offset``) for the whole batch, as the paper's code does.
         prob: each sample is jigsawed with this probability, else its mask is all False.
         min_block: the smallest rectangle area BEiT tries (the paper's code: 8).
