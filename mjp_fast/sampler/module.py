@@ -101,8 +101,9 @@ class JigsawSampler(nn.Module):
         The per-step path of the modules: in training, the sampler's plan (settings, tables, resolved backend) is
         made on the first call and kept while the settings, the device and the grid stay the same, so a step only
         launches the sampler. The sampler reads the stream position from ``sample_counter`` on the device, then the
-        counter advances on the device: no host sync on the Triton backend; on the CPU, one call of the extension
-        does both. (The backend is resolved when the plan is made: set ``MJP_FAST_BACKEND`` before the first step.)
+        counter advances on the device: no host sync on the triton and cuda backends; on the CPU, one call of the
+        extension does both. (The backend is resolved when the plan is made: set ``MJP_FAST_BACKEND`` before the
+        first step.)
         """
         if not self.active:
             return None
