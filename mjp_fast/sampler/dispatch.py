@@ -10,6 +10,7 @@ bit-identical on every backend and device.
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any, NamedTuple
 
 import torch
@@ -80,6 +81,12 @@ if backend_module.triton_importable():
     def _run_triton_traced(*arguments: object) -> tuple[torch.Tensor, torch.Tensor]:
         return _triton_kernel.sample_jigsaw_launch(*arguments, traced=True)
 
+    # torch 2.11's triton_op infers a schema from the function even when given one (2.14 takes the one given), and
+    # refuses *arguments: so the function shows the launch's positional parameters, which SCHEMA states.
+    _launch_signature = inspect.signature(_triton_kernel.sample_jigsaw_launch, eval_str=True)
+    _run_triton_traced.__signature__ = _launch_signature.replace(
+        parameters=[p for p in _launch_signature.parameters.values() if p.kind is not inspect.Parameter.KEYWORD_ONLY]
+    )
     # On a GPU a triton_op, so torch.compile sees the kernel itself; its fake stays shapes only, since under the
     # CPU interpreter the launch cannot be traced.
     _triton_operator_def = _triton_operator("mjp_fast::sample_jigsaw_triton", schema=SCHEMA)(_run_triton_traced)

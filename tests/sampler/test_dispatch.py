@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import mjp_fast
 from mjp_fast import backend as backend_module
-from mjp_fast.sampler import sample_jigsaw_ref
+from mjp_fast.sampler import dispatch, sample_jigsaw_ref
 from mjp_fast.sampler.dispatch import make_sampler_plan, sampler_params
 from mjp_fast.sampler.reference import prob_threshold, sampler_tables, seed_bits, target_count
 
@@ -239,3 +239,10 @@ def test_cuda_backend_step_runs_without_a_host_sync():
     for jigsaw, position in ((first, 2**32), (second, 2**32 + 5)):
         expected = sample_jigsaw_ref(5, (6, 7), 0.5, offset=position * 2 + 1, **settings)
         assert torch.equal(jigsaw.mask.cpu(), expected.mask) and torch.equal(jigsaw.perm.cpu(), expected.perm)
+
+
+@pytest.mark.skipif(not backend_module.triton_importable(), reason="needs triton")
+def test_the_triton_operators_function_states_its_schema():
+    # torch 2.11 (the GPU image's) makes triton_op's schema from the function's signature, whatever schema= says:
+    # a *arguments function failed to import there. The signature must give SCHEMA itself.
+    assert torch.library.infer_schema(dispatch._run_triton_traced, mutates_args=()) == dispatch.SCHEMA
