@@ -1,93 +1,309 @@
 #!/usr/bin/env bash
-# The GPU checks of mjp_fast, in ONE call of the `device` tool (one H100 or H200; its image has torch, triton,
-# timm, nvcc and pytest, and nothing can be installed there). A session has 15 minutes of device time, start-up
-# included, and one command may run 10, so everything below shares one deadline of DEADLINE_S seconds (default
-# 540) and each stage gets at most its own limit of what is left:
+# The GPU checks of mjp_fast, in ONE call of the `device` tool (one H100 or H200; its image has torch 2.11,
+# triton 3.6, timm 1.0.29, nvcc 13.0 and pytest, python 3.12, and nothing can be installed there). A session has
+# 15 minutes of device time, start-up included, and one command may run 10, so everything below shares one
+# deadline of DEADLINE_S seconds (default 540; 570 for reproduce) and each stage runs under `timeout` with at most
+# its own limit of what is left. A stage that fails or times out is summarized (exit code, last lines of its log)
+# and the next one runs; only a missing GPU, a failed build or a failed import end the run early.
 #
 #   run(command="bash bench/device_check.sh", timeout_s=600)
 #
-#   1. build the extension with CUDA for sm_90 (23 s on the H200)                                       <= 90 s
-#   2. every test with a CUDA or Triton variant, on the GPU, real kernels (TRITON_INTERPRET=0)          <= 150 s
-#   3. benchmarks, eager: sampler, patch_embed, host_cost, train_step (plain, plain + fast patch
-#      embedding, MJP), bf16, batch 256                                                                   <= 200 s
-#   4. train_step again under torch.compile                                                               the rest
+# Per stage: its limit (a stage gets at most what is left before the deadline), and what the first GPU run (H200,
+# 2026-11-26, shared/measurements/h200-2026-11-26) took, or an estimate (~) where it did not run the stage.
 #
-# Everything lands in $OUT (it comes back with the reply): build.log, tests.log, the benchmark logs and JSON
-# files. Copy the JSON into bench/results/ and run `python bench/render.py` on the development machine. The last
-# lines printed are a summary. `bash bench/device_check.sh tests` runs stages 1-2 only.
+#   stage                                                                       limit   expected on an H200
+#   machine start-up, sending the tree, bringing $OUT back (outside the command)     -   ~90 s (60-120)
+#   1. preflight: versions, nvcc, nvidia-smi, the GPU; a missing GPU ends the run 30 s   ~10 s
+#   2. build the extension with CUDA for sm_90 (skipped when already built)       90 s    23 s
+#   3. import mjp_fast and its extension; the backends                            30 s   ~8 s
+#   4. every test with a CUDA or Triton variant, real kernels (TRITON_INTERPRET=0) 150 s  117 s
+#   5. `mjp train` with sync_debug=true (set_sync_debug_mode("error")), eager:
+#      the digits preset, MJP from step 1, 32 steps of batch 32                    60 s   ~20 s
+#   6. the same under torch.compile (inductor)                                    120 s   ~60 s (DeiT-Ti: 51 s)
+#   7. timm-family sweep, triton backend on cuda, 1 block per model, models
+#      round-robin over the families, no model started after 60 s                 90 s   ~75 s
+#   8. benchmarks, eager: sampler, patch_embed, host_cost, train_step, batch 256  200 s   ~70 s (60 s without
+#                                                                                          host_cost)
+#   9. train_step benchmark under torch.compile                                the rest  ~160 s left: cut there
+#   the command: sum of the expected times 1-8 = ~385 s; with 9, the deadline     540 s
+#   the session: start-up + command + transfers                                         ~11 min of the 15
+#   If stages 1-7 all ran to their limits (570 s) stages 8-9 would not run: the new checks come first.
+#
+# `bash bench/device_check.sh tests` runs stages 1-4. `bash bench/device_check.sh reproduce [KEY=VALUE ...]` runs
+# `mjp reproduce --preset gpu` alone, under a deadline of 570 s (the KEY=VALUE overrides go to mjp reproduce, e.g.
+# epochs=3). It needs CIFAR-10: make the archive here once with `bash bench/device_check.sh pack-data`
+# (runs/device-data/cifar10.tar.gz, about 20 MB, git-ignored) and carry it:
+#
+#   run(command="bash bench/device_check.sh reproduce", carry=["runs/device-data"], timeout_s=600)
+#
+#   stage                                                                       limit   expected on an H100/H200
+#   machine start-up and transfers                                                   -   ~90 s
+#   1-3. preflight, build, import                                              150 s   ~40 s
+#   4. unpack CIFAR-10 (60,000 JPEGs) to /tmp                                      60 s   ~5 s
+#   5. mjp reproduce --preset gpu: the throughput probe (2 epochs on 8,192
+#      images), 12 runs sharing its 300 s training budget (3 to 60 epochs each),
+#      an evaluation per run, the attack (CPU, float64), the report             the rest  ~440-500 s
+#   the command: ~490-550 s against its 570 s deadline (the preset's training budget is 300 s so that it fits; a
+#   run cut short brings back only the logs: the report is written last). With `epochs=3` the training takes 3 x 12 x 50,000 images / throughput instead of 300 s.
+#
+# Dry run: DEVICE_CHECK_DRY_RUN=1 (or the argument `dry-run` before the mode) lets the run go on without a GPU, so
+# that every stage shows it passes or fails fast with one clear line; bench/simulate_gpu_image.sh does that in a
+# copy of the GPU image's versions on a machine without a GPU.
+#
+# Everything lands in $OUT (it comes back with the reply, at most 8 files): summary.txt (the lines printed last),
+# logs.tar.gz (every stage's log), and the result JSON files (benchmarks, timm sweep; for reproduce the report,
+# its JSON and PNGs). Copy the benchmark JSON into bench/results/ and run `python bench/render.py` on the
+# development machine.
 set -uo pipefail
 
+if [[ ${1:-} == dry-run ]]; then
+  export DEVICE_CHECK_DRY_RUN=1
+  shift
+fi
 mode=${1:-all}
+shift || true
+
+pack_data() {
+  local source=${1:-../shared/data/cifar10}
+  [[ -d $source/train ]] || {
+    echo "pack-data: $source has no train/ folder: give the CIFAR-10 ImageFolder root" >&2
+    exit 2
+  }
+  mkdir -p runs/device-data
+  tar -C "$(dirname "$source")" -czf runs/device-data/cifar10.tar.gz "$(basename "$source")"
+  echo "runs/device-data/cifar10.tar.gz: $(du -h runs/device-data/cifar10.tar.gz | cut -f1); carry runs/device-data"
+  exit 0
+}
+[[ $mode == pack-data ]] && pack_data "$@"
+
+dry_run=${DEVICE_CHECK_DRY_RUN:-0}
 out=${OUT:-/tmp/mjp-device-out}
+work=$(mktemp -d "${TMPDIR:-/tmp}/mjp-device-check.XXXXXX")  # the logs, packed into $OUT/logs.tar.gz at the end
 mkdir -p "$out"
 export HF_HUB_OFFLINE=1
+export PYTHONUNBUFFERED=1
 export TRITON_INTERPRET=0  # the real kernels (tests/conftest.py sets the interpreter only where no GPU is visible)
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}  # Hopper: H100 and H200
 export MAX_JOBS=${MAX_JOBS:-16}
-deadline=$((SECONDS + ${DEADLINE_S:-540}))
+# DEVICE_CHECK_LIMIT_SCALE multiplies the deadline and every stage's limit: for a dry run on a slow shared CPU
+# (bench/simulate_gpu_image.sh), never on the lent machine
+scale=${DEVICE_CHECK_LIMIT_SCALE:-1}
+deadline_default=540
+[[ $mode == reproduce ]] && deadline_default=570 # one long stage: all but the time to pack and bring back $OUT
+deadline_s=$((${DEADLINE_S:-$deadline_default} * scale))
+deadline=$((SECONDS + deadline_s))
 summary=()
+failures=0
 
-# seconds a stage may take: its own limit, or what is left before the deadline (at least 1)
+# seconds a stage may take: its own limit (times the scale), or what is left before the deadline (at least 1)
 budget() {
-  local left=$((deadline - SECONDS))
+  local left=$((deadline - SECONDS)) limit=$(($1 * scale))
   ((left < 1)) && left=1
-  ((left < $1)) && echo "$left" || echo "$1"
+  ((left < limit)) && echo "$left" || echo "$limit"
+}
+
+note() {
+  summary+=("$1")
+  echo "$1"
+}
+
+# stage NAME LIMIT LOG COMMAND...: runs COMMAND under `timeout` with its budget (SIGINT first, so Python says
+# where it was, then SIGKILL 10 s later), its output in $work/LOG; one summary line: ok, FAILED or TIMED OUT, with
+# the exit code, the seconds and the log's last line; on failure the log's last lines are printed too.
+stage() {
+  local name=$1 limit=$2 log=$3
+  shift 3
+  local seconds
+  seconds=$(budget "$limit")
+  if ((deadline - SECONDS < 5)); then
+    note "$name: NOT RUN (the $deadline_s s deadline is reached)"
+    failures=$((failures + 1))
+    return 1
+  fi
+  local shown="$*"
+  shown=${shown//$'\n'/ }
+  echo "== $name (at most $seconds s): ${shown:0:200}"
+  local start=$SECONDS status
+  timeout -s INT -k 10 "$seconds" "$@" >"$work/$log" 2>&1
+  status=$?
+  local took=$((SECONDS - start))
+  local last
+  last=$(grep -v '^[[:space:]]*$' "$work/$log" | tail -n 1 | cut -c1-220)
+  if ((status == 0)); then
+    note "$name: ok in $took s"
+    return 0
+  fi
+  failures=$((failures + 1))
+  if ((status == 124 || status == 137)); then
+    note "$name: TIMED OUT after $took s (limit $seconds s; exit $status): $last"
+  else
+    note "$name: FAILED (exit $status) in $took s: $last"
+  fi
+  tail -n 20 "$work/$log" | sed 's/^/    | /'
+  return "$status"
+}
+
+preflight() {
+  {
+    echo "date: $(date -u +%FT%TZ); host: $(uname -srm); cpus: $(nproc); disk free: $(df -h . | awk 'NR==2 {print $4}')"
+    echo "python3: $(command -v python3)"
+    echo "nvcc: $(timeout 10 nvcc --version 2>/dev/null | grep -o 'release [0-9.]*' || echo 'not found')"
+    echo "nvidia-smi: $(timeout 10 nvidia-smi -L 2>&1 | head -n 2 | tr '\n' ' ')"
+    echo "CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES-<unset>} TRITON_INTERPRET=$TRITON_INTERPRET dry run: $dry_run"
+  } >"$work/preflight.log" 2>&1
+  stage "preflight" 30 preflight-python.log python3 -c "
+import sys, torch, triton, timm
+print('python', sys.version.split()[0], '| torch', torch.__version__, '| triton', triton.__version__, '| timm',
+      timm.__version__, '| cuda', torch.version.cuda)
+if not torch.cuda.is_available():
+    sys.exit('PREFLIGHT: no CUDA GPU visible to torch (torch.cuda.is_available() is False)')
+print('gpu:', torch.cuda.get_device_name(), '| capability', torch.cuda.get_device_capability(), '|',
+      round(torch.cuda.get_device_properties(0).total_memory / 2**30), 'GiB')
+"
+  local status=$?
+  cat "$work/preflight.log" "$work/preflight-python.log" | tee "$work/device.txt"
+  if ((status != 0)); then
+    if [[ $dry_run == 1 ]]; then
+      note "preflight: DRY RUN, going on without a GPU: every stage below must pass or fail fast"
+    else
+      finish 3
+    fi
+  fi
 }
 
 build() {
-  if python3 -c "import mjp_fast._C as C, sys; sys.exit(0 if C.has_cuda() else 1)" 2>/dev/null; then
-    summary+=("build: already built on this machine")
-    return 0
+  local check="import mjp_fast._C as C, sys; sys.exit(0 if C.has_cuda() else 1)"
+  if timeout -k 5 "$(budget 60)" python3 -c "$check" 2>/dev/null; then
+    note "build: already built on this machine"
+  else
+    export MJP_FAST_REQUIRE_EXTENSION=1
+    if ! stage "build" 90 build.log python3 -m pip install --no-build-isolation --no-deps --no-index -e .; then
+      finish 1
+    fi
+    unset MJP_FAST_REQUIRE_EXTENSION
   fi
-  local start=$SECONDS
-  if ! MJP_FAST_REQUIRE_EXTENSION=1 timeout "$(budget 90)" python3 -m pip install --no-build-isolation --no-deps -e . \
-    >"$out/build.log" 2>&1; then
-    tail -40 "$out/build.log"
-    echo "BUILD FAILED (log: build.log)"
-    exit 1
-  fi
-  summary+=("build: $((SECONDS - start)) s")
+  # the package imports under the image's versions, and its extension has the CUDA kernels
+  stage "import" 30 import.log python3 -c "
+import sys, mjp_fast, mjp_fast._C as C, mjp_fast.timm, mjp_fast.train.loop, mjp_fast.reproduce
+print('mjp_fast', getattr(mjp_fast, '__version__', ''), '| backends', mjp_fast.available_backends(),
+      '| extension with CUDA:', C.has_cuda())
+sys.exit(0 if C.has_cuda() else 'the extension was built without its CUDA kernels')
+" || finish 1
+  cat "$work/import.log" >>"$work/device.txt"
 }
 
 tests() {
-  python3 -c "import torch, triton, timm, mjp_fast; print('torch', torch.__version__, '| triton', triton.__version__, \
-'| timm', timm.__version__, '|', torch.cuda.get_device_name(), '|', mjp_fast.available_backends())" | tee "$out/device.txt"
-  local start=$SECONDS
-  timeout "$(budget 150)" python3 -m pytest -q -p no:cacheprovider -n 8 tests/ops tests/test_compile.py tests/test_timm.py \
-    tests/test_timm_patch_embed.py tests/test_nn.py tests/sampler tests/test_host_cost.py tests/test_gpu.py \
-    -k "cuda or triton or compile or gpu" >"$out/tests.log" 2>&1
-  local status=$?
-  tail -25 "$out/tests.log"
-  summary+=("tests: exit $status in $((SECONDS - start)) s ($(grep -Eo '[0-9]+ (passed|failed|skipped|errors?)' "$out/tests.log" | tr '\n' ' '))")
+  local selection=(tests/ops tests/test_compile.py tests/test_timm.py tests/test_timm_patch_embed.py tests/test_nn.py
+    tests/sampler tests/test_host_cost.py tests/test_gpu.py -k "cuda or triton or compile or gpu")
+  if [[ $dry_run == 1 ]]; then  # no GPU: the selection is collected under the image's versions, not run
+    stage "tests (dry run: collection only)" 150 tests.log \
+      python3 -m pytest -q -p no:cacheprovider --co "${selection[@]}"
+  else
+    stage "tests" 150 tests.log python3 -m pytest -q -p no:cacheprovider -n 8 "${selection[@]}"
+  fi
+  tail -n 25 "$work/tests.log"
+  local counts
+  counts=$(grep -Eo '[0-9/]+ (passed|failed|skipped|errors?|tests? collected)' "$work/tests.log" | tr '\n' ' ')
+  summary+=("  tests: $counts")
+}
+
+sync_train() {
+  # A few steps of the real loop of `mjp train` (the digits preset: no data needed), MJP on from the first step,
+  # with sync_debug=true: the batches between the loop's own reads of its losses run under
+  # torch.cuda.set_sync_debug_mode("error"), so a host sync inside a step raises.
+  local name=$1 slug=$2 limit=$3 compile=$4
+  stage "$name" "$limit" "$slug.log" python3 -m mjp_fast.cli train --output "$work/$slug" device=cuda epochs=1 \
+    warmup_epochs=0 compare=false mjp=true max_train_samples=1024 max_val_samples=256 log_interval=8 progress=off \
+    compile="$compile" sync_debug=true
+}
+
+timm_sweep() {
+  stage "timm sweep, triton on cuda" 90 timm-sweep.log python3 bench/timm_coverage.py --device cuda --backend triton \
+    --depth 1 --time-limit 60 --json "$out/timm-coverage-cuda-triton.json" --doc "$work/timm-coverage-cuda-triton.md"
+  grep -E "pass|FAILED" "$work/timm-sweep.log" | tail -n 12
 }
 
 benchmarks() {
-  local start=$SECONDS
-  timeout "$(budget 200)" python3 -m bench.run --device cuda --cases sampler,patch_embed,host_cost,train_step \
-    --repeats 30 --out "$out" >"$out/bench_eager.log" 2>&1
-  summary+=("benchmarks, eager: exit $? in $((SECONDS - start)) s")
-  grep -E "^(PASS|FAIL|NOT RUN|NOISY|ERROR)" "$out/bench_eager.log" | head -30
-  start=$SECONDS
-  timeout "$(budget 600)" python3 -m bench.run --device cuda --cases train_step --compile --repeats 20 --out "$out" \
-    >"$out/bench_compiled.log" 2>&1
-  summary+=("benchmarks, torch.compile: exit $? in $((SECONDS - start)) s")
-  grep -E "^(PASS|FAIL|NOT RUN|NOISY|ERROR)" "$out/bench_compiled.log" | head -20
+  stage "benchmarks, eager" 200 bench_eager.log python3 -m bench.run --device cuda \
+    --cases sampler,patch_embed,host_cost,train_step --repeats 30 --out "$out"
+  grep -E "^(PASS|FAIL|NOT RUN|NOISY|ERROR)" "$work/bench_eager.log" | head -n 30
+  stage "benchmarks, torch.compile" 600 bench_compiled.log python3 -m bench.run --device cuda --cases train_step \
+    --compile --repeats 20 --out "$out"
+  grep -E "^(PASS|FAIL|NOT RUN|NOISY|ERROR)" "$work/bench_compiled.log" | head -n 20
+}
+
+# CIFAR-10 for `reproduce`, into data_dir: a directory given as MJP_REPRODUCE_DATA, the carried archive
+# (unpacked to /tmp), or ../shared/data/cifar10 (the development machine).
+reproduce_data() {
+  local archive=runs/device-data/cifar10.tar.gz
+  if [[ -n ${MJP_REPRODUCE_DATA:-} ]]; then
+    data_dir=$MJP_REPRODUCE_DATA
+  elif [[ -f $archive ]]; then
+    data_dir=${TMPDIR:-/tmp}/mjp-device-data/cifar10
+    if [[ ! -d $data_dir/train ]]; then
+      mkdir -p "$(dirname "$data_dir")"
+      stage "unpack CIFAR-10" 60 unpack.log tar -xzf "$archive" -C "$(dirname "$data_dir")" || return 1
+    fi
+  elif [[ -d ../shared/data/cifar10 ]]; then
+    data_dir=../shared/data/cifar10
+  else
+    note "reproduce: NOT RUN: no CIFAR-10: no MJP_REPRODUCE_DATA, no $archive (make it with \`bash \
+bench/device_check.sh pack-data\` and carry runs/device-data), no ../shared/data/cifar10"
+    failures=$((failures + 1))
+    return 1
+  fi
+}
+
+reproduce() {
+  reproduce_data || return 1
+  # device=cuda: without a GPU the preset must fail at once, not train on the CPU
+  stage "mjp reproduce --preset gpu" 600 reproduce.log python3 -m mjp_fast.cli reproduce --preset gpu \
+    --data "$data_dir" --output "$work/reproduce-gpu" --report "$out/reproduction.md" device=cuda "$@"
+  grep -E "throughput|epochs per run|\] .*top-1|claim|wrote" "$work/reproduce.log" | tail -n 25
+}
+
+# The summary, every log packed into one file (the device tool brings back 8 files at most), and the exit code.
+finish() {
+  local code=${1:-0}
+  ((code == 0 && failures > 0)) && code=1
+  local how=$mode
+  [[ $dry_run == 1 ]] && how+=", dry run"
+  ((scale != 1)) && how+=", limits x$scale"
+  summary+=("device check ($how): $failures failed stage(s), exit $code, $SECONDS s of the $deadline_s s deadline")
+  printf '%s\n' "${summary[@]}" >"$out/summary.txt"
+  cp "$out/summary.txt" "$work/summary.txt"
+  tar -czf "$out/logs.tar.gz" -C "$work" --exclude='*.pt' --exclude='*/checkpoints' . 2>/dev/null
+  local files
+  files=$(find "$out" -type f | wc -l)
+  ((files > 8)) && echo "WARNING: $files files in $out: the device tool brings back 8 at most"
+  echo "---- summary (also $out/summary.txt; logs in $out/logs.tar.gz)"
+  printf '%s\n' "${summary[@]}"
+  exit "$code"
 }
 
 case "$mode" in
   all)
+    preflight
     build
     tests
+    sync_train "sync-debug train, eager" sync-eager 60 false
+    sync_train "sync-debug train, compiled" sync-compiled 120 true
+    timm_sweep
     benchmarks
     ;;
   tests)
+    preflight
     build
     tests
     ;;
+  reproduce)
+    preflight
+    build
+    reproduce "$@"
+    ;;
   *)
-    echo "usage: bash bench/device_check.sh [all|tests]" >&2
+    echo "usage: bash bench/device_check.sh [dry-run] [all|tests|reproduce [KEY=VALUE ...]|pack-data [DIR]]" >&2
     exit 2
     ;;
 esac
-
-printf '%s\n' "${summary[@]}"
+finish 0

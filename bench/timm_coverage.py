@@ -18,6 +18,13 @@ Markdown page::
 
     python bench/timm_coverage.py                      # every small model, full depth (minutes on 2 CPU cores)
     python bench/timm_coverage.py --depth 1 --models 'eva*'   # quicker: one block each, a subset
+    TRITON_INTERPRET=1 python bench/timm_coverage.py --examples --backend triton --models deit_tiny_patch16_224 \
+        --json /tmp/timm-coverage.json --doc /tmp/timm-coverage.md   # the tiny test model, Triton interpreted
+    python bench/timm_coverage.py --device cuda --backend triton --depth 1 --time-limit 60 \
+        --json $OUT/timm-coverage-cuda.json --doc /tmp/timm-coverage-cuda.md   # the GPU machine's sweep
+
+With ``--time-limit`` the models are taken round-robin over the families, so a sweep cut short still reaches every
+family; the models it did not start are listed as not run (they are no failure).
 
 The test suite runs :data:`EXAMPLES`, one tiny model per family, through :func:`check_model` (tests/timm/).
 """
@@ -86,6 +93,20 @@ def small_models(patterns: tuple[str, ...] = FAMILY_PATTERNS) -> list[str]:
     """The small models of timm's ViT families, in timm's order, without duplicates."""
     names = dict.fromkeys(name for pattern in patterns for name in timm.list_models(pattern))
     return [name for name in names if SMALL_WORDS.search(name)]
+
+
+def round_robin(names: list[str], patterns: tuple[str, ...] = FAMILY_PATTERNS) -> list[str]:
+    """``names`` reordered one family at a time (the first of each family, then the second of each, ...), so that
+    a sweep cut short by a time limit has reached every family. A name belongs to the first pattern it matches."""
+    families: dict[str, list[str]] = {pattern: [] for pattern in (*patterns, "*")}
+    for name in names:
+        family = next(pattern for pattern in families if fnmatch.fnmatch(name, pattern))
+        families[family].append(name)
+    queues = [members for members in families.values() if members]
+    ordered = []
+    for rank in range(max((len(members) for members in queues), default=0)):
+        ordered += [members[rank] for members in queues if rank < len(members)]
+    return ordered
 
 
 def what_mjp_does(model: nn.Module) -> str:
@@ -244,19 +265,57 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="*", help="fnmatch pattern over the small models (default: all)")
     parser.add_argument("--depth", type=int, default=None, help="build each model with this many blocks")
+    parser.add_argument(
+        "--examples",
+        action="store_true",
+        help="the test suite's tiny model of each family (EXAMPLES: 32 px, width 32) instead of timm's small models at "
+        "their own size: seconds each, also in the Triton interpreter",
+    )
     parser.add_argument("--backend", default=None, help="MJP's backend (default automatic)")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--json", type=Path, default=None, help="default bench/results/timm-coverage-<date>.json")
+    parser.add_argument("--device", default="cpu", help="where the models run: cpu, cuda, cuda:N (default cpu)")
+    parser.add_argument(
+        "--time-limit",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="start no model after this many seconds; the models then go round-robin over the families",
+    )
+    parser.add_argument(
+        "--json", type=Path, default=None, help="default bench/results/timm-coverage-<device>-<date>.json"
+    )
     parser.add_argument("--doc", type=Path, default=DOC, help="the Markdown page to write (default %(default)s)")
     args = parser.parse_args(argv)
 
     import mjp_fast.backend
 
-    names = [name for name in small_models() if fnmatch.fnmatch(name, args.models)]
-    overrides = {"depth": args.depth} if args.depth is not None else {}
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            parser.error(f"--device {args.device}: torch sees no CUDA GPU (torch {torch.__version__})")
+        # Like with like: timm's convolution patch embedding would otherwise round through TF32 while the fused
+        # one multiplies float32 exactly, and "eval = timm" compares the two.
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    if args.backend is not None and args.backend not in mjp_fast.available_backends():
+        parser.error(f"--backend {args.backend}: not available here (available: {mjp_fast.available_backends()})")
+
+    depth = {"depth": args.depth} if args.depth is not None else {}
+    if args.examples:  # name -> (keyword overrides, input side)
+        models = {name: ({**overrides, **depth}, side) for name, overrides, side in EXAMPLES.values()}
+    else:
+        models = {name: (depth, None) for name in small_models()}
+    names = [name for name in models if fnmatch.fnmatch(name, args.models)]
+    if args.time_limit is not None:
+        names = round_robin(names)
     records = []
+    not_run: list[str] = []
+    started = time.perf_counter()
     for name in names:
-        record = check_model(name, overrides, backend=args.backend, device=args.device)
+        if args.time_limit is not None and time.perf_counter() - started > args.time_limit:
+            not_run.append(name)
+            continue
+        overrides, side = models[name]
+        record = check_model(name, overrides, side, backend=args.backend, device=args.device)
         records.append(record)
         status = "ok" if record["ok"] else "FAILED " + json.dumps(record["steps"] or record.get("error"))
         print(f"{name:48s} {record.get('mjp', '-'):28s} {record['seconds']:7.1f} s  {status}", flush=True)
@@ -269,11 +328,17 @@ def main(argv: list[str] | None = None) -> int:
         "depth_note": f"{args.depth} block(s) per model" if args.depth is not None else "full depth",
         "date": date,
     }
+    if args.examples:
+        meta["depth_note"] = "the test suite's tiny models (EXAMPLES)" + (f", {meta['depth_note']}" if depth else "")
+    if not_run:
+        meta["depth_note"] += f", time limit {args.time_limit:g} s ({len(not_run)} of {len(names)} models not run)"
     path = args.json or RESULTS / f"timm-coverage-{args.device}-{date}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"meta": meta, "records": records}, indent=1) + "\n")
+    path.write_text(json.dumps({"meta": meta, "records": records, "not_run": not_run}, indent=1) + "\n")
+    args.doc.parent.mkdir(parents=True, exist_ok=True)
     args.doc.write_text(render(records, meta))
-    print(f"{sum(r['ok'] for r in records)} of {len(records)} pass; wrote {path} and {args.doc}")
+    skipped = f"; {len(not_run)} not run (time limit {args.time_limit:g} s)" if not_run else ""
+    print(f"{sum(r['ok'] for r in records)} of {len(records)} pass{skipped}; wrote {path} and {args.doc}")
     return 0 if all(record["ok"] for record in records) else 1
 
 
