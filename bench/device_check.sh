@@ -173,8 +173,13 @@ print('gpu:', torch.cuda.get_device_name(), '| capability', torch.cuda.get_devic
 
 build() {
   local check="import mjp_fast._C as C, sys; sys.exit(0 if C.has_cuda() else 1)"
-  if timeout -k 5 "$(budget 60)" python3 -c "$check" 2>/dev/null; then
-    note "build: already built on this machine"
+  # an extension left by an earlier call is used only if no source is newer (the tool lays the tree anew, so a
+  # changed csrc/ is always rebuilt: a stale kernel would be measured otherwise)
+  local built
+  built=$(find mjp_fast -maxdepth 1 -name '_C*.so' -print -quit)
+  if [[ -n $built && -z $(find csrc setup.py CMakeLists.txt -newer "$built" -print -quit 2>/dev/null) ]] &&
+    timeout -k 5 "$(budget 60)" python3 -c "$check" 2>/dev/null; then
+    note "build: already built on this machine, from these sources"
   else
     export MJP_FAST_REQUIRE_EXTENSION=1
     if ! stage "build" 90 build.log python3 -m pip install --no-build-isolation --no-deps --no-index -e .; then
