@@ -530,6 +530,8 @@ def _format_record(record: dict[str, Any], epochs: int) -> str:
         parts.append(f"consistency {record['consistency']:.2f}")
     parts.append(f"{record['train_images_per_second']:.0f} img/s")
     parts.append(f"{record['epoch_seconds']:.1f} s")
+    if record.get("eval_seconds") is not None:
+        parts.append(f"eval {record['eval_seconds']:.1f} s")
     return "  ".join(parts)
 
 
@@ -1084,14 +1086,17 @@ class _Run:
             "dal_weight": dal_weight_at(self.config, self.step, self.total_steps) if dal_on else None,
             "lr": self.train_step.optimizer.param_groups[0]["lr"],
             "mjp_prob": self.model.mjp.sampler.prob if is_mjp_model(self.model) else 0.0,
-            "train_images_per_second": images / max(seconds, 1e-9),
-            "epoch_seconds": seconds,
+            "train_images_per_second": images / max(seconds, 1e-9),  # the training batches alone
+            "epoch_seconds": seconds,  # from the loader's first batch to the last step: no evaluation
         }
 
     def _evaluate(self, epoch: int, record: dict[str, Any], last_epoch: bool) -> None:
         """Adds the validation metrics to ``record`` every ``eval_interval`` epochs and after the last; after the
-        last also the position regression, and keeps the final results."""
+        last also the position regression, and keeps the final results. ``eval_seconds``: their time (None when the
+        epoch is not evaluated), apart from the training's ``epoch_seconds``, as timm reports them."""
         config = self.config
+        started = time.perf_counter()
+        record["eval_seconds"] = None
         if (epoch + 1) % config.eval_interval == 0 or last_epoch:
             results = evaluate_model(
                 self.model,
@@ -1116,6 +1121,8 @@ class _Run:
             record["pos_mae_1d"] = regression["mae_1d"] if regression else None
             record["pos_mae_2d"] = regression["mae_2d"] if regression else None
             self.final = {key: record.get(key) for key in FINAL_KEYS}
+        if record.get("top1") is not None or last_epoch:
+            record["eval_seconds"] = time.perf_counter() - started
 
     def _stop_if_diverged(self, reading: _TallyReading, epoch: int, noticed: str) -> None:
         """Raises TrainingDiverged if ``reading`` saw a NaN or infinite loss (``noticed``: where it was read)."""

@@ -104,7 +104,7 @@ def test_resume_matches_an_uninterrupted_run(cifar_tree, tmp_path, stop_step, ch
     assert straight_state.keys() == resumed_state.keys()
     for key in straight_state:
         torch.testing.assert_close(resumed_state[key], straight_state[key], rtol=0, atol=0, msg=key)
-    timing = ("train_images_per_second", "epoch_seconds")
+    timing = ("train_images_per_second", "epoch_seconds", "eval_seconds")
     strip = lambda records: [{k: v for k, v in record.items() if k not in timing} for record in records]
     assert strip(resumed.history) == strip(reference.history)
     lines = (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()
@@ -373,3 +373,17 @@ def test_normalizing_on_the_device_gives_the_batches_of_the_loader_that_normaliz
     torch.testing.assert_close(batches["on"], batches["off"], rtol=1e-5, atol=1e-5)
     assert not loop.normalizes_on_device(config.replace(normalize_on_device="auto"), torch.device("cpu"))
     assert loop.normalizes_on_device(config.replace(normalize_on_device="auto"), torch.device("cuda", 0))
+
+
+def test_records_time_training_and_evaluation_apart(tmp_path):
+    # timm reports them apart: train_images_per_second and epoch_seconds are the training batches' alone
+    config = load_config(
+        None, tiny_overrides(output=str(tmp_path), epochs=3, eval_interval=2, max_train_samples=48, max_val_samples=16)
+    )
+    history = train(config).history
+    assert [record["eval_seconds"] is None for record in history] == [True, False, False]
+    for record in history:
+        assert record["epoch_seconds"] > 0 and record["train_images_per_second"] > 0
+        assert record["eval_seconds"] is None or record["eval_seconds"] > 0
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [line["eval_seconds"] is None for line in lines] == [True, False, False]
