@@ -52,6 +52,7 @@ CASE_TITLES = {
     "jigsaw_apply": "Applying the jigsaw",
     "host_cost": "Host cost",
     "train_step": "Training step",
+    "train_loop": "Training loop",
 }
 
 INTRODUCTION = """\

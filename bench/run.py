@@ -8,6 +8,8 @@ Cases (each measures its baselines in the same run, interleaved):
 - ``host_cost``: dispatched operations and host time of MJP's part of a step at tiny sizes, against timm's plain
   position add.
 - ``train_step``: whole DeiT-Tiny / DeiT-Small training steps, plain against MJP: the overhead in percent.
+- ``train_loop``: ``mjp train`` (mjp=false and mjp=true) against timm's own ``train.py``: training images per
+  second over a fixed number of steps (timm's script from ``$TIMM_TRAIN_PY``; without it the timm rows are NOT RUN).
 
 The file is ``<out>/<device>-<YYYY-MM-DD>.json`` (``-smoke`` for a smoke run, ``-suite-<cases>`` for a subset of
 the cases, ``-threads<N>`` for a thread count other than the machine's). ``<out>`` is ``bench/results``, except for
@@ -15,7 +17,7 @@ smoke runs, which go to a folder in the system's temporary directory unless ``--
 mean nothing, and the checkout keeps only recorded results. ``python bench/render.py`` turns the recorded files
 into ``docs/benchmarks.md``.
 
-    python -m bench.run [--smoke] [--cases sampler,patch_embed,jigsaw_apply,host_cost,train_step] [--out DIR]
+    python -m bench.run [--smoke] [--cases sampler,patch_embed,jigsaw_apply,host_cost,train_step,train_loop] [--out DIR]
         [--device cpu|cuda] [--threads N] [--repeats N] [--compile]
 
 ``mjp bench`` runs the same from a checkout of the repository.
@@ -60,6 +62,7 @@ CASES = {
     "jigsaw_apply": "bench.bench_jigsaw_apply",
     "host_cost": "bench.bench_host_cost",
     "train_step": "bench.bench_train_step",
+    "train_loop": "bench.bench_train_loop",
 }
 
 

@@ -2,7 +2,7 @@
 
     mjp demo [--image astronaut|chelsea|coffee|rocket|PATH] [--ratios 0.1 0.3 0.5 0.9] [--out mjp_demo.png] ...
     mjp backends
-    mjp bench [--smoke] [--cases sampler,patch_embed,jigsaw_apply,train_step] [--out DIR] ...
+    mjp bench [--smoke] [--cases sampler,patch_embed,jigsaw_apply,host_cost,train_step,train_loop] [--out DIR] ...
 
 This module only parses arguments; the work is in :mod:`mjp_fast.demo`, :mod:`mjp_fast.backend` and, for
 ``bench``, the repository checkout's ``bench/run.py`` (the benchmarks, their results and their baselines live in
@@ -101,7 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--cases",
         default=None,
         metavar="CASE[,CASE...]",
-        help="a comma-separated subset of sampler,patch_embed,jigsaw_apply,train_step (default: all)",
+        help="a comma-separated subset of sampler,patch_embed,jigsaw_apply,host_cost,train_step,train_loop "
+        "(default: all)",
     )
     bench.add_argument(
         "--out",

@@ -47,6 +47,12 @@ def draw_seed(*numbers: int) -> int:
     return int(np.random.SeedSequence([int(number) for number in numbers]).generate_state(1)[0])
 
 
+def epoch_seeds(seed: int, rank: int, epoch: int, count: int) -> np.ndarray:
+    """uint32 ``[count]``: the seeds of an epoch's sample positions on ``rank``, unrelated across seeds, ranks and
+    epochs (one :class:`numpy.random.SeedSequence` for the epoch)."""
+    return np.random.SeedSequence([int(seed), int(rank), int(epoch)]).generate_state(max(count, 1))[:count]
+
+
 def seed_everything(seed: int) -> None:
     """Seeds Python's, NumPy's and torch's global generators (CUDA's too, when initialized)."""
     random.seed(seed)
@@ -346,9 +352,12 @@ class SeededEpochSampler(Sampler):
         self.inner.set_epoch(epoch + offset)
 
     def __iter__(self) -> Iterator[tuple[int, int]]:
+        # The epoch's seeds in one call, a 32-bit seed per position: the loader draws indices in the main process,
+        # between training steps, where a SeedSequence per sample cost about 15 us (2 ms a batch of 128).
+        seeds = epoch_seeds(self.seed, self.rank, self.epoch, len(self.inner)).tolist()
         for position, index in enumerate(self.inner):
             if position >= self.start:
-                yield index, draw_seed(self.seed, self.rank, self.epoch, position)
+                yield index, seeds[position]
 
     def __len__(self) -> int:
         return max(len(self.inner) - self.start, 0)
@@ -429,6 +438,7 @@ __all__ = [
     "clear_image_cache",
     "decode_in_memory",
     "draw_seed",
+    "epoch_seeds",
     "eval_loader",
     "eval_transform",
     "fixed_subset",

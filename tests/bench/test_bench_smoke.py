@@ -156,6 +156,7 @@ CASE_ROW_KEYS = {
         "quiet_pairs",
         "isolated_overhead_pct",
     },
+    "train_loop": {"data", "batch", "steps", "images_per_s", "ratio_vs_timm", "ratio_vs_mjp_false", "eval_s", "wall_s"},
 }
 
 
@@ -188,11 +189,24 @@ def test_mjp_bench_smoke_runs_every_case_into_one_json(tmp_path, capsys):
     assert checks and all(check is True or check < 1e-4 for check in checks)  # the pipelines compute the same
     variants = {row["implementation"] for row in payload["cases"]["train_step"]["results"]}
     assert variants == {"plain", "plain + fast patch embed", "mjp prob=0.5", "mjp prob=1"}
-    assert {aim["case"] for aim in payload["aims"]} == {"sampler", "patch_embed", "host_cost", "train_step"}
+    assert {aim["case"] for aim in payload["aims"]} == {
+        "sampler",
+        "patch_embed",
+        "host_cost",
+        "train_step",
+        "train_loop",
+    }
     for aim in payload["aims"]:
         assert aim["verdict"] == "NOT JUDGED"  # a smoke run judges nothing
 
-    titles = ("## Jigsaw sampler", "## Patch embedding", "## Applying the jigsaw", "## Host cost", "## Training step")
+    titles = (
+        "## Jigsaw sampler",
+        "## Patch embedding",
+        "## Applying the jigsaw",
+        "## Host cost",
+        "## Training step",
+        "## Training loop",
+    )
     for title in (*titles, "## Aims"):
         assert title in printed
     assert f"results: {files[0]}" in printed
@@ -251,8 +265,9 @@ def test_mjp_bench_rejects_unknown_cases(tmp_path, capsys):
     from mjp_fast.cli import main
 
     assert main(["bench", "--smoke", "--cases", "sampler,nope", "--out", str(tmp_path)]) == 2
-    assert "cases must be a comma-separated subset of sampler,patch_embed,jigsaw_apply,host_cost,train_step" in (
-        capsys.readouterr().err
+    assert (
+        "cases must be a comma-separated subset of sampler,patch_embed,jigsaw_apply,host_cost,train_step,train_loop"
+        in (capsys.readouterr().err)
     )
     assert not list(tmp_path.iterdir())
 
