@@ -640,7 +640,8 @@ def _build_run(config: TrainConfig, context: Distributed, output: Path, state: d
     None: a new run) into them.
 
     The order is the random streams': the generators are seeded before the datasets and the model (whose
-    initialization draws from them), and a resumed run's generators are restored after everything that draws.
+    initialization draws from them); a run resumed within an epoch gets its checkpoint's generator states back when
+    its training batches start (:meth:`_Run._set_generators`), after everything that draws.
     """
     device = context.device
     if config.sync_debug and device.type != "cuda":
