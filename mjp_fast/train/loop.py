@@ -659,7 +659,8 @@ def _build_run(config: TrainConfig, context: Distributed, output: Path, state: d
     global_batch = config.batch_size * context.world_size * config.accum_steps
     lr = config.lr if config.lr is not None else config.lr_base * global_batch / 512
     config = _resolve_config(config, model, data_config, num_classes, lr)
-    loader, sampler, val_loader = _build_loaders(config, context, train_set, val_set, input_size(model))
+    on_device = normalizes_on_device(config, device)  # the loader's transform and the step's normalization agree
+    loader, sampler, val_loader = _build_loaders(config, context, train_set, val_set, input_size(model), on_device)
 
     model.to(device)
     optimizer = _build_optimizer(config, model)
@@ -669,7 +670,6 @@ def _build_run(config: TrainConfig, context: Distributed, output: Path, state: d
     dtype = amp_dtype(config, device)
     scaler = torch.amp.GradScaler("cuda") if dtype == torch.float16 else None
     mixup, criterion = _build_mixup_and_criterion(config, num_classes)
-    on_device = normalizes_on_device(config, device)
     start = _restore(state, model_name, model, optimizer, scheduler, scaler, config, batches_per_epoch, context, output)
 
     ddp = context.world_size > 1
@@ -723,11 +723,11 @@ def _data_config(config: TrainConfig, model: nn.Module) -> dict[str, Any]:
 
 
 def _build_loaders(
-    config: TrainConfig, context: Distributed, train_set: Dataset, val_set: Dataset, img_size: int
+    config: TrainConfig, context: Distributed, train_set: Dataset, val_set: Dataset, img_size: int, on_device: bool
 ) -> tuple[DataLoader, SeededEpochSampler, DataLoader]:
-    """Sets the datasets' transforms; returns the training loader, its sampler and the validation loader (this
-    rank's shards)."""
-    mean, std, on_device = tuple(config.mean), tuple(config.std), normalizes_on_device(config, context.device)
+    """Sets the datasets' transforms (``on_device``: the training one gives uint8, see :func:`normalizes_on_device`);
+    returns the training loader, its sampler and the validation loader (this rank's shards)."""
+    mean, std = tuple(config.mean), tuple(config.std)
     set_transform(train_set, train_transform(config, img_size, mean, std, on_device=on_device))
     set_transform(val_set, eval_transform(img_size, config.interpolation, config.crop_pct))
     pin = context.device.type == "cuda"
