@@ -151,6 +151,9 @@ ext_modules, cmdclass = _extension_build()
 # Read from the file itself: importing the package would import torch, which the metadata must not need.
 TORCH_REQUIREMENT = runpy.run_path(str(ROOT / "mjp_fast" / "_versions.py"))["TORCH_REQUIREMENT"]
 
+# timm's readers for data=wds/... (WebDataset shards) and data=hfds/... (Hugging Face datasets): optional.
+DATA_EXTRA = ["webdataset>=1.0.2,<2", "datasets>=5.2,<6"]
+
 setup(
     name="mjp_fast",
     version="0.1.0",
@@ -176,7 +179,9 @@ setup(
         "pillow>=11",
     ],
     extras_require={
-        "test": ["pytest", "pytest-timeout", "pytest-xdist"],
+        # the test extra carries the data readers: their tests read a WebDataset and a saved Hugging Face dataset
+        "test": ["pytest", "pytest-timeout", "pytest-xdist", *DATA_EXTRA],
+        "data": DATA_EXTRA,
         "bench": ["pytest-benchmark"],
         "umap": ["umap-learn"],
         "tensorboard": ["tensorboard"],

@@ -473,7 +473,7 @@ def parse_timm_log(lines: Sequence[tuple[float, str]] | str) -> dict[str, Any]:
     return result
 
 
-MJP_RECORD_LINE = re.compile(r"^epoch\s+1/\d+\s")
+MJP_RECORD_LINE = re.compile(r"^epoch\s+1/\d+\s+loss ")  # the epoch record, not a log line ("epoch 1/N  batch ...")
 MJP_HEADER_PREFIX = "mjp train: "
 
 

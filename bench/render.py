@@ -1,8 +1,12 @@
-"""Renders the recorded benchmark results (``bench/results/*.json``) as ``docs/benchmarks.md``.
+"""Renders the recorded benchmark results (``bench/results/*.json``) as ``docs/benchmarks.md``, and the runs it
+no longer shows as ``docs/benchmarks-history.md``.
 
-Suite runs (``mjp bench``, ``python -m bench.run``) come first, newest first; single-case runs of one script
-(``python bench/bench_sampler.py``) after them. Smoke runs are left out. Every section states the device, the
-versions and the shapes, and the pass/fail lines of the aims, as recorded: nothing is measured here.
+The page shows, for each device, the newest measurement of each case (:func:`newest_per_case`): the runs that hold
+one, suite runs (``mjp bench``, ``python -m bench.run``) first, newest first, then single-case runs of one script
+(``python bench/bench_sampler.py``), each with only its cases that no newer run of the device measured again. A
+run measured again, case by case, moves to the history page, in full, with the newer runs that superseded it; so
+does a run that the page shows in part. Smoke runs are left out. Every section states the device, the versions
+and the shapes, and the pass/fail lines of the aims, as recorded: nothing is measured here.
 
 Beside the page, in ``docs/benchmarks/``, PNG plots of the newest run of each device that holds the case:
 
@@ -17,7 +21,10 @@ Beside the page, in ``docs/benchmarks/``, PNG plots of the newest run of each de
 at fewer torch threads than the machine has cores, which is not comparable with the others. The PNGs carry no
 timestamp or version, so rendering the same JSON again writes the same bytes.
 
-    python bench/render.py [--results DIR] [--out docs/benchmarks.md] [--plots DIR | --no-plots]
+A device is :func:`plot_device`'s: a CPU run at fewer torch threads than the machine has cores is a device of its
+own, never superseded by a run at all of them.
+
+    python bench/render.py [--results DIR] [--out docs/benchmarks.md] [--history PATH] [--plots DIR | --no-plots]
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ from bench.common import (
 )
 
 DEFAULT_OUT = REPO_ROOT / "docs" / "benchmarks.md"
+HISTORY_SUFFIX = "-history"  # the history page beside the page: docs/benchmarks-history.md
 PLOTS_FOLDER = "benchmarks"  # beside the page: docs/benchmarks/
 CASE_TITLES = {
     "sampler": "Jigsaw sampler",
@@ -69,7 +77,7 @@ numbers for your machine:
 ```bash
 mjp bench                     # the whole suite (2 CPU cores: about 15 min) -> bench/results/<device>-<date>.json
 mjp bench --cases train_step  # one or more cases
-python bench/render.py        # rewrites this page
+python bench/render.py        # rewrites this page and benchmarks-history.md
 ```
 
 `mjp bench --smoke` runs everything at tiny sizes in seconds (what CI runs; the numbers mean nothing), and
@@ -123,11 +131,13 @@ def _demote(markdown: str) -> str:
     return "\n".join("#" + line if line.startswith("#") else line for line in markdown.splitlines())
 
 
-def render_run(path: Path, payload: dict) -> str:
+def render_run(path: Path, payload: dict, *, cases: Sequence[str] | None = None, notes: Sequence[str] = ()) -> str:
+    """One run's section: its device, versions and load, the aims and the reports of its ``cases`` (default: all,
+    in the run's order), and ``notes`` as more lines of the list under its heading."""
     from bench.run import report
 
     info = payload["device"]
-    sections = sections_of(payload)
+    sections = {name: section for name, section in sections_of(payload).items() if cases is None or name in cases}
     kind = "suite run" if "cases" in payload else f"single-case run ({payload['benchmark']})"
     lines = [
         f"## {path.stem}",
@@ -143,6 +153,7 @@ def render_run(path: Path, payload: dict) -> str:
             f"- machine load (1-minute average, other processes included) at start / end: {load.get('start')} / "
             f"{load.get('end')} on {info.get('cpu_count', '?')} CPUs"
         )
+    lines += [f"- {note}" for note in notes]
     lines.append("")
     aims = [(name, aim) for name, section in sections.items() for aim in section.get("aims", [])]
     if aims:
@@ -161,20 +172,62 @@ def render_run(path: Path, payload: dict) -> str:
     return "\n".join(lines)
 
 
+def _newer(item: tuple[Path, dict]) -> tuple[str, str]:
+    """The order of runs by age: the recorded date, then the file name (``...-2000-01-02`` after ``...-01-01``)."""
+    return str(item[1].get("date", "")), item[0].name
+
+
+def newest_per_case(runs: list[tuple[Path, dict]]) -> dict[tuple[str, str], tuple[Path, dict]]:
+    """``(device, case)`` -> the newest run (path, payload) that measured ``case`` on ``device``
+    (:func:`plot_device`), by :func:`_newer`. A section that raised counts only where no run of the device has the
+    case without an error: a failed attempt does not hide the last measurement. Keys in a stable order (devices
+    sorted, then cases in :data:`CASE_TITLES`' order)."""
+    chosen: dict[tuple[str, str], tuple[Path, dict]] = {}
+    for path, payload in sorted(runs, key=_newer, reverse=True):
+        device = plot_device(payload["device"])
+        for case, section in sections_of(payload).items():
+            held = chosen.get((device, case))
+            if held is None or (sections_of(held[1])[case].get("error") and not section.get("error")):
+                chosen[(device, case)] = (path, payload)
+    order = {case: index for index, case in enumerate(CASE_TITLES)}
+    return dict(sorted(chosen.items(), key=lambda item: (item[0][0], order.get(item[0][1], len(order)))))
+
+
+def shown_cases(runs: list[tuple[Path, dict]]) -> dict[str, list[str]]:
+    """Run file name -> its cases the page shows (each the newest of its device, :func:`newest_per_case`), in the
+    run's order; a run with none is not on the page."""
+    newest = {(device, case): path.name for (device, case), (path, _) in newest_per_case(runs).items()}
+    shown: dict[str, list[str]] = {}
+    for path, payload in runs:
+        device = plot_device(payload["device"])
+        cases = [case for case in sections_of(payload) if newest.get((device, case)) == path.name]
+        if cases:
+            shown[path.name] = cases
+    return shown
+
+
+def _case_list(cases: Sequence[str]) -> str:
+    return ", ".join(CASE_TITLES.get(case, case).lower() for case in cases)
+
+
+def _anchor(heading: str) -> str:
+    """The link fragment GitHub gives a heading: lower case, spaces as hyphens, other punctuation dropped."""
+    return "".join(ch for ch in heading.lower().replace(" ", "-") if ch.isalnum() or ch in "-_")
+
+
 def _summary(runs: list[tuple[Path, dict]]) -> str:
-    """The aims of the newest suite run of each device, in one table."""
-    newest: dict[str, tuple[Path, dict]] = {}
-    for path, payload in runs:  # suite runs first, newest first
-        if "cases" in payload:
-            newest.setdefault(device_label(payload["device"]), (path, payload))
+    """The aims of the newest measurement of each case per device, in one table; an aim a run did not judge (NOT
+    RUN: one for another device) is left out, its run's section lists it."""
     rows = []
-    for label, (_, payload) in newest.items():
-        for aim in payload.get("aims", []):
+    for (device, case), (_, payload) in newest_per_case(runs).items():
+        for aim in sections_of(payload)[case].get("aims", []):
+            if aim.get("verdict") == "NOT RUN":
+                continue
             rows.append(
                 [
-                    label,
+                    device,
                     payload.get("date", "")[:10],
-                    CASE_TITLES.get(aim["case"], aim["case"]),
+                    CASE_TITLES.get(case, case),
                     aim["aim"],
                     format_measured(aim["measured"], aim.get("unit", "x")),
                     aim["verdict"],
@@ -183,7 +236,16 @@ def _summary(runs: list[tuple[Path, dict]]) -> str:
     if not rows:
         return ""
     headers = ["device", "date", "case", "aim", "measured", "verdict"]
-    return "\n".join(["## Summary: the aims, newest suite run per device", "", markdown_table(headers, rows), ""])
+    return "\n".join(
+        [
+            "## Summary: the aims, newest run of each case per device",
+            "",
+            markdown_table(headers, rows),
+            "",
+            "Aims a run did not judge (NOT RUN: those of another device) are listed under the run.",
+            "",
+        ]
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -705,20 +767,35 @@ def _plots_markdown(plots: list[Plot], page_dir: Path) -> str:
 
 
 def render(
-    results_dir: Path | str = RESULTS_DIR, *, plots_dir: Path | str | None = None, page_dir: Path | str | None = None
+    results_dir: Path | str = RESULTS_DIR,
+    *,
+    plots_dir: Path | str | None = None,
+    page_dir: Path | str | None = None,
+    history: str | None = None,
 ) -> str:
-    """The whole page.
+    """The page: the newest measurement of each case per device (:func:`shown_cases`).
 
     Args:
         results_dir: the folder of the JSON results.
         plots_dir: where to draw the PNGs (:func:`draw_plots`); None draws none and the page links none.
         page_dir: the folder the page will be written to, for the PNGs' relative links (default: ``plots_dir``'s
             parent).
+        history: the history page's link from this page (``benchmarks-history.md``), or None for no links.
     """
     runs = load_results(results_dir)
+    shown = shown_cases(runs)
     parts = [INTRODUCTION]
     if not runs:
         parts.append("No results recorded yet.\n")
+    earlier = [path for path, payload in runs if shown.get(path.name) != list(sections_of(payload))]
+    if earlier:
+        where = f"[{Path(history).stem}]({history})" if history else "the history page"
+        runs_text = "the run" if len(earlier) == 1 else f"the {len(earlier)} runs"
+        parts.append(
+            f"This page shows, for each device, the newest run of each case; {runs_text} it does not show in full "
+            f"(measured again since, in part or in full) {'is' if len(earlier) == 1 else 'are'} kept as recorded in "
+            f"{where}.\n"
+        )
     summary = _summary(runs)
     if summary:
         parts.append(summary)
@@ -728,7 +805,54 @@ def render(
         if section:
             parts.append(section)
     for path, payload in runs:
-        parts.append(render_run(path, payload))
+        cases = shown.get(path.name)
+        if not cases:
+            continue
+        left_out = [case for case in sections_of(payload) if case not in cases]
+        notes = []
+        if left_out:
+            full = f" (this run in full: [{Path(history).stem}]({history}#{_anchor(path.stem)}))" if history else ""
+            notes.append(f"left out here, measured again in a newer run: {_case_list(left_out)}{full}")
+        parts.append(render_run(path, payload, cases=cases, notes=notes))
+    return "\n".join(parts).rstrip() + "\n"
+
+
+def render_history(results_dir: Path | str = RESULTS_DIR, *, page: str = "benchmarks.md") -> str:
+    """The history page: in full, newest first, every run that :func:`render`'s page shows in part or not at all,
+    each with the newer runs that measured its cases again. ``page``: the link back to the page."""
+    runs = load_results(results_dir)
+    shown = shown_cases(runs)
+    newest = newest_per_case(runs)
+    lines = [
+        "# Benchmarks: earlier runs",
+        "",
+        f"The recorded runs that [{Path(page).stem}]({page}) does not show in full: a newer run of the same device "
+        "measured their cases again (a CPU run at fewer torch threads than cores is a device of its own), or a case "
+        "raised and an older run holds its last measurement. Kept as recorded, newest first; generated by "
+        "`python bench/render.py` with the page; do not edit by hand.",
+        "",
+    ]
+    earlier = [(path, payload) for path, payload in runs if shown.get(path.name) != list(sections_of(payload))]
+    if not earlier:
+        lines.append("No earlier runs.\n")
+    parts = ["\n".join(lines)]
+    for path, payload in sorted(earlier, key=_newer, reverse=True):
+        device = plot_device(payload["device"])
+        by: dict[tuple[str, bool], list[str]] = {}
+        for case, section in sections_of(payload).items():
+            newer = newest[(device, case)][0].name
+            if newer != path.name:
+                by.setdefault((newer, bool(section.get("error"))), []).append(case)
+        notes = [
+            f"did not run (an error), the page shows `bench/results/{newer}` instead: {_case_list(cases)}"
+            if failed
+            else f"superseded by `bench/results/{newer}`: {_case_list(cases)}"
+            for (newer, failed), cases in by.items()
+        ]
+        still = shown.get(path.name)
+        if still:
+            notes.append(f"still the newest, shown on [{Path(page).stem}]({page}): {_case_list(still)}")
+        parts.append(render_run(path, payload, notes=notes))
     return "\n".join(parts).rstrip() + "\n"
 
 
@@ -736,6 +860,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--results", default=str(RESULTS_DIR), help="directory of the JSON results")
     parser.add_argument("--out", default=str(DEFAULT_OUT), help="the Markdown page to write (default: %(default)s)")
+    parser.add_argument(
+        "--history",
+        default=None,
+        help=f"the page of the earlier runs (default: <out>{HISTORY_SUFFIX}.md beside the page, linked from it)",
+    )
     plots = parser.add_mutually_exclusive_group()
     plots.add_argument(
         "--plots", default=None, help=f"folder of the PNG plots (default: {PLOTS_FOLDER}/ beside the page)"
@@ -744,9 +873,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    history = Path(args.history) if args.history else out.with_name(f"{out.stem}{HISTORY_SUFFIX}.md")
+    history.parent.mkdir(parents=True, exist_ok=True)
     plots_dir = None if args.no_plots else Path(args.plots) if args.plots else out.parent / PLOTS_FOLDER
-    out.write_text(render(args.results, plots_dir=plots_dir, page_dir=out.parent), encoding="utf-8")
-    print(f"wrote {out}" + (f" and its plots in {plots_dir}" if plots_dir is not None else ""))
+    link = Path(os.path.relpath(history, out.parent)).as_posix()
+    back = Path(os.path.relpath(out, history.parent)).as_posix()
+    out.write_text(render(args.results, plots_dir=plots_dir, page_dir=out.parent, history=link), encoding="utf-8")
+    history.write_text(render_history(args.results, page=back), encoding="utf-8")
+    print(f"wrote {out}, {history}" + (f" and the plots in {plots_dir}" if plots_dir is not None else ""))
     return 0
 
 

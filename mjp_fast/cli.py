@@ -1,12 +1,16 @@
 """The ``mjp`` command.
 
-    mjp demo [--image astronaut|chelsea|coffee|rocket|PATH] [--ratios 0.1 0.3 0.5 0.9] [--out mjp_demo.png] ...
+    mjp demo [--image astronaut|chelsea|coffee|rocket|PATH] [--ratios 0.1 0.3 0.5 0.9] [--png mjp_demo.png] ...
     mjp backends
-    mjp bench [--smoke] [--cases sampler,patch_embed,jigsaw_apply,host_cost,train_step,train_loop] [--out DIR] ...
+    mjp bench [--smoke] [--cases sampler,patch_embed,jigsaw_apply,host_cost,train_step,train_loop] [--output DIR] ...
 
 This module only parses arguments; the work is in :mod:`mjp_fast.demo`, :mod:`mjp_fast.backend` and, for
 ``bench``, the repository checkout's ``bench/run.py`` (the benchmarks, their results and their baselines live in
 the repository, not in the installed package).
+
+The subcommands name their outputs alike: ``--output DIR`` the folder a command writes into (train, eval, attack,
+reproduce, bench), ``--json PATH`` its JSON results (eval, attack), ``--png PATH`` its picture (demo, attack). The
+earlier spellings stay as aliases: ``demo --out``, ``attack --grid``, ``bench --out``.
 """
 
 from __future__ import annotations
@@ -29,6 +33,27 @@ from mjp_fast._argtypes import fraction, positive_int, seed
 EXTENSION_WARNING = "mjp_fast: the compiled extension"
 
 
+class CommandParser(argparse.ArgumentParser):
+    """The parser of one ``mjp`` subcommand: arguments it does not know are its error, shown with its usage.
+
+    argparse hands a subcommand's unknown arguments back to the top-level parser, whose error would show ``mjp``'s
+    usage line (``usage: mjp [-h] [--version] COMMAND ...``) instead of the subcommand's options. Options are taken
+    by their whole names only: with argparse's prefix matching, ``mjp attack --out x.png`` (demo's earlier name for
+    its picture) would quietly have meant ``--output x.png``, a folder.
+    """
+
+    def __init__(self, *args, allow_abbrev: bool = False, **kwargs) -> None:
+        super().__init__(*args, allow_abbrev=allow_abbrev, **kwargs)
+
+    def parse_known_args(
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")  # exits with status 2, as argparse does
+        return namespace, extras
+
+
 def build_parser() -> argparse.ArgumentParser:
     from mjp_fast.demo import BUILTIN_IMAGES
     from mjp_fast.evaluate.cli import register as register_eval
@@ -41,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Masked Jigsaw Puzzle position embeddings for ViTs: fast per-sample jigsaws.",
     )
     parser.add_argument("--version", action="version", version=f"mjp_fast {__version__}")
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=CommandParser)
 
     demo = commands.add_parser(
         "demo",
@@ -73,7 +98,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="image side in pixels, a multiple of --patch-size (default: 224)",
     )
     demo.add_argument("--seed", type=seed, default=0, help="the sampler's seed (default: 0)")
-    demo.add_argument("--out", default="mjp_demo.png", help="the PNG to write (default: %(default)s)")
+    demo.add_argument(
+        "--png",
+        "--out",  # its earlier name
+        dest="png",
+        default="mjp_demo.png",
+        metavar="PATH",
+        help="the PNG to write (default: %(default)s)",
+    )
     demo.add_argument(
         "--backend",
         choices=backend_module.KNOWN_BACKENDS,
@@ -105,9 +137,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: all)",
     )
     bench.add_argument(
-        "--out",
+        "--output",
+        "--out",  # its earlier name, and the bench scripts' own
+        dest="out",  # as bench/run.py's parser names it
         default=None,
-        help="directory of the JSON results (default: <checkout>/bench/results; with --smoke: "
+        metavar="DIR",
+        help="folder of the JSON results (default: <checkout>/bench/results; with --smoke: "
         "<system temp dir>/mjp_fast-bench-smoke-<uid>, so smoke runs leave the checkout alone)",
     )
     bench.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")

@@ -256,9 +256,9 @@ def run_demo(args: argparse.Namespace) -> int:
         ValueError: an argument that cannot work (unknown image, size not a multiple of the patch size,
             unavailable backend, output not a .png file).
     """
-    out = Path(args.out)
+    out = Path(args.png)
     if out.suffix.lower() != ".png":
-        raise ValueError(f"out must be a .png path, got {str(out)!r}")
+        raise ValueError(f"--png must be a .png path, got {str(out)!r}")
     check_geometry(args.size, args.patch_size)
     chosen = backend_module.resolve_backend(args.backend, torch.device("cpu"))
     picture = load_picture(args.image, args.size)

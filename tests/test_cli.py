@@ -1,5 +1,6 @@
 """The ``mjp`` command: ``mjp demo`` writes the picture it promises, bad arguments fail clearly, ``mjp backends``."""
 
+import argparse
 import os
 
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -144,3 +145,99 @@ def test_python_dash_m_runs_the_command():
     )
     assert result.returncode == 0, result.stderr
     assert "usage: mjp demo" in result.stdout
+
+
+def test_demo_png_and_its_earlier_name_out_write_the_same_picture(tmp_path):
+    status_png = main(["demo", *SMALL, "--ratios", "0.5", "--png", str(tmp_path / "a.png")])
+    status_out = main(["demo", *SMALL, "--ratios", "0.5", "--out", str(tmp_path / "b.png")])
+    assert status_png == status_out == 0
+    assert (tmp_path / "a.png").read_bytes() == (tmp_path / "b.png").read_bytes()
+
+
+@pytest.mark.parametrize(
+    "arguments, dest",
+    [
+        (["demo", "--png", "x.png"], "png"),
+        (["demo", "--out", "x.png"], "png"),
+        (["attack", "--png", "x.png"], "png"),
+        (["attack", "--grid", "x.png"], "png"),
+        (["bench", "--output", "x"], "out"),  # bench/run.py's name for it
+        (["bench", "--out", "x"], "out"),
+    ],
+)
+def test_earlier_option_names_are_aliases_of_the_shared_ones(arguments, dest):
+    from mjp_fast.cli import build_parser
+
+    assert getattr(build_parser().parse_args(arguments), dest) == arguments[-1]
+
+
+# The shared meaning of each output option: one name, whichever subcommand takes it.
+OUTPUT_OPTION_NAMES = {"--output": "DIR", "--json": "PATH", "--png": "PATH"}
+
+
+def _subcommand_parsers() -> dict[str, argparse.ArgumentParser]:
+    from mjp_fast.cli import build_parser
+
+    (commands,) = [action for action in build_parser()._actions if isinstance(action, argparse._SubParsersAction)]
+    return dict(commands.choices)
+
+
+def test_every_subcommand_names_its_outputs_alike():
+    """``--output DIR`` a folder, ``--json PATH`` a JSON file, ``--png PATH`` a picture, in every subcommand; the
+    earlier names (``--out``, ``--grid``) are only ever second spellings of these."""
+    seen = set()
+    for name, parser in _subcommand_parsers().items():
+        for action in parser._actions:
+            strings = action.option_strings
+            if any(option in strings for option in ("--out", "--grid")):
+                assert strings[0] in OUTPUT_OPTION_NAMES, f"mjp {name} {strings}"
+            if strings and strings[0] in OUTPUT_OPTION_NAMES:
+                assert action.metavar in (OUTPUT_OPTION_NAMES[strings[0]], None), f"mjp {name} {strings}"
+                seen.add((name, strings[0]))
+    expected = {("train", "--output"), ("eval", "--output"), ("attack", "--output"), ("reproduce", "--output")}
+    expected |= {
+        ("bench", "--output"),
+        ("eval", "--json"),
+        ("attack", "--json"),
+        ("demo", "--png"),
+        ("attack", "--png"),
+    }
+    assert expected <= seen
+
+
+REQUIRED = {"eval": ["--checkpoint", "x.pt"], "reproduce": ["--preset", "smoke", "--data", "x"]}
+
+
+@pytest.mark.parametrize("command", ["demo", "backends", "bench", "attack", "train", "eval", "reproduce"])
+def test_an_unknown_option_shows_the_subcommands_usage(command, capsys):
+    """argparse would hand a subcommand's unknown option to the top-level parser, which showed ``mjp``'s usage."""
+    status = main([command, *REQUIRED.get(command, []), "--no-such-option"])
+    assert status == 2
+    error = capsys.readouterr().err
+    assert error.startswith(f"usage: mjp {command} ")
+    assert f"mjp {command}: error: unrecognized arguments: --no-such-option" in error
+    assert "COMMAND" not in error  # not the top-level usage
+
+
+def test_a_subcommands_usage_on_errors_from_a_fresh_process():
+    result = subprocess.run(
+        [sys.executable, "-m", "mjp_fast.cli", "attack", "--no-such-option", "x.png"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert result.stderr.startswith("usage: mjp attack ") and "--png PATH" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    [["attack", "--out", "x.png"], ["eval", "--checkpoint", "x.pt", "--out", "folder"], ["demo", "--rat", "0.5"]],
+)
+def test_options_are_taken_by_their_whole_names_only(arguments, capsys):
+    """No prefix matching: ``--out`` is demo's and bench's earlier name, so in attack it must not become --output."""
+    assert main(arguments) == 2
+    error = capsys.readouterr().err
+    assert error.startswith(f"usage: mjp {arguments[0]} ") and "unrecognized arguments: " in error

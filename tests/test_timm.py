@@ -1,5 +1,8 @@
 import copy
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 import timm
@@ -178,6 +181,38 @@ def test_register_any_timm_model():
         mjp_timm.register("vit_no_such_model")
     with pytest.raises(TypeError, match="base"):
         mjp_timm.register(3)
+
+
+# Run in a fresh interpreter: in this one, other tests have imported mjp_fast.timm already.
+PLAIN_IMPORT = """
+import json, sys
+
+import mjp_fast  # nothing else of mjp_fast
+import timm
+
+model = timm.create_model("mjp_deit_tiny_patch16_224", img_size=32, num_classes=2, mjp_prob=1.0)
+print(json.dumps({
+    "registered": timm.list_models("mjp_*"),
+    "pretrained": timm.list_pretrained("mjp_deit_small_patch16_224.*"),
+    "model": type(model).__module__ + "." + type(model).__name__,
+    "exports": {name: getattr(mjp_fast, name) is getattr(sys.modules["mjp_fast.timm"], name)
+                for name in ("convert", "fast_patch_embed")},
+    "all": mjp_fast.__all__,
+}))
+"""
+
+
+def test_import_mjp_fast_alone_registers_the_models_and_exports_convert():
+    result = subprocess.run(
+        [sys.executable, "-c", PLAIN_IMPORT], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    found = json.loads(result.stdout.splitlines()[-1])
+    assert set(found["registered"]) >= {f"mjp_{base}" for base in mjp_timm.REGISTERED_BASES}
+    assert found["pretrained"] == [f"mjp_{name}" for name in timm.list_pretrained("deit_small_patch16_224.*")]
+    assert found["model"].startswith("mjp_fast.timm.") and "MJP" in found["model"]
+    assert found["exports"] == {"convert": True, "fast_patch_embed": True}
+    assert {"convert", "fast_patch_embed"} <= set(found["all"])
 
 
 @pytest.mark.parametrize("unk", [True, False], ids=["unk", "naive_shuffle"])

@@ -1,10 +1,11 @@
 """``mjp eval``: its arguments, the printed tables and the JSON file.
 
-    mjp eval --checkpoint runs/x/mjp/last.pt
-    mjp eval --checkpoint runs/x/mjp/last.pt --data ../shared/data/cifar10 --json mjp.json \\
-        --corruptions all --baseline runs/x/baseline/last.pt --plots plots/
+    mjp eval --checkpoint runs/x/mjp/last.pt     # writes runs/x/mjp/eval/eval.json and the plots beside it
+    mjp eval --checkpoint runs/x/mjp/last.pt --data ../shared/data/cifar10 --output runs/x/mjp/eval-cifar \\
+        --corruptions all --baseline runs/x/baseline/last.pt --json runs/x/mjp.json
 
-Exit codes: 0 done; 2 a bad argument or path.
+Its outputs go into ``--output`` (default: ``eval/`` beside the checkpoint), ``--json`` puts the JSON elsewhere:
+the same names as ``mjp attack``'s. Exit codes: 0 done; 2 a bad argument or path.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@
   three principal components, each point colored by its row and labelled by its column (the paper's Figure 2 uses
   UMAP; ``position_umap.png`` is written too when umap-learn is installed).
 - ``position_similarity.png``: for each patch position, the cosine similarity of its embedding with every other
-  one, drawn as a small grid at that position (ViT paper, Figure 7).
+  one, drawn as a small grid at that position (ViT paper, Figure 7); its title is sized to the figure, so that it
+  stays legible shrunk (:func:`position_similarity_figure`).
 - ``attention.png``: for a few images, the last block's attention from the class token to every patch, one panel
   per head (supplementary Figure 3).
 
@@ -36,6 +37,37 @@ def _principal_components(embeddings: np.ndarray, count: int) -> np.ndarray:
     if projection.shape[1] < count:
         projection = np.pad(projection, ((0, 0), (0, count - projection.shape[1])))
     return projection
+
+
+SIMILARITY_DPI = 100
+# The similarity plot's title, in points per inch of the figure's width: a grid of 14x14 small plots is 14 inches
+# wide and is mostly seen shrunk (the report's panels are 400 px wide: about a quarter of its 1,400), so a title of
+# a fixed 12 points would shrink to 3 pixels; 2.2 points per inch keeps it about 12 pixels tall there.
+SIMILARITY_TITLE_POINTS_PER_INCH = 2.2
+SIMILARITY_TITLE_MIN_POINTS = 12.0
+
+
+def position_similarity_figure(embeddings: np.ndarray, grid: tuple[int, int], *, title: str = ""):
+    """The matplotlib figure of ``position_similarity.png``: for each position of ``grid`` ``(rows, cols)``, the
+    cosine similarity of its embedding (a row of ``embeddings`` ``[rows*cols, D]``) with every position's, drawn as
+    a small ``rows x cols`` image at that position; ``title`` (e.g. the run's name) heads it, on its own line. The
+    caller saves and closes it."""
+    plt = _pyplot()
+    rows, cols = grid
+    normalized = embeddings / np.maximum(np.linalg.norm(embeddings, axis=1, keepdims=True), 1e-12)
+    similarity = (normalized @ normalized.T).reshape(rows, cols, rows, cols)
+    width, height = min(1.0 * cols, 14), min(1.0 * rows, 14)
+    figure, axes = plt.subplots(rows, cols, figsize=(width, height), squeeze=False)
+    for r in range(rows):
+        for c in range(cols):
+            axes[r][c].imshow(similarity[r, c], vmin=-1, vmax=1, cmap="viridis")
+            axes[r][c].set_xticks([])
+            axes[r][c].set_yticks([])
+    text = "cosine similarity of position embeddings"
+    text = f"{title.strip()}\n{text}" if title.strip() else text
+    size = max(SIMILARITY_TITLE_MIN_POINTS, SIMILARITY_TITLE_POINTS_PER_INCH * width)
+    figure.suptitle(text, fontsize=size)
+    return figure
 
 
 def plot_position_embeddings(
@@ -80,17 +112,9 @@ def plot_position_embeddings(
     figure.savefig(written[-1], dpi=120, bbox_inches="tight")
     plt.close(figure)
 
-    normalized = embeddings / np.maximum(np.linalg.norm(embeddings, axis=1, keepdims=True), 1e-12)
-    similarity = (normalized @ normalized.T).reshape(rows, cols, rows, cols)
-    figure, axes = plt.subplots(rows, cols, figsize=(min(1.0 * cols, 14), min(1.0 * rows, 14)), squeeze=False)
-    for r in range(rows):
-        for c in range(cols):
-            axes[r][c].imshow(similarity[r, c], vmin=-1, vmax=1, cmap="viridis")
-            axes[r][c].set_xticks([])
-            axes[r][c].set_yticks([])
-    figure.suptitle(f"{title} cosine similarity of position embeddings".strip())
+    figure = position_similarity_figure(embeddings, grid, title=title)
     written.append(out_dir / "position_similarity.png")
-    figure.savefig(written[-1], dpi=100, bbox_inches="tight")
+    figure.savefig(written[-1], dpi=SIMILARITY_DPI, bbox_inches="tight")
     plt.close(figure)
 
     try:

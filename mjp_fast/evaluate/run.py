@@ -27,7 +27,14 @@ from mjp_fast.evaluate.plots import plot_attention_maps, plot_position_embedding
 from mjp_fast.evaluate.position import model_position_regression, patch_position_embeddings
 from mjp_fast.train.checkpoint import load_model
 from mjp_fast.train.config import FIELDS, ConfigError, TrainConfig, build_config
-from mjp_fast.train.data import build_datasets, default_workers, draw_seed, eval_loader, eval_transform
+from mjp_fast.train.data import (
+    build_datasets,
+    default_workers,
+    draw_seed,
+    eval_loader,
+    eval_transform,
+    set_transform,
+)
 from mjp_fast.train.loop import amp_dtype, resolve_device
 from mjp_fast.train.models import input_size
 
@@ -158,9 +165,7 @@ def evaluate_checkpoint(
                 "mCE needs both on the same images"
             )
     crop_pct = config.crop_pct if config.crop_pct is not None else 0.875
-    val_set.transform = eval_transform(img_size, config.interpolation, crop_pct)
-    if hasattr(val_set, "dataset"):
-        val_set.dataset.transform = val_set.transform
+    set_transform(val_set, eval_transform(img_size, config.interpolation, crop_pct))
     loader = eval_loader(
         val_set,
         batch_size,

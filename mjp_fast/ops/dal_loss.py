@@ -65,9 +65,19 @@ def dal_loss_ref(
     return total / max(count, 1)
 
 
-@functools.lru_cache(maxsize=64)
 def _coordinates(rows: int, cols: int, normalize: bool, device: str) -> torch.Tensor:
-    """:func:`grid_coordinates` made once per grid and device (the per-step path builds nothing)."""
+    """:func:`grid_coordinates` float32 ``[rows * cols, 2]``: made once per grid and device in eager mode (the
+    per-step path builds nothing), built in the graph under torch.compile."""
+    if torch.compiler.is_compiling():
+        # Dynamo would trace through an lru_cache without consulting it (and warn of silent incorrectness); a few
+        # arange ops in the graph are what the compiler can see and fold.
+        return grid_coordinates((rows, cols), normalize=normalize, device=torch.device(device))
+    return _cached_coordinates(rows, cols, normalize, device)
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_coordinates(rows: int, cols: int, normalize: bool, device: str) -> torch.Tensor:
+    """The eager path of :func:`_coordinates`: one tensor per grid and device, reused every step."""
     return grid_coordinates((rows, cols), normalize=normalize, device=torch.device(device))
 
 
@@ -80,10 +90,18 @@ if backend_module.triton_importable():
     from mjp_fast.triton import dal_loss as _triton_kernels
 
 
-@functools.cache
 def _extension_operator() -> Callable[..., torch.Tensor]:
-    """``dal_loss_extension_autograd`` (the extension's fused DAL with its autograd in C++), looked up once: each
-    attribute of ``torch.ops`` is a Python lookup, and this runs every step."""
+    """``dal_loss_extension_autograd`` (the extension's fused DAL with its autograd in C++): looked up once in eager
+    mode (each attribute of ``torch.ops`` is a Python lookup, and this runs every step); under torch.compile the
+    lookup itself, which Dynamo resolves while tracing (it would trace through a cache without consulting it)."""
+    if torch.compiler.is_compiling():
+        return torch.ops.mjp_fast.dal_loss_extension_autograd.default
+    return _cached_extension_operator()
+
+
+@functools.cache
+def _cached_extension_operator() -> Callable[..., torch.Tensor]:
+    """The eager path of :func:`_extension_operator`."""
     return torch.ops.mjp_fast.dal_loss_extension_autograd.default
 
 

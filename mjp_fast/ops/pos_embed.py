@@ -145,10 +145,19 @@ if backend_module.triton_importable():
     from mjp_fast.triton import pos_embed as _triton_kernels
 
 
-@functools.cache
 def _extension_operator() -> Callable[..., torch.Tensor]:
-    """``pos_embed_extension_autograd`` (the ``cpu`` kernels with their autograd in C++), looked up once: each
-    attribute of ``torch.ops`` is a Python lookup, and this runs every step."""
+    """``pos_embed_extension_autograd`` (the ``cpu`` kernels with their autograd in C++): looked up once in eager
+    mode (each attribute of ``torch.ops`` is a Python lookup, and this runs every step); under torch.compile the
+    lookup itself, which Dynamo resolves while tracing (it would trace through a cache without consulting it, and
+    warn of silent incorrectness)."""
+    if torch.compiler.is_compiling():
+        return torch.ops.mjp_fast.pos_embed_extension_autograd.default
+    return _cached_extension_operator()
+
+
+@functools.cache
+def _cached_extension_operator() -> Callable[..., torch.Tensor]:
+    """The eager path of :func:`_extension_operator`."""
     return torch.ops.mjp_fast.pos_embed_extension_autograd.default
 
 
@@ -276,9 +285,17 @@ def _kernel_inputs(
     )
 
 
-@functools.cache
 def _extension_step_with_dal() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-    """``mjp_step_extension_autograd``: the ``cpu`` position step and DAL loss as one operator (autograd in C++)."""
+    """``mjp_step_extension_autograd``: the ``cpu`` position step and DAL loss as one operator (autograd in C++),
+    looked up as :func:`_extension_operator` is."""
+    if torch.compiler.is_compiling():
+        return torch.ops.mjp_fast.mjp_step_extension_autograd.default
+    return _cached_extension_step_with_dal()
+
+
+@functools.cache
+def _cached_extension_step_with_dal() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """The eager path of :func:`_extension_step_with_dal`."""
     return torch.ops.mjp_fast.mjp_step_extension_autograd.default
 
 

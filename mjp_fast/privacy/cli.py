@@ -1,17 +1,21 @@
 """``mjp attack``: gradient-inversion attacks on a small ViT under the paper's privacy settings.
 
-    mjp attack [--images DIR] [--ratio 0.5] [--json PATH] [--markdown PATH] [--grid mjp_attack.png]
+    mjp attack [--images DIR] [--ratio 0.5] [--output DIR] [--json PATH] [--markdown PATH] [--png PATH]
                [--attack april|optimization] [--steps 300] [--max-images N] [--seed 0] [--threads 1]
 
 Attacks :class:`~mjp_fast.privacy.model.PrivacyViT` (64x64 input, patch 8, width 256, depth 4, 4 heads, 10
 classes, freshly initialised from ``--seed``): with ``--attack april`` (default) its first block is in the attack
 layout and the client's gradients are float64; with ``--attack optimization`` all blocks are standard pre-norm
-blocks and the gradients float32. Prints the Markdown table; ``--json`` writes ``{setting: {metric: mean}}``.
+blocks and the gradients float32. Prints the Markdown table and writes, into ``--output`` (default
+``runs/attack-<date>-<time>``, as ``mjp train`` names its runs), ``attack.json`` (``{setting: {metric: mean}}``),
+``attack.md`` (the table) and ``attack.png`` (the reconstructions); ``--json``, ``--markdown`` and ``--png`` put
+one of them elsewhere (``--grid`` is ``--png``'s earlier name).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import sys
 import time
 from pathlib import Path
@@ -19,6 +23,7 @@ from pathlib import Path
 from mjp_fast._argtypes import fraction, positive_int, torch_seed
 
 MODEL_CONFIG = {"img_size": 64, "patch_size": 8, "embed_dim": 256, "depth": 4, "num_heads": 4, "num_classes": 10}
+OUTPUT_NAMES = {"json": "attack.json", "markdown": "attack.md", "png": "attack.png"}
 
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -35,10 +40,28 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "--images", metavar="DIR", default=None, help="a folder of image files (default: scikit-image's sample photos)"
     )
     parser.add_argument("--ratio", type=fraction, default=0.5, help="the jigsaw ratio in [0, 1] (default: 0.5)")
-    parser.add_argument("--json", metavar="PATH", default=None, help="write {setting: {metric: mean}} here")
-    parser.add_argument("--markdown", metavar="PATH", default=None, help="write the Markdown table here too")
     parser.add_argument(
-        "--grid", metavar="PATH", default="mjp_attack.png", help="the PNG of reconstructions (default: %(default)s)"
+        "--output",
+        metavar="DIR",
+        default=None,
+        help="folder of attack.json, attack.md and attack.png (default: runs/attack-<date>-<time>)",
+    )
+    parser.add_argument(
+        "--json",
+        metavar="PATH",
+        default=None,
+        help="the JSON, {setting: {metric: mean}} (default: <output>/attack.json)",
+    )
+    parser.add_argument(
+        "--markdown", metavar="PATH", default=None, help="the Markdown table (default: <output>/attack.md)"
+    )
+    parser.add_argument(
+        "--png",
+        "--grid",  # its earlier name
+        dest="png",
+        metavar="PATH",
+        default=None,
+        help="the PNG of the reconstructions (default: <output>/attack.png)",
     )
     parser.add_argument(
         "--attack",
@@ -65,8 +88,15 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     return parser
 
 
+def output_paths(args: argparse.Namespace) -> dict[str, Path]:
+    """``{"json": ..., "markdown": ..., "png": ...}``: each file's own option, else its name in ``--output``
+    (default ``runs/attack-<YYYYmmdd-HHMMSS>``, relative to the working folder, as ``mjp train``'s runs)."""
+    output = args.output or str(Path("runs") / f"attack-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}")
+    return {key: Path(getattr(args, key) or Path(output) / name) for key, name in OUTPUT_NAMES.items()}
+
+
 def run_attack_command(args: argparse.Namespace) -> int:
-    """Runs ``mjp attack`` with parsed arguments; returns the exit status."""
+    """Runs ``mjp attack`` with parsed arguments; returns the exit status (2: a bad argument or path)."""
     import torch
 
     from mjp_fast.privacy.april import april_attack
@@ -81,11 +111,23 @@ def run_attack_command(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"mjp attack: error: {error}", file=sys.stderr)
         return 2
+    paths = output_paths(args)
+    if paths["png"].suffix.lower() != ".png":
+        print(f"mjp attack: error: --png must be a .png path, got {str(paths['png'])!r}", file=sys.stderr)
+        return 2
     try:
         load_lpips_weights()  # before the attacks: fail fast when the weights are missing
     except LPIPSWeightsError as error:
         print(f"mjp attack: error: {error}", file=sys.stderr)
         return 1
+    try:
+        for path in paths.values():  # before the attacks: a path that cannot be written fails at once
+            path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        print(
+            f"mjp attack: error: cannot make the folder {error.filename!r}: {error.strerror or error}", file=sys.stderr
+        )
+        return 2
     analytic = args.attack == "april"
     with torch.random.fork_rng():
         torch.manual_seed(args.seed)
@@ -120,13 +162,13 @@ def run_attack_command(args: argparse.Namespace) -> int:
         f"attacks: {attack_seconds:.2f} s for {3 * len(attacks)} client updates (gradients and attack, "
         f"{args.threads} thread{'s' if args.threads > 1 else ''})"
     )
-    if args.markdown:
-        Path(args.markdown).write_text(table)
-        print(f"wrote {args.markdown}")
-    if args.json:
-        write_json(summary, args.json)
-        print(f"wrote {args.json}")
-    if args.grid:
-        save_grid(attacks, args.grid, patch_size=model.patch_size)
-        print(f"wrote {args.grid}")
+    try:
+        paths["markdown"].write_text(table)
+        write_json(summary, paths["json"])
+        save_grid(attacks, paths["png"], patch_size=model.patch_size)
+    except OSError as error:
+        print(f"mjp attack: error: cannot write {error.filename!r}: {error.strerror or error}", file=sys.stderr)
+        return 2
+    for path in paths.values():
+        print(f"wrote {path}")
     return 0

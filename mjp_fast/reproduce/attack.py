@@ -109,8 +109,9 @@ def trained_attack_model(model: nn.Module) -> tuple[PrivacyViT | None, str]:
     tokens = rows * cols + 1
     if dim < tokens or dim < channels * patch * patch:
         return None, (
-            f"the analytic attack needs a token width of at least the {tokens} tokens (and {channels * patch * patch} "
-            f"patch values), and the trained models are {dim} wide"
+            f"the analytic attack needs a token width of at least the number of tokens and of a patch's values, and "
+            f"the trained models, at {rows * patch} px in {patch}-pixel patches ({tokens} tokens: a {rows}x{cols} "
+            f"grid and the class token; {channels * patch * patch} values a patch), are {dim} wide"
         )
     for block in blocks:
         mlp = getattr(block, "mlp", None)
@@ -229,8 +230,9 @@ def run_attack(
         plain_victim = mjp_victim = fresh_attack_model(size, patch_size, num_classes, fallback_depth, seed)
         reason = reason_plain or reason_mjp or "the two models take different image sizes"
         description = (
-            f"a freshly initialised PrivacyViT ({plain_victim.pos_embed.shape[-1]} wide, {_blocks(fallback_depth)}, "
-            f"patch {patch_size}) at CIFAR's own {size} px, not the trained models: {reason}"
+            f"a freshly initialised PrivacyViT ({plain_victim.pos_embed.shape[-1]} wide for its "
+            f"{plain_victim.num_patches + 1} tokens, {_blocks(fallback_depth)}, patch {patch_size}) at CIFAR's own "
+            f"{size} px, not the trained models: {reason}"
         )
     names, pictures, labels = attack_images(data, split, images, size)
     metrics, metrics_note = _metrics_for(size)

@@ -264,10 +264,12 @@ class TrendPoint:
 
 
 def trend_claim(number: int, statement: str, points: Sequence[TrendPoint], source: str) -> Claim:
-    """Consistency rises and diff-norm falls from the smallest to the largest ratio of ``points``."""
+    """Consistency rises and diff-norm falls from the smallest to the largest ratio of ``points`` (the runs of one
+    model at several training mask ratios; ``source`` says which, in words). Fewer than two distinct ratios: "not
+    measured", with ``source`` as the evidence."""
     ordered = sorted(points, key=lambda point: point.ratio)
     if len(ordered) < 2 or ordered[0].ratio == ordered[-1].ratio:
-        return Claim(number, statement, NOT_MEASURED, f"Fewer than two mask ratios were trained ({source}).")
+        return Claim(number, statement, NOT_MEASURED, f"Fewer than two mask ratios were trained: {source}.")
     first, last = ordered[0], ordered[-1]
     interval = proportion_difference_interval(first.consistency, last.consistency, first.images, last.images)
     consistency_verdict = direction_verdict(interval, +1.0)

@@ -4,6 +4,10 @@
     mjp reproduce --preset cpu --data ../shared/data/cifar10                # about 45 minutes on 2 CPU cores
     mjp reproduce --preset gpu --data ../shared/data/cifar10                # about 12 minutes on one H100
     mjp reproduce --preset cpu --data DIR --seeds 0,1,2 --rows A,G,J epochs=8
+    mjp reproduce --preset cpu --data ../shared/data/cifar10 --report docs/reproduction.md   # the committed report
+
+The report goes to the --output folder (runs/reproduce-PRESET/reproduction.md) unless --report names another .md:
+a run from the repository never overwrites the committed docs/reproduction.md by default.
 
 Exit codes: 0 done; 2 a bad argument, config value or path; 3 a run's loss became NaN or infinite; 130 interrupted.
 """
@@ -22,8 +26,9 @@ EXIT_INTERRUPTED = 130
 
 DESCRIPTION = """\
 Trains the paper's variants side by side on an ImageFolder dataset and writes one report: Markdown (default
-docs/reproduction.md; for the smoke preset runs/reproduce-smoke/reproduction.md), its JSON beside it, a PNG of the
-position-embedding similarity per variant and a PNG of the attack's reconstructions.
+<output>/reproduction.md, e.g. runs/reproduce-cpu/reproduction.md; --report docs/reproduction.md to replace the
+committed one), its JSON beside it, a PNG of the position-embedding similarity per variant and a PNG of the attack's
+reconstructions.
 
 Variants, each a plain `mjp train` config (the paper's numbers: DeiT-S, ImageNet-1K):
 {variants}
@@ -104,8 +109,8 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument(
         "--report",
         metavar="PATH",
-        help="the Markdown report; the JSON and PNGs go beside it (default: docs/reproduction.md; smoke: "
-        "<output>/reproduction.md)",
+        help="the Markdown report, a .md file; the JSON and PNGs go beside it (default: <output>/reproduction.md; "
+        "--report docs/reproduction.md replaces the committed report)",
     )
     parser.add_argument(
         "--seeds",
@@ -123,6 +128,11 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     )
     parser.set_defaults(handler=run)
     return parser
+
+
+def default_report(runs_dir: Path) -> Path:
+    """Where the report goes without --report: ``<runs_dir>/reproduction.md``, beside the runs it was made from."""
+    return runs_dir / "reproduction.md"
 
 
 def _command_line(args: argparse.Namespace) -> str:
@@ -152,12 +162,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         preset = get_preset(args.preset)
         runs_dir = Path(args.output) if args.output else Path("runs") / f"reproduce-{preset.name}"
-        if args.report:
-            report = Path(args.report)
-        elif preset.name == "smoke":  # never over the committed report
-            report = runs_dir / "reproduction.md"
-        else:
-            report = Path("docs") / "reproduction.md"
+        # beside the runs: the committed docs/reproduction.md is replaced only when --report names it
+        report = Path(args.report) if args.report else default_report(runs_dir)
         if report.suffix.lower() != ".md":
             raise ConfigError(f"--report must name a .md file, got {str(report)!r}")
         overrides = parse_override_values(args.overrides)

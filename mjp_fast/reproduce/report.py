@@ -27,6 +27,7 @@ from mjp_fast.reproduce.variants import (
     PAPER_POSITION_MAE,
     PAPER_SWEEP_DIFF_NORM_AS_GIVEN,
     ROWS,
+    sweep_variant,
 )
 
 CLAIM_STATEMENTS = (
@@ -50,8 +51,11 @@ TRAINING_KEYS = (
     "lr", "weight_decay", "max_train_samples", "max_val_samples", "mjp_ratio", "mjp_prob", "eval_ratio", "amp",
     "device",
 )  # fmt: skip
-PANEL_WIDTH = 300
-CAPTION = 20
+# The similarity sheet: panels this wide (the plots shrink to it: their titles are sized for it, see
+# mjp_fast.evaluate.plots), under captions in a font this many pixels high.
+PANEL_WIDTH = 360
+CAPTION_FONT = 20
+CAPTION = CAPTION_FONT + 8
 
 
 def _hits_by_seed(plan, records: Mapping[str, dict], key: str) -> dict[int, np.ndarray]:
@@ -127,25 +131,58 @@ def _variant_summary(plan, records: Mapping[str, dict], key: str, samples: int) 
     return summary
 
 
+def _mjp_family(plan) -> list[tuple[str, float]]:
+    """The variants that are row J at some training mask ratio, ``(key, ratio)`` in ratio order, one per ratio: the
+    sweep's runs of J first, then J itself, then any row whose overrides are J's at its ratio (D: J at ratio 0,
+    whose run the sweep's ratio 0 shares). Row A is none of them: it has neither UNK nor DAL."""
+    candidates = []
+    for variant in plan.variants:
+        runs = plan.runs_of(variant.key)
+        if not runs:
+            continue
+        ratio = float(runs[0].config.mjp_ratio) if runs[0].config.mjp else 0.0
+        if variant.sweep_ratio is not None:
+            rank = 0
+        elif variant.key == MJP:
+            rank = 1
+        elif runs[0].config.mjp and dict(variant.overrides) == dict(sweep_variant(ratio).overrides):
+            rank = 2
+        else:
+            continue
+        candidates.append((rank, variant.key, ratio))
+    chosen: dict[float, str] = {}
+    for _, key, ratio in sorted(candidates, key=lambda candidate: candidate[0]):
+        chosen.setdefault(ratio, key)  # a ratio's sweep run first: the sweep's table shows the same numbers
+    return sorted(((key, ratio) for ratio, key in chosen.items()), key=lambda item: item[1])
+
+
 def _trend_points(plan, summaries: Mapping[str, dict]) -> tuple[list[rules.TrendPoint], str]:
-    sweep = [summary for summary in summaries.values() if summary["sweep_ratio"] is not None and summary["runs"]]
-    if len(sweep) >= 2:
-        points = [
-            rules.TrendPoint(s["key"], s["sweep_ratio"], s["consistency"], s["diff_norm"], s["test_images"])
-            for s in sweep
-            if s["consistency"] is not None and s["diff_norm"] is not None
-        ]
-        ratios = ", ".join(f"{point.ratio:g}" for point in sorted(points, key=lambda point: point.ratio))
-        return points, f"the sweep of {MJP} (training mask ratios {ratios})"
-    points = []
-    for key in (BASELINE, MJP):
-        summary = summaries.get(key)
-        if summary and summary["runs"] and summary["consistency"] is not None:
-            ratio = plan.runs_of(key)[0].config.mjp_ratio if plan.runs_of(key)[0].config.mjp else 0.0
-            points.append(
-                rules.TrendPoint(key, ratio, summary["consistency"], summary["diff_norm"], summary["test_images"])
-            )
-    return points, f"rows {BASELINE} (no jigsaw, ratio 0) and {MJP}, as no sweep of two or more ratios was run"
+    """Claim 3's points, the runs of J at each training mask ratio (:func:`_mjp_family`), and where they come from,
+    in words (with fewer than two ratios: why the claim is not measured)."""
+    family = [
+        (key, ratio)
+        for key, ratio in _mjp_family(plan)
+        if summaries[key]["consistency"] is not None and summaries[key]["diff_norm"] is not None
+    ]
+    points = [
+        rules.TrendPoint(
+            key, ratio, summaries[key]["consistency"], summaries[key]["diff_norm"], summaries[key]["test_images"]
+        )
+        for key, ratio in family
+    ]
+    if len(family) < 2:
+        trained = f"{MJP} only at ratio {family[0][1]:g}" if family else f"no run of {MJP}"
+        return points, (
+            f"{trained}, and row {BASELINE} is not {MJP} at ratio 0 (it has neither UNK nor DAL); a sweep of two or "
+            f"more ratios (--sweep) measures it"
+        )
+    ratios = ", ".join(f"{ratio:g}" for _, ratio in family)
+    aliases = [
+        f"{key} is {MJP} at ratio {ratio:g}"
+        for key, ratio in family
+        if key != MJP and plan.variant(key).sweep_ratio is None
+    ]
+    return points, f"the runs of {MJP} at training mask ratios {ratios}" + "".join(f"; {alias}" for alias in aliases)
 
 
 def _regression_rows(plan, records: Mapping[str, dict]) -> list[dict[str, Any]]:
@@ -627,7 +664,7 @@ def similarity_figure(plan, records: Mapping[str, dict], path: str | Path) -> Pa
     height = PANEL_WIDTH
     sheet = Image.new("RGB", (columns * (PANEL_WIDTH + 12) + 12, rows * (height + CAPTION + 12) + 12), "white")
     draw = ImageDraw.Draw(sheet)
-    font = ImageFont.load_default(size=14)
+    font = ImageFont.load_default(size=CAPTION_FONT)
     for index, (caption, image) in enumerate(panels):
         left = 12 + (index % columns) * (PANEL_WIDTH + 12)
         top = 12 + (index // columns) * (height + CAPTION + 12)

@@ -339,8 +339,14 @@ def describe_device(device: torch.device) -> str:
                 break
     except OSError:
         pass
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return f"{name}, {cores} cores, {torch.get_num_threads()} torch threads"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = torch.get_num_threads()
+    return f"{name}, {_count(cores, 'core')}, {_count(threads, 'torch thread')}"
+
+
+def _count(count: int, noun: str) -> str:
+    """``1 core``, ``2 cores``."""
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
 
 
 def environment(command: str | None = None) -> dict[str, Any]:

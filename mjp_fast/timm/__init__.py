@@ -1,7 +1,8 @@
 """MJP for timm: registered MJP models and ``convert()`` for existing ones, keeping their weights.
 
-``import mjp_fast.timm`` registers ``mjp_deit_tiny_patch16_224``, ``mjp_deit_small_patch16_224``,
-``mjp_deit_base_patch16_224``, ``mjp_vit_small_patch16_224`` and ``mjp_vit_base_patch16_224``::
+Importing this package, which ``import mjp_fast`` does, registers ``mjp_deit_tiny_patch16_224``,
+``mjp_deit_small_patch16_224``, ``mjp_deit_base_patch16_224``, ``mjp_vit_small_patch16_224`` and
+``mjp_vit_base_patch16_224`` with timm (``mjp_fast.convert`` and ``mjp_fast.fast_patch_embed`` are this package's)::
 
     model = timm.create_model("mjp_deit_small_patch16_224", mjp_ratio=0.1, mjp_prob=0.5, mjp_dal="nonlinear")
 

@@ -127,17 +127,22 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 def run(args: argparse.Namespace) -> int:
     """Runs ``mjp train``; returns the exit code."""
     from mjp_fast.train.loop import TrainingDiverged
-    from mjp_fast.train.models import base_name, ensure_registered
+    from mjp_fast.train.preflight import check_run, say_notes, with_folder_problems
 
     resume = args.resume_from if args.resume_from else bool(args.resume)
     try:
-        config = config_from_args(args)
-        # A wrong model name would otherwise surface only when the model is built: after the output folder, its
-        # config.yaml and the comparison's first header exist.
-        ensure_registered(base_name(config.model))
+        try:
+            config = config_from_args(args)
+        except ConfigError as error:
+            # Bad values: the data and output folders' problems join them, so that one try shows every mistake.
+            raise with_folder_problems(error, resume=resume) from None
+        # Every check that needs no training (the values, the folders, the device, each model built on the meta
+        # device), before the first step; a comparison checks both of its models in train_compare.
         if args.print_config:
             import tempfile
 
+            config = check_run(config, resume=resume, environment=False)
+            say_notes(config)
             with tempfile.TemporaryDirectory() as folder:
                 path = Path(folder) / "config.yaml"
                 save_config(config, path)
@@ -150,6 +155,8 @@ def run(args: argparse.Namespace) -> int:
         else:
             from mjp_fast.train.loop import train
 
+            config = check_run(config, resume=resume)
+            say_notes(config)
             train(config, resume=resume)
         return 0
     except ConfigError as error:
@@ -158,9 +165,10 @@ def run(args: argparse.Namespace) -> int:
     except TrainingDiverged as error:
         print(f"mjp train: error: {error}", file=sys.stderr)
         return EXIT_DIVERGED
-    except KeyboardInterrupt:
-        print(
-            "mjp train: interrupted; the last checkpoint is kept: continue with mjp train --output DIR --resume",
-            file=sys.stderr,
-        )
+    except KeyboardInterrupt as interrupt:
+        from mjp_fast.train.loop import TrainingInterrupted
+
+        # a run says what its folder keeps and how to go on; before a run chose its folder there is nothing to say
+        message = str(interrupt) if isinstance(interrupt, TrainingInterrupted) else "interrupted"
+        print(f"mjp train: {message}", file=sys.stderr)
         return EXIT_INTERRUPTED

@@ -1,7 +1,8 @@
 """``compare=true``: a baseline and an MJP model trained with one config, measured side by side.
 
 The two runs live in ``<output>/baseline`` and ``<output>/mjp``; ``<output>/summary.json`` holds both final
-results and ``<output>/config.yaml`` the shared config. The baseline is the plain timm model (``mjp=false``); its
+results, ``<output>/curves.png`` both runs' curves on the same axes (:mod:`mjp_fast.train.curves`) and
+``<output>/config.yaml`` the shared config. The baseline is the plain timm model (``mjp=false``); its
 consistency is measured on pixel-jigsawed images, the MJP model's with its unknown position embedding, both on the
 same jigsaws (see :mod:`mjp_fast.evaluate.metrics`).
 """
@@ -15,17 +16,20 @@ from typing import Any
 
 from mjp_fast._atomic import write_atomically
 from mjp_fast.train.config import TrainConfig, save_config
+from mjp_fast.train.curves import CURVES_FILE, write_curves
 from mjp_fast.train.loop import (
     FINAL_KEYS,
     LAST_CHECKPOINT,
     RunResult,
+    TrainingInterrupted,
     broadcast_from_main,
     default_output,
     distributed_session,
     plural,
+    resume_command,
     train,
 )
-from mjp_fast.train.models import base_name, ensure_registered
+from mjp_fast.train.preflight import check_run, say_notes
 
 RUNS = (("baseline", False), ("mjp", True))
 
@@ -59,12 +63,14 @@ def train_compare(config: TrainConfig, *, resume: bool = False) -> dict[str, dic
     :func:`mjp_fast.train.loop.distributed_session`), and rank 0 alone writes and prints.
 
     Raises:
-        ConfigError: a bad config value, path or model name, before anything is written or printed.
+        ConfigError: every problem of the config, its folders, its device and both models, one a line (see
+        :func:`mjp_fast.train.preflight.check_run`), before anything is written or trained.
     """
-    config.validate()
-    # Both runs build the model only after the comparison has written its folder and printed a header; a wrong
-    # name must fail before that.
-    ensure_registered(base_name(config.model))
+    # Both runs' models are built (on the meta device) and every other check that needs no training is made before
+    # the comparison writes its folder and the baseline trains: a mistake that only the MJP model's build meets
+    # would otherwise surface after the baseline's training.
+    config = check_run(config, resume=resume)
+    say_notes(config)
     with distributed_session(config) as context:
         # Rank 0 names the folder: the default one is named by the clock, which the ranks may read a second apart.
         output = Path(broadcast_from_main(config.output or default_output(config), context))
@@ -80,7 +86,10 @@ def train_compare(config: TrainConfig, *, resume: bool = False) -> dict[str, dic
                 print(f"\n== {name} ==", flush=True)
             run_config = config.replace(compare=False, mjp=use_mjp, output=str(folder))
             resume_run = broadcast_from_main(resume and (folder / LAST_CHECKPOINT).exists(), context)
-            runs[name] = train(run_config, resume=resume_run)
+            try:
+                runs[name] = train(run_config, resume=resume_run)
+            except KeyboardInterrupt as interrupt:
+                raise _interrupted(output, name, runs, interrupt) from interrupt
         results = {}
         for name, run in runs.items():
             results[name] = {key: run.final.get(key) for key in FINAL_KEYS}
@@ -93,7 +102,37 @@ def train_compare(config: TrainConfig, *, resume: bool = False) -> dict[str, dic
             )
             with write_atomically(output / "summary.json", text=True) as file:
                 file.write(json.dumps(results, indent=2) + "\n")
+            histories = {name: run.history for name, run in runs.items()}
+            write_curves(histories, output / CURVES_FILE, title=f"{output}: baseline and MJP")
     return results
+
+
+def _interrupted(
+    output: Path, interrupted_run: str, finished: dict[str, RunResult], interrupt: KeyboardInterrupt
+) -> TrainingInterrupted:
+    """Ctrl-C during the comparison's run ``interrupted_run``, the runs in ``finished`` done: what each run's folder
+    keeps, and the command that goes on. ``--resume`` takes each run up from its checkpoint and starts the runs
+    without one, so it is the way on even when nothing was saved yet (then it starts the comparison over)."""
+    saved = interrupt.saved if isinstance(interrupt, TrainingInterrupted) else None
+    kept = []
+    for name, _ in RUNS:
+        if name in finished:
+            kept.append(f"{name}: {LAST_CHECKPOINT}, the finished run")
+        elif name == interrupted_run and saved is not None:
+            kept.append(f"{name}: {LAST_CHECKPOINT}, {saved.describe()}")
+        elif name == interrupted_run:
+            kept.append(f"{name}: no checkpoint yet")
+        else:
+            kept.append(f"{name}: not started")
+    if finished or saved is not None:
+        advice = f"continue with {resume_command(output)}"
+    else:
+        advice = (
+            f"nothing to resume yet: {resume_command(output)} starts the comparison over (checkpoints are written at "
+            "the end of each epoch, and with checkpoint_steps=N also every N optimizer steps within one)"
+        )
+    message = f"interrupted in the {interrupted_run} run of the comparison in {output} ({'; '.join(kept)}); {advice}"
+    return TrainingInterrupted(message, output, saved)
 
 
 def _footnote(config: TrainConfig, output: Path, seconds: float) -> str:

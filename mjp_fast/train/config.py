@@ -28,7 +28,22 @@ import yaml
 
 
 class ConfigError(ValueError):
-    """A bad configuration key or value, or a bad path: the ``mjp`` command prints it as one line."""
+    """Bad configuration keys or values, or bad paths: the ``mjp`` command prints them, one problem a line.
+
+    ``ConfigError(problem, ...)``: ``problems`` lists them (one line each); ``str(error)`` is the problem itself when
+    there is one, else a count followed by one indented line per problem. ``config``: the config whose values were
+    checked (set by :meth:`TrainConfig.validate`, so that a caller can add the problems it checks itself, such as
+    the data folder's), or None.
+    """
+
+    def __init__(self, *problems: str, config: TrainConfig | None = None) -> None:
+        self.problems = [str(problem) for problem in problems]
+        self.config = config
+        if len(self.problems) == 1:
+            message = self.problems[0]
+        else:
+            message = f"{len(self.problems)} problems:" + "".join(f"\n  {problem}" for problem in self.problems)
+        super().__init__(message)
 
 
 SECTIONS = ("model", "mjp", "data", "augmentation", "optimization", "schedule", "evaluation", "runtime")
@@ -50,7 +65,8 @@ class TrainConfig:
         "deit_small_patch16_224",
         "model",
         "timm model name: a VisionTransformer (deit_*, vit_*) gets MJP position embeddings; ResNet, Swin and "
-        "ConvNeXt get the pixel-space jigsaw. An mjp_* name means the same base model",
+        "ConvNeXt get the pixel-space jigsaw (and none of a preset's ViT shape keys, img_size to num_heads). An "
+        "mjp_* name means the same base model",
     )
     img_size: int | None = _field(None, "model", "input side in pixels (none: the model's default)")
     patch_size: int | None = _field(None, "model", "ViT patch side in pixels (none: the model's default)")
@@ -99,13 +115,16 @@ class TrainConfig:
 
     # data
     data: str | None = _field(
-        None, "data", "dataset root: an ImageFolder tree <data>/<split>/<class>/<image> (ImageNet, CIFAR folders)"
+        None,
+        "data",
+        "dataset: an ImageFolder tree <data>/<split>/<class>/<image> (ImageNet, CIFAR folders); hfds/NAME (a Hugging "
+        "Face dataset, hub name or local folder); wds/DIR (WebDataset shards; set num_classes)",
     )
     dataset: str = _field(
         "auto",
         "data",
-        "folder: an ImageFolder tree at data; digits: scikit-learn's 8x8 digits, no download; auto: folder when "
-        "data is set, else digits",
+        "folder: the data value (an ImageFolder tree, hfds/ or wds/); digits: scikit-learn's 8x8 digits, no "
+        "download; auto: folder when data is set, else digits",
         ("auto", "folder", "digits"),
     )
     train_split: str = _field("train", "data", "training split folder under data")
@@ -124,6 +143,12 @@ class TrainConfig:
         "data",
         "decode a folder dataset's images once into memory (uint8 pixels, shared by the loader workers and by "
         "every run of the process): for datasets that fit in memory, such as CIFAR",
+    )
+    max_bad_images: int = _field(
+        3,
+        "data",
+        "unreadable images (truncated, not an image) a run tolerates: each is named and replaced by the next readable "
+        "one, and each epoch's skips are counted; past this many distinct files the run stops (exit code 2)",
     )
     normalize_on_device: str = _field(
         "auto",
@@ -166,7 +191,9 @@ class TrainConfig:
     # schedule
     epochs: int = _field(300, "schedule", "training epochs")
     sched: str = _field("cosine", "schedule", "timm learning-rate schedule (create_scheduler_v2)")
-    warmup_epochs: int = _field(20, "schedule", "linear warm-up epochs")
+    warmup_epochs: int = _field(
+        20, "schedule", "linear warm-up epochs (one not set, as long as epochs or longer: a tenth of epochs)"
+    )
     warmup_lr: float = _field(1e-6, "schedule", "learning rate at the start of warm-up")
     min_lr: float = _field(1e-5, "schedule", "learning rate at the end of the schedule")
     cooldown_epochs: int = _field(0, "schedule", "epochs at min_lr after the schedule")
@@ -188,7 +215,11 @@ class TrainConfig:
     checkpoint_steps: int = _field(
         0, "runtime", "also checkpoint every N optimizer steps within an epoch (0: at the end of each epoch only)"
     )
-    log_interval: int = _field(50, "runtime", "steps between progress-bar updates of loss and learning rate")
+    log_interval: int = _field(
+        50,
+        "runtime",
+        "steps between loss read-backs: progress-bar updates on a terminal, else a log line (loss, lr, img/s, ETA)",
+    )
     sync_debug: bool = _field(
         False,
         "runtime",
@@ -196,81 +227,139 @@ class TrainConfig:
         "the steps keep the GPU's queue full)",
     )
     progress: str = _field("auto", "runtime", "progress bars (auto: when stderr is a terminal)", ("auto", "on", "off"))
-    tensorboard: bool = _field(False, "runtime", "also write TensorBoard scalars (needs the tensorboard package)")
+    tensorboard: bool = _field(
+        False,
+        "runtime",
+        "also write each epoch's record as TensorBoard scalars to <output>/tensorboard (needs the tensorboard package)",
+    )
+
+    def __post_init__(self) -> None:
+        # Not fields (not saved, compared or listed): where the values came from, for the checks that treat a value
+        # the user set apart from a default (see explicit_keys), and what was fitted to the user's values (notes).
+        self._explicit: frozenset[str] | None = None
+        self._notes: tuple[str, ...] = ()
+
+    @property
+    def explicit_keys(self) -> frozenset[str] | None:
+        """The keys the user set: a ``key=value`` override, a keyword of :func:`load_config`, a key of the user's own
+        YAML file, or a key changed with :meth:`replace`; not those of the dataclass defaults, of a preset
+        (``digits``) or of a bundled recipe (``deit_s``). None: not known (a ``TrainConfig(...)`` built directly),
+        and every key counts as the user's."""
+        return self._explicit
+
+    def is_explicit(self, name: str) -> bool:
+        """Whether the user set key ``name`` (see :attr:`explicit_keys`)."""
+        return self._explicit is None or name in self._explicit
+
+    @property
+    def notes(self) -> tuple[str, ...]:
+        """One line per default that was fitted to the user's values (a warm-up shortened to fit ``epochs``, the
+        ViT shape keys a ResNet does not take): ``mjp train`` prints them."""
+        return self._notes
 
     def replace(self, **changes: Any) -> TrainConfig:
-        return dataclasses.replace(self, **changes)
+        """A copy with ``changes``, which count as set by the user (:attr:`explicit_keys`); the notes stay."""
+        explicit = None if self._explicit is None else self._explicit | set(changes)
+        return self._copy_with(changes, explicit, ())
+
+    def fitted(self, note: str | None = None, **changes: Any) -> TrainConfig:
+        """A copy with defaults fitted to the user's values: ``changes`` do not count as set by the user, and
+        ``note`` (one line) says what was changed and why."""
+        return self._copy_with(changes, self._explicit, () if note is None else (note,))
+
+    def _copy_with(
+        self, changes: dict[str, Any], explicit: Iterable[str] | None, notes: tuple[str, ...]
+    ) -> TrainConfig:
+        copy = dataclasses.replace(self, **changes)
+        copy._explicit = None if explicit is None else frozenset(explicit)
+        copy._notes = self._notes + notes
+        return copy
 
     def to_dict(self) -> dict[str, Any]:
         return {field.name: _plain(getattr(self, field.name)) for field in dataclasses.fields(self)}
 
     def validate(self) -> TrainConfig:
-        """Checks value ranges and combinations; returns self. Raises ConfigError."""
+        """Checks value ranges and combinations; returns self. Raises ConfigError listing every problem, with
+        ``error.config`` set to this config."""
+        problems = self.problems()
+        if problems:
+            raise ConfigError(*problems, config=self)
+        return self
+
+    def problems(self) -> list[str]:
+        """Every bad value or combination of values, one line each (empty: the config is valid). A value of the
+        wrong type is reported alone: the range checks need the types."""
+        problems = []
         for field in dataclasses.fields(self):
-            _check_value(field, getattr(self, field.name))
+            try:
+                _check_value(field, getattr(self, field.name))
+            except ConfigError as error:
+                problems.extend(error.problems)
+        if problems:
+            return problems
         fractions = ("mjp_ratio", "mjp_prob", "hflip", "reprob", "mixup_prob", "mixup_switch_prob", "eval_ratio")
         for name in fractions:
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
-                raise ConfigError(f"{name} must be in [0, 1], got {value}")
+                problems.append(f"{name} must be in [0, 1], got {value}")
         positive = ("batch_size", "epochs", "accum_steps", "eval_interval", "log_interval", "aug_repeats", "recount")
         for name in positive:
             if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+                problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("img_size", "patch_size", "embed_dim", "depth", "num_heads", "num_classes", "eval_batch_size"):
             value = getattr(self, name)
             if value is not None and value < 1:
-                raise ConfigError(f"{name} must be >= 1 or none, got {value}")
+                problems.append(f"{name} must be >= 1 or none, got {value}")
         for name in ("max_train_samples", "max_val_samples"):
             value = getattr(self, name)
             if value is not None and value < 1:
-                raise ConfigError(f"{name} must be >= 1 or none, got {value}")
+                problems.append(f"{name} must be >= 1 or none, got {value}")
         non_negative = (
             "drop_path", "dal_weight", "dal_weight_end", "lr_base", "weight_decay", "warmup_lr", "min_lr",
             "mixup", "cutmix", "smoothing", "momentum", "warmup_epochs", "cooldown_epochs", "checkpoint_steps",
-            "color_jitter", "seed", "eval_seed",
+            "color_jitter", "seed", "eval_seed", "max_bad_images",
         )  # fmt: skip
         for name in non_negative:
             if getattr(self, name) < 0:
-                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+                problems.append(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("lr", "opt_eps", "clip_grad"):
             value = getattr(self, name)
             if value is not None and not value > 0:
-                raise ConfigError(f"{name} must be > 0 or none, got {value}")
+                problems.append(f"{name} must be > 0 or none, got {value}")
         if self.threads is not None and self.threads < 1:
-            raise ConfigError(f"threads must be >= 1 or none, got {self.threads}")
+            problems.append(f"threads must be >= 1 or none, got {self.threads}")
         if self.workers is not None and self.workers < 0:
-            raise ConfigError(f"workers must be >= 0 or none, got {self.workers}")
+            problems.append(f"workers must be >= 0 or none, got {self.workers}")
         if self.mjp_seed is not None and not 0 <= self.mjp_seed < 2**64:
-            raise ConfigError(f"mjp_seed must be in [0, 2**64) or none, got {self.mjp_seed}")
+            problems.append(f"mjp_seed must be in [0, 2**64) or none, got {self.mjp_seed}")
         if self.mjp_from_epoch is not None and self.mjp_from_epoch < 0:
-            raise ConfigError(f"mjp_from_epoch must be >= 0 or none, got {self.mjp_from_epoch}")
+            problems.append(f"mjp_from_epoch must be >= 0 or none, got {self.mjp_from_epoch}")
         if self.pos_embed == "none" and (self.mjp or self.compare) and self.mjp_dal != "none":
-            raise ConfigError(
+            problems.append(
                 f"mjp_dal={self.mjp_dal} regresses the position embeddings, which pos_embed=none removes; set "
                 "mjp_dal=none (or train only the plain model: mjp=false compare=false)"
             )
         if self.smoothing >= 1.0:
-            raise ConfigError(f"smoothing must be < 1, got {self.smoothing}")
+            problems.append(f"smoothing must be < 1, got {self.smoothing}")
         if self.warmup_epochs > self.epochs:
-            raise ConfigError(f"warmup_epochs ({self.warmup_epochs}) must be <= epochs ({self.epochs})")
+            problems.append(f"warmup_epochs ({self.warmup_epochs}) must be <= epochs ({self.epochs})")
         if len(self.scale) != 2 or not 0.0 < self.scale[0] <= self.scale[1] <= 1.0:
-            raise ConfigError(f"scale must be [min, max] with 0 < min <= max <= 1, got {self.scale}")
+            problems.append(f"scale must be [min, max] with 0 < min <= max <= 1, got {self.scale}")
         for name in ("mean", "std"):
             value = getattr(self, name)
             if value is not None and len(value) not in (1, 3):
-                raise ConfigError(f"{name} must have 1 or 3 values, got {value}")
+                problems.append(f"{name} must have 1 or 3 values, got {value}")
         if self.std is not None and any(value <= 0 for value in self.std):
-            raise ConfigError(f"std values must be > 0, got {self.std}")
+            problems.append(f"std values must be > 0, got {self.std}")
         if self.crop_pct is not None and not 0.0 < self.crop_pct <= 1.0:
-            raise ConfigError(f"crop_pct must be in (0, 1], got {self.crop_pct}")
+            problems.append(f"crop_pct must be in (0, 1], got {self.crop_pct}")
         if self.mixing and self.batch_size % 2:
-            raise ConfigError(f"batch_size must be even when mixup or cutmix is on, got {self.batch_size}")
+            problems.append(f"batch_size must be even when mixup or cutmix is on, got {self.batch_size}")
         if self.dataset == "folder" and not self.data:
-            raise ConfigError("dataset=folder needs data=DIR (or --data DIR)")
+            problems.append("dataset=folder needs data=DIR (or --data DIR)")
         if self.checkpoint_steps and self.checkpoint_steps % 1:
-            raise ConfigError(f"checkpoint_steps must be an integer, got {self.checkpoint_steps}")
-        return self
+            problems.append(f"checkpoint_steps must be an integer, got {self.checkpoint_steps}")
+        return problems
 
     @property
     def mixing(self) -> bool:
@@ -491,11 +580,40 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     return {str(key): coerce(str(key), value) for key, value in flat.items()}
 
 
-def build_config(values: Mapping[str, Any], base: TrainConfig | None = None) -> TrainConfig:
-    """``base`` (default: the dataclass defaults) with ``values`` applied, then validated."""
-    config = base if base is not None else TrainConfig()
+def build_config(
+    values: Mapping[str, Any], base: TrainConfig | None = None, *, explicit: Iterable[str] | None = None
+) -> TrainConfig:
+    """``base`` (default: the dataclass defaults) with ``values`` applied, the defaults fitted to them (a warm-up
+    the user did not set that is as long as the run is shortened: see :attr:`TrainConfig.notes`), then validated.
+
+    ``explicit``: the keys of ``values`` that the user set (:attr:`TrainConfig.explicit_keys`), added to those of
+    ``base``; default: every key of ``values``. Raises ConfigError listing every problem.
+    """
+    if base is None:
+        base = TrainConfig()
+        base._explicit = frozenset()  # the dataclass defaults: no key is the user's
     checked = {key: coerce(key, value) for key, value in values.items()}
-    return config.replace(**checked).validate()
+    chosen = set(checked) if explicit is None else set(explicit)
+    known = None if base.explicit_keys is None else base.explicit_keys | chosen
+    return _fit_warmup(base._copy_with(checked, known, ())).validate()
+
+
+# A warm-up fitted to a run shorter than it takes a tenth of the run (rounded down): the recipes warm up for a
+# fifteenth (DeiT: 20 of 300 epochs) to a tenth (the digits preset: 3 of 30).
+FITTED_WARMUP_SHARE = 10
+
+
+def _fit_warmup(config: TrainConfig) -> TrainConfig:
+    """``config`` with a warm-up that the user did not set shortened to fit: shorter than the run, since the
+    jigsaw starts when the warm-up ends (``mjp_from_epoch``). A warm-up the user set is left to :meth:`validate`."""
+    if config.is_explicit("warmup_epochs") or not 1 <= config.epochs <= config.warmup_epochs:
+        return config
+    warmup = config.epochs // FITTED_WARMUP_SHARE
+    note = (
+        f"warmup_epochs={config.warmup_epochs} (not set here) does not fit in epochs={config.epochs}: the warm-up is "
+        f"{warmup} epoch{'' if warmup == 1 else 's'}, a tenth of the run; set warmup_epochs to choose another"
+    )
+    return config.fitted(note, warmup_epochs=warmup)
 
 
 # The paper's recipes as YAML files inside the package (setup.py's package_data carries them into wheels), so that
@@ -519,16 +637,21 @@ def config_source_values(source: str | Path) -> dict[str, Any]:
     A file in the working folder thus wins over a bundled config of the same name. Raises ConfigError, listing the
     bundled configs and presets, when ``source`` is none of these.
     """
+    return _source_values(source)[0]
+
+
+def _source_values(source: str | Path) -> tuple[dict[str, Any], bool]:
+    """(:func:`config_source_values`, whether ``source`` is the user's own file rather than a preset or recipe)."""
     text = str(source)
     if Path(source).exists():
-        return read_config_file(source)
+        return read_config_file(source), True
     if text in PRESETS:
-        return dict(PRESETS[text])
+        return dict(PRESETS[text]), False
     bundled = bundled_configs()
     # Only a bare file name can be a bundled name: `configs/deit_s.yaml` names a path that is missing, not a recipe.
     name = text[: -len(CONFIG_SUFFIX)] if text.endswith(CONFIG_SUFFIX) else text
     if Path(text).name == text and name in bundled:
-        return read_config_file(bundled[name])
+        return read_config_file(bundled[name]), False
     close = difflib.get_close_matches(name, [*bundled, *PRESETS], n=2)
     hint = f"; did you mean {' or '.join(close)}?" if close else ""
     raise ConfigError(
@@ -544,13 +667,23 @@ def load_config(
 ) -> TrainConfig:
     """The config of a run: ``source`` (default: the dataclass defaults), then the ``key=value`` ``overrides``, then
     ``values``. ``source`` is a YAML file, a preset name (``digits``) or a bundled config name (``deit_s``, see
-    :func:`bundled_configs`); an existing file wins over a name. Raises ConfigError."""
+    :func:`bundled_configs`); an existing file wins over a name. Raises ConfigError.
+
+    The keys of ``overrides`` and ``values``, and those of a YAML file of the user's, count as set by the user
+    (:attr:`TrainConfig.explicit_keys`); those of a preset or a bundled recipe are defaults, which are fitted to
+    the user's values where they do not fit (:attr:`TrainConfig.notes`)."""
     merged: dict[str, Any] = {}
+    explicit: set[str] = set()
     if source is not None:
-        merged.update(config_source_values(source))
-    merged.update(parse_overrides(overrides))
+        source_values, users_file = _source_values(source)
+        merged.update(source_values)
+        if users_file:
+            explicit.update(source_values)
+    parsed = parse_overrides(overrides)
+    merged.update(parsed)
     merged.update(values)
-    return build_config(merged)
+    explicit.update(parsed, values)
+    return build_config(merged, explicit=explicit)
 
 
 def save_config(config: TrainConfig, path: str | Path) -> None:

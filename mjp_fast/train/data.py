@@ -1,20 +1,27 @@
 """Datasets, transforms and loaders of ``mjp train`` and ``mjp eval``.
 
 Datasets: an ImageFolder tree ``<root>/<split>/<class>/<image>`` (ImageNet's layout, and the CIFAR-10/100 folders),
-or scikit-learn's digits (1,797 8x8 glyphs that ship inside scikit-learn: the embedded default needs no download).
+a Hugging Face dataset (``data=hfds/NAME``), WebDataset shards (``data=wds/DIR``), all through timm's readers
+(:mod:`mjp_fast.train.readers`, which also says what a stream such as ``wds/`` cannot do), or scikit-learn's digits
+(1,797 8x8 glyphs that ship inside scikit-learn: the embedded default needs no download).
 
 Transforms are timm's (``create_transform``): the training one with RandAugment, random erasing and the rest of the
 recipe; the evaluation one resizes and center-crops and returns uint8 tensors, so corruptions can be applied to
 the pixels before the loop normalizes them on the device.
 
-``cache_images=true`` decodes a folder dataset once into memory (:class:`InMemoryImageDataset`: uint8 pixels in one
-NumPy array when the images share a size): the loader workers then read pixels instead of files (fork shares the
-array), and every later run of the same process on the same split reuses the decoded pixels (``mjp reproduce``
-trains many variants on one dataset). :func:`clear_image_cache` frees them.
+``cache_images=true`` decodes a folder or ``hfds/`` dataset once into memory (:class:`InMemoryImageDataset`: uint8
+pixels in one NumPy array when the images share a size): the loader workers then read pixels instead of files
+(fork shares the array), and every later run of the same process on the same split reuses the decoded pixels
+(``mjp reproduce`` trains many variants on one dataset). :func:`clear_image_cache` frees them.
+
+Unreadable images (a truncated file, a text file named ``.jpg``): the next readable image takes the place of one,
+the loader names it, counts the skips at the end of each epoch, and refuses (ConfigError) past ``max_bad_images``
+distinct files, with or without ``cache_images`` (:mod:`mjp_fast.train.readers`).
 
 Reproducibility: every sample a training epoch draws gets its own seed from ``(seed, rank, epoch, position in the
 epoch)``, set before its transform runs. Augmentations are then a pure function of those four numbers, whatever
 the number of loader workers, and a run resumed in the middle of an epoch draws exactly what it would have drawn.
+(A stream's order depends on the number of loader workers, see :class:`mjp_fast.train.readers.SeededStream`.)
 """
 
 from __future__ import annotations
@@ -22,20 +29,39 @@ from __future__ import annotations
 import os
 import random
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from PIL import Image
-from timm.data import ImageDataset, create_transform
+from timm.data import create_transform
 from timm.data.distributed_sampler import OrderedDistributedSampler, RepeatAugSampler
 from timm.data.random_erasing import RandomErasing
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, Subset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, Sampler, Subset
 
 from mjp_fast.train.augment import pillow_safe
 from mjp_fast.train.config import ConfigError, TrainConfig
+from mjp_fast.train.readers import (
+    DEFAULT_MAX_BAD_IMAGES,
+    Batches,
+    DataSource,
+    ImageFiles,
+    SampleStream,
+    SeededStream,
+    SkipReportingDataset,
+    UnreadableImages,
+    collate_samples,
+    decode_all,
+    folder_images,
+    hf_images,
+    max_bad_images,
+    parse_source,
+    read_sample,
+    resolve_hf_split,
+    resolve_wds_split,
+    wds_stream,
+)
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
 VAL_SPLIT_NAMES = ("val", "validation", "test")
@@ -112,8 +138,11 @@ def resolve_split(root: str | Path, split: str, *, validation: bool = False) -> 
     raise ConfigError(f"data folder {str(root)!r} has no {expected} folder (expected <data>/<split>/<class>/<image>)")
 
 
-def folder_dataset(split_dir: Path, classes: list[str] | None = None) -> ImageDataset:
-    """An ImageFolder dataset; refuses an empty split or one whose classes differ from ``classes``."""
+def folder_dataset(
+    split_dir: Path, classes: list[str] | None = None, *, max_bad: int = DEFAULT_MAX_BAD_IMAGES
+) -> ImageFiles:
+    """An ImageFolder dataset (timm's folder reader); refuses an empty split or one whose classes differ from
+    ``classes``. ``max_bad``: the unreadable images a run tolerates (:class:`~mjp_fast.train.readers.ImageFiles`)."""
     found = _class_folders(split_dir)
     if not found:
         raise ConfigError(f"data folder {str(split_dir)!r} has no class folders (expected <split>/<class>/<image>)")
@@ -125,11 +154,10 @@ def folder_dataset(split_dir: Path, classes: list[str] | None = None) -> ImageDa
             f"(missing: {missing[:5]}, extra: {extra[:5]})"
         )
     class_map = {name: index for index, name in enumerate(classes or found)}
-    dataset = ImageDataset(str(split_dir), class_map=class_map)
-    if len(dataset) == 0:
-        raise ConfigError(f"data folder {str(split_dir)!r} holds no images ({', '.join(IMAGE_EXTENSIONS)})")
-    dataset.classes = list(class_map)
-    return dataset
+    try:
+        return folder_images(split_dir, class_map, max_bad)
+    except RuntimeError:  # timm's folder reader: no file with an image extension
+        raise ConfigError(f"data folder {str(split_dir)!r} holds no images ({', '.join(IMAGE_EXTENSIONS)})") from None
 
 
 def fixed_subset(dataset: Dataset, size: int | None) -> Dataset:
@@ -144,8 +172,8 @@ def fixed_subset(dataset: Dataset, size: int | None) -> Dataset:
 
 
 class InMemoryImageDataset(Dataset):
-    """Decoded images held in memory: ``(PIL RGB image through transform, target)`` per sample, as the folder
-    dataset it was decoded from gives them, without reading files.
+    """Decoded images held in memory: ``(PIL RGB image through transform, target)`` per sample, as the dataset
+    it was decoded from gives them, without reading files.
 
     Args:
         pixels: uint8 ``[N, H, W, 3]`` (one array: images of one size) or a sequence of ``[H, W, 3]`` arrays.
@@ -182,40 +210,43 @@ class InMemoryImageDataset(Dataset):
         return InMemoryImageDataset(self.pixels, self.targets, self.classes)
 
 
-def _decode_rgb(path: str) -> np.ndarray:
-    with Image.open(path) as image:
-        return np.asarray(image.convert("RGB"))
-
-
 def decode_in_memory(dataset: Dataset) -> InMemoryImageDataset:
-    """Decodes every image of a folder dataset (a timm ``ImageDataset``, or a ``Subset`` of one) into memory,
-    in threads (Pillow's decoders release the GIL). Raises ConfigError for an unreadable image."""
+    """Decodes every image of a map-style dataset (an :class:`~mjp_fast.train.readers.ImageFiles`: a folder or
+    ``hfds/``, or a ``Subset`` of one) into memory, in threads. An unreadable image gets the pixels of the one that
+    replaces it in the dataset; ConfigError past the dataset's ``max_bad_images`` of them."""
     base, indices = (dataset.dataset, dataset.indices) if isinstance(dataset, Subset) else (dataset, None)
-    samples = base.reader.samples
-    chosen = [samples[index] for index in indices] if indices is not None else list(samples)
-    paths = [str(path) for path, _ in chosen]
+    chosen = list(indices) if indices is not None else list(range(len(base)))
     workers = max(1, min(16, default_workers(1)))
-    try:
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            decoded = list(pool.map(_decode_rgb, paths, chunksize=256))
-    except OSError as error:
-        raise ConfigError(f"cannot decode an image for cache_images: {error}") from None
+    decoded, targets = decode_all(base, chosen, workers)
     shapes = {array.shape for array in decoded}
     pixels = np.stack(decoded) if len(shapes) == 1 else decoded  # one array shares best across forked workers
-    return InMemoryImageDataset(pixels, [int(target) for _, target in chosen], base.classes)
+    return InMemoryImageDataset(pixels, targets, base.classes)
 
 
-# (split folder, classes, subset size) -> decoded images: one decode per process, whatever the number of runs.
-_IMAGE_CACHE: dict[tuple[str, tuple[str, ...] | None, int | None], InMemoryImageDataset] = {}
+# (source, split, classes, subset size) -> decoded images: one decode per process, whatever the number of runs.
+_IMAGE_CACHE: dict[tuple[str, str, tuple[str, ...] | None, int | None], InMemoryImageDataset] = {}
 
 
-def cached_folder_dataset(split_dir: Path, classes: list[str] | None, size: int | None) -> InMemoryImageDataset:
+def cached_dataset(
+    source: DataSource, split: str, classes: list[str] | None, size: int | None, max_bad: int
+) -> InMemoryImageDataset:
+    """The split ``split`` of ``source`` (a folder: the split folder's path), cut to :func:`fixed_subset` ``size``,
+    decoded into memory once per process: later calls with the same arguments reuse the pixels."""
+    if source.scheme:
+        key = (str(source), split, tuple(classes) if classes is not None else None, size)
+    else:
+        key = (str(Path(split).resolve()), "", tuple(classes) if classes is not None else None, size)
+    if key not in _IMAGE_CACHE:
+        _IMAGE_CACHE[key] = decode_in_memory(fixed_subset(_map_dataset(source, split, classes, max_bad), size))
+    return _IMAGE_CACHE[key].view()
+
+
+def cached_folder_dataset(
+    split_dir: Path, classes: list[str] | None, size: int | None, *, max_bad: int = DEFAULT_MAX_BAD_IMAGES
+) -> InMemoryImageDataset:
     """:func:`folder_dataset` of ``split_dir`` cut to :func:`fixed_subset` ``size``, decoded into memory once per
     process: later calls with the same arguments reuse the pixels (the folder is not listed again)."""
-    key = (str(split_dir.resolve()), tuple(classes) if classes is not None else None, size)
-    if key not in _IMAGE_CACHE:
-        _IMAGE_CACHE[key] = decode_in_memory(fixed_subset(folder_dataset(split_dir, classes), size))
-    return _IMAGE_CACHE[key].view()
+    return cached_dataset(DataSource("", str(split_dir)), str(split_dir), classes, size, max_bad)
 
 
 def clear_image_cache() -> None:
@@ -223,35 +254,81 @@ def clear_image_cache() -> None:
     _IMAGE_CACHE.clear()
 
 
-def build_datasets(config: TrainConfig, *, need_train: bool = True) -> tuple[Dataset | None, Dataset, list[str]]:
-    """(training set or None, validation set, class names), without transforms. Raises ConfigError."""
-    if config.dataset_kind == "digits":
-        train = DigitsDataset("train") if need_train else None
-        val = DigitsDataset("val")
-        classes = val.classes
-    elif config.cache_images:
-        root = Path(config.data)
-        train, classes = None, None
-        if need_train:
-            train = cached_folder_dataset(resolve_split(root, config.train_split), None, config.max_train_samples)
-            classes = train.classes
-        val_dir = resolve_split(root, config.val_split, validation=True)
-        val = cached_folder_dataset(val_dir, classes, config.max_val_samples)
-        return train, val, val.classes
-    else:
-        root = Path(config.data)
-        if need_train:
-            train = folder_dataset(resolve_split(root, config.train_split))
-            classes = train.classes
-        else:
-            train = None
-            classes = None
-        val = folder_dataset(resolve_split(root, config.val_split, validation=True), classes)
-        classes = val.classes
-    if train is not None:
-        train = fixed_subset(train, config.max_train_samples)
-    val = fixed_subset(val, config.max_val_samples)
+def _map_dataset(source: DataSource, split: str, classes: list[str] | None, max_bad: int) -> ImageFiles:
+    """A folder's split (``split``: its path) or a ``hfds/`` split, as :class:`ImageFiles`."""
+    if source.scheme == "hfds":
+        return hf_images(source.location, split, classes, max_bad)
+    return folder_dataset(Path(split), classes, max_bad=max_bad)
+
+
+def _stream_datasets(
+    config: TrainConfig, source: DataSource, need_train: bool, max_bad: int
+) -> tuple[Dataset | None, Dataset, list[str]]:
+    """A ``wds/`` source's training and validation streams (timm's IterableImageDataset) and class names."""
+    if config.cache_images:
+        raise ConfigError(
+            f"cache_images=true decodes a dataset by index, and {source} is a stream: set cache_images=false "
+            "(or use a folder or hfds/ dataset)"
+        )
+    if config.num_classes is None:
+        raise ConfigError(f"{source}: a WebDataset does not list its classes; set num_classes=N")
+    root = source.location
+    train = None
+    if need_train:
+        train = wds_stream(
+            root,
+            resolve_wds_split(root, config.train_split),
+            training=True,
+            batch_size=config.batch_size,
+            seed=config.seed,
+            num_samples=config.max_train_samples,
+        )
+        train.max_bad_images = max_bad
+    val = wds_stream(
+        root,
+        resolve_wds_split(root, config.val_split, validation=True),
+        training=False,
+        batch_size=config.eval_batch_size or 2 * config.batch_size,
+        seed=config.seed,
+        num_samples=config.max_val_samples,
+    )
+    val.max_bad_images = max_bad
+    classes = [str(index) for index in range(config.num_classes)]
     return train, val, classes
+
+
+def build_datasets(config: TrainConfig, *, need_train: bool = True) -> tuple[Dataset | None, Dataset, list[str]]:
+    """(training set or None, validation set, class names), without transforms. Raises ConfigError.
+
+    A ``wds/`` source gives timm's streams (``IterableDataset``), the others map-style datasets.
+    """
+    if config.dataset_kind == "digits":
+        train = fixed_subset(DigitsDataset("train"), config.max_train_samples) if need_train else None
+        val = fixed_subset(DigitsDataset("val"), config.max_val_samples)
+        return train, val, val.classes
+    source = parse_source(str(config.data))
+    max_bad = max_bad_images(config)
+    if source.streams:
+        return _stream_datasets(config, source, need_train, max_bad)
+    if source.scheme == "hfds":
+        train_split = resolve_hf_split(source.location, config.train_split) if need_train else None
+        val_split = resolve_hf_split(source.location, config.val_split, validation=True)
+    else:
+        root = Path(source.location)
+        train_split = str(resolve_split(root, config.train_split)) if need_train else None
+        val_split = str(resolve_split(root, config.val_split, validation=True))
+    train, classes = None, None
+    if config.cache_images:
+        if train_split is not None:
+            train = cached_dataset(source, train_split, None, config.max_train_samples, max_bad)
+            classes = train.classes
+        val = cached_dataset(source, val_split, classes, config.max_val_samples, max_bad)
+        return train, val, val.classes
+    if train_split is not None:
+        train = fixed_subset(_map_dataset(source, train_split, None, max_bad), config.max_train_samples)
+        classes = train.classes
+    val = fixed_subset(_map_dataset(source, val_split, classes, max_bad), config.max_val_samples)
+    return train, val, val.classes
 
 
 def set_transform(dataset: Dataset, transform: Any) -> None:
@@ -321,7 +398,9 @@ def eval_transform(img_size: int, interpolation: str, crop_pct: float) -> Any:
 
 
 class SeededDataset(Dataset):
-    """Wraps a dataset whose indices come as ``(index, seed)``: the seed is set before the sample's transform."""
+    """Wraps a dataset whose indices come as ``(index, seed)``: the seed is set before the sample's transform.
+    Samples are ``(image, target, skips)`` (:func:`~mjp_fast.train.readers.read_sample`: the unreadable images
+    passed over), for :func:`~mjp_fast.train.readers.collate_samples`."""
 
     def __init__(self, dataset: Dataset) -> None:
         self.dataset = dataset
@@ -334,7 +413,7 @@ class SeededDataset(Dataset):
         random.seed(seed)
         np.random.seed(seed)
         torch.default_generator.manual_seed(seed)  # the CPU generator only: transforms run on the CPU
-        return self.dataset[index]
+        return read_sample(self.dataset, index)
 
 
 class SeededEpochSampler(Sampler):
@@ -370,8 +449,26 @@ def default_workers(world_size: int) -> int:
 
 def train_loader(
     config: TrainConfig, dataset: Dataset, *, rank: int, world_size: int, pin_memory: bool
-) -> tuple[DataLoader, SeededEpochSampler]:
-    """The training loader (drop_last, so every step has the same batch) and its sampler."""
+) -> tuple[Batches, SeededEpochSampler | SeededStream]:
+    """The training loader (drop_last, so every step has the same batch) and its sampler (``set_epoch(epoch,
+    start)``); the loader gives ``(images, targets)`` batches and reports unreadable images
+    (:class:`~mjp_fast.train.readers.Batches`). A stream (``wds/``) gets :class:`SeededStream` as its sampler."""
+    workers = config.workers if config.workers is not None else default_workers(world_size)
+    unreadable = UnreadableImages(max_bad_images(config))
+    if isinstance(dataset, IterableDataset):
+        stream = _training_stream(config, dataset, rank=rank, world_size=world_size, workers=workers)
+        loader = DataLoader(
+            stream,
+            batch_size=config.batch_size,
+            num_workers=workers,
+            collate_fn=collate_samples,
+            pin_memory=pin_memory,
+            drop_last=True,
+            generator=stream.generator,
+            # new workers each epoch: they take the epoch and start set in the main process, and a fresh pipeline
+            persistent_workers=False,
+        )
+        return Batches(loader, dataset, unreadable), stream
     if config.repeated_aug:
         # timm rounds an epoch down to a multiple of 256 images (the original RASampler); before timm 1.0.31 that
         # left a set of fewer than 256 images with no batch at all, so smaller sets are not rounded (as 1.0.31).
@@ -391,33 +488,73 @@ def train_loader(
             f"{config.batch_size}: lower batch_size or use more data"
         )
     sampler = SeededEpochSampler(inner, config.seed, rank)
-    workers = config.workers if config.workers is not None else default_workers(world_size)
     loader = DataLoader(
         SeededDataset(dataset),
         batch_size=config.batch_size,
         sampler=sampler,
         num_workers=workers,
+        collate_fn=collate_samples,
         pin_memory=pin_memory,
         drop_last=True,
         persistent_workers=workers > 0,
     )
-    return loader, sampler
+    return Batches(loader, dataset, unreadable), sampler
+
+
+def _training_stream(
+    config: TrainConfig, dataset: IterableDataset, *, rank: int, world_size: int, workers: int
+) -> SeededStream:
+    """:class:`SeededStream` over timm's training stream ``dataset``; refuses what a stream cannot do."""
+    if config.repeated_aug:
+        raise ConfigError(
+            "repeated_aug=true draws each image several times by index, and a WebDataset is a stream: set "
+            "repeated_aug=false (or use a folder or hfds/ dataset)"
+        )
+    shards = len(dataset.reader.split_info.filenames)
+    readers = max(workers, 1) * world_size
+    if shards < readers:
+        # timm gives each loader process of each rank its own shards: one without a shard would end its epoch early
+        raise ConfigError(
+            f"the WebDataset training split has {shards} shard{'s' if shards > 1 else ''} for {readers} loader "
+            f"processes ({max(workers, 1)} per rank x {world_size} rank{'s' if world_size > 1 else ''}), and each "
+            "needs a shard of its own: lower workers, or write more shards"
+        )
+    dataset.set_loader_cfg(num_workers=workers)  # the epoch's length counts whole batches per worker
+    return SeededStream(dataset, config.seed, rank, config.batch_size)
 
 
 def eval_loader(
     dataset: Dataset, batch_size: int, workers: int, *, rank: int = 0, world_size: int = 1, pin_memory: bool = False
-) -> DataLoader:
-    """A sequential loader; with several ranks each gets its own shard (timm's OrderedDistributedSampler)."""
+) -> Batches:
+    """A sequential loader; with several ranks each gets its own shard (timm's OrderedDistributedSampler; a
+    stream's reader shards itself). Unreadable images are named and counted per pass, up to the dataset's
+    ``max_bad_images`` (:class:`~mjp_fast.train.readers.Batches`); ``len(loader.dataset)``: the images a pass
+    reads."""
+    base = dataset.dataset if isinstance(dataset, Subset) else dataset
+    unreadable = UnreadableImages(getattr(base, "max_bad_images", DEFAULT_MAX_BAD_IMAGES), what="evaluation")
+    if isinstance(dataset, IterableDataset):
+        stream = SampleStream(dataset)
+        loader = DataLoader(
+            stream,
+            batch_size=batch_size,
+            num_workers=workers,
+            collate_fn=collate_samples,
+            pin_memory=pin_memory,
+            persistent_workers=False,  # timm's reader keeps its pipeline in a persistent worker: fresh ones read anew
+        )
+        return Batches(loader, stream, unreadable)
     sampler = OrderedDistributedSampler(dataset, num_replicas=world_size, rank=rank) if world_size > 1 else None
-    return DataLoader(
-        dataset,
+    loader = DataLoader(
+        SkipReportingDataset(dataset),
         batch_size=batch_size,
         sampler=sampler,
         shuffle=False,
         num_workers=workers,
+        collate_fn=collate_samples,
         pin_memory=pin_memory,
         persistent_workers=workers > 0,  # evaluation passes over it many times (corruptions)
     )
+    return Batches(loader, dataset, unreadable)
 
 
 def normalize_batch(images: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
@@ -434,6 +571,7 @@ __all__ = [
     "SeededDataset",
     "SeededEpochSampler",
     "build_datasets",
+    "cached_dataset",
     "cached_folder_dataset",
     "clear_image_cache",
     "decode_in_memory",

@@ -25,6 +25,7 @@ import datetime
 import json
 import math
 import os
+import shlex
 import sys
 import time
 from collections.abc import Iterator
@@ -74,6 +75,64 @@ FINAL_KEYS = ("top1", "top5", "consistency", "diff_norm", "val_loss", "pos_mae_1
 
 class TrainingDiverged(RuntimeError):
     """The loss became NaN or infinite: the run stops (its last checkpoint is the last good state)."""
+
+
+@dataclass(frozen=True)
+class SavedPosition:
+    """Where a run's ``last.pt`` takes it up again: the checkpoint's ``epoch`` (0-based, the epoch to train),
+    ``batch`` (``batch_in_epoch``: that epoch's batches already trained), ``step`` and ``finished``."""
+
+    epoch: int
+    batch: int
+    step: int
+    finished: bool = False
+
+    def describe(self) -> str:
+        """In words, for the user: ``resumes at epoch 3, batch 120``."""
+        if self.finished:
+            return "the finished run"
+        if self.batch == 0:
+            return f"resumes at the start of epoch {self.epoch + 1}"
+        return f"resumes at epoch {self.epoch + 1}, batch {self.batch}"
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+    """Ctrl-C (SIGINT) stopped a run after its output folder was chosen: a :class:`KeyboardInterrupt` that says
+    what was kept and how to go on.
+
+    ``str(error)`` is the message for the user (``mjp train`` prints it); ``output`` is the run's folder (a
+    comparison's, for ``compare=true``) and ``saved`` where the interrupted run's ``last.pt`` resumes (None: it has
+    none yet).
+    """
+
+    def __init__(self, message: str, output: Path, saved: SavedPosition | None) -> None:
+        super().__init__(message)
+        self.output = output
+        self.saved = saved
+
+
+def resume_command(output: Path) -> str:
+    """The command that continues the run (or comparison) in ``output``, quoted for a POSIX shell."""
+    return f"mjp train --output {shlex.quote(str(output))} --resume"
+
+
+def interrupted_message(output: Path, saved: SavedPosition | None, where: str) -> str:
+    """What an interrupted run kept and how to go on, in one line (``where``: ``in epoch 3/30``, say).
+
+    With a checkpoint: where it resumes and the command that resumes it. Without one, ``--resume`` would fail
+    (there is nothing to resume): it says so, that running the command again starts over, and how to checkpoint
+    within an epoch.
+    """
+    if saved is not None:
+        return (
+            f"interrupted {where}; {output / LAST_CHECKPOINT} is kept ({saved.describe()}): continue with "
+            f"{resume_command(output)}"
+        )
+    return (
+        f"interrupted {where}, before the run's first checkpoint: nothing to resume in {output}; running the same "
+        "command again starts the run over. Checkpoints are written at the end of each epoch, and with "
+        "checkpoint_steps=N also every N optimizer steps within one"
+    )
 
 
 @dataclass
@@ -452,12 +511,18 @@ class TrainStep:
 
 
 class _Writers:
-    """Rank 0's outputs: metrics.jsonl and, optionally, TensorBoard."""
+    """Rank 0's outputs: metrics.jsonl, curves.png (:mod:`mjp_fast.train.curves`) and, optionally, TensorBoard.
+
+    ``history`` is the run's list of records, which the loop appends to: curves.png is drawn from it.
+    """
 
     def __init__(self, config: TrainConfig, output: Path, context: Distributed, history: list[dict]) -> None:
         self.active = context.is_main
+        self.output = output
         self.path = output / METRICS_FILE
+        self.history = history
         self.board = None
+        self._curves_drawn_at = time.perf_counter()  # the run's start: a first refresh comes REFRESH_SECONDS in
         if not self.active:
             return
         # Rewrite the records the checkpoint knows: a run killed after logging an epoch but before checkpointing
@@ -481,6 +546,20 @@ class _Writers:
                 if isinstance(value, (int, float)) and key != "epoch":
                     self.board.add_scalar(key, value, record["epoch"])
             self.board.flush()
+
+    def draw_curves(self, *, final: bool) -> None:
+        """Draws curves.png from the records so far: at the run's end (``final``), else only when
+        :data:`~mjp_fast.train.curves.REFRESH_SECONDS` have passed since the last drawing (a drawing costs about a
+        second, every rank waiting)."""
+        from mjp_fast.train.curves import CURVES_FILE, REFRESH_SECONDS, write_curves
+
+        if not self.active or not self.history:
+            return
+        if not final and time.perf_counter() - self._curves_drawn_at < REFRESH_SECONDS:
+            return
+        name = self.output.resolve().name or "run"
+        write_curves({name: self.history}, self.output / CURVES_FILE, title=str(self.output))
+        self._curves_drawn_at = time.perf_counter()
 
     def close(self) -> None:
         if self.board is not None:
@@ -589,7 +668,11 @@ def train(config: TrainConfig, *, resume: bool | str | Path = False) -> RunResul
     Raises:
         ConfigError: a bad config value or path. TrainingDiverged: a NaN or infinite loss.
     """
-    config.validate()
+    from mjp_fast.train.preflight import check_run  # here: preflight imports this module
+
+    # the values and the model, fitted as the CLI fits them (the CLI has checked the folders and device already;
+    # _open_output checks the output folder of a library call)
+    config = check_run(config, resume=resume, environment=False)
     with distributed_session(config) as context:
         return _train(config, context, resume)
 
@@ -601,7 +684,25 @@ def _train(config: TrainConfig, context: Distributed, resume: bool | str | Path)
         _say(context, f"{output}: this run finished already ({plural(config.epochs, 'epoch')}); nothing to do")
         history = list(state.get("metrics", []))
         return RunResult(output, output / LAST_CHECKPOINT, config, history, state.get("final", {}))
-    return _build_run(config, context, output, state).fit()
+    run = None
+    try:
+        run = _build_run(config, context, output, state)
+        return run.fit()
+    except KeyboardInterrupt as interrupt:
+        # Ctrl-C: name the real folder and say whether it holds a checkpoint (none before the first one is written,
+        # and then --resume has nothing to resume)
+        if run is not None:
+            saved, where = run.saved, f"in epoch {run.epoch + 1}/{run.total_epochs}"
+        else:
+            saved, where = _saved_position(state), "while the run was being set up"
+        raise TrainingInterrupted(interrupted_message(output, saved, where), output, saved) from interrupt
+
+
+def _saved_position(state: dict[str, Any] | None) -> SavedPosition | None:
+    """Where the checkpoint ``state`` (None: none) resumes."""
+    if state is None:
+        return None
+    return SavedPosition(state["epoch"], state.get("batch_in_epoch", 0), state["step"], bool(state.get("finished")))
 
 
 def _open_output(
@@ -827,6 +928,7 @@ class _Start:
     history: list[dict[str, Any]] = field(default_factory=list)  # the records of the epochs trained
     running: dict[str, float] | None = None  # the loss sums of ``epoch``'s trained batches (None: none yet)
     rng: dict[str, Any] | None = None  # the global generators' states after batch ``batch`` (checkpoint.rng_states)
+    resumed: bool = False  # from a checkpoint (which is then the run's last.pt until the next save)
 
 
 def _restore(
@@ -869,9 +971,10 @@ def _restore(
         history=list(state.get("metrics", [])),
         running=state.get("running"),
         rng=state.get("rng"),
+        resumed=True,
     )
     if start.batch >= batches_per_epoch:  # saved after its epoch's last batch
-        start = _Start(epoch=start.epoch + 1, step=start.step, history=start.history)
+        start = _Start(epoch=start.epoch + 1, step=start.step, history=start.history, resumed=True)
     _say(context, f"resuming {output} at epoch {start.epoch + 1}, batch {start.batch}, step {start.step}")
     return start
 
@@ -905,13 +1008,18 @@ class _Run:
     header: str | None  # the first line a new run prints; None for a resumed run
     show_progress: bool
     step: int = field(init=False)  # optimizer steps taken
+    epoch: int = field(init=False)  # the epoch being trained (0-based)
+    saved: SavedPosition | None = field(init=False)  # where the run's last.pt resumes (None: there is none yet)
     history: list[dict[str, Any]] = field(init=False)  # a record per epoch trained
     final: dict[str, Any] = field(init=False, default_factory=dict)  # the last epoch's results (FINAL_KEYS)
     _warm: bool = field(init=False, default=False)  # a batch has been trained (compiled, autotuned)
 
     def __post_init__(self) -> None:
         self.step = self.start.step
+        self.epoch = self.start.epoch
         self.history = self.start.history
+        start = self.start  # a resumed run's checkpoint is its last.pt until the first save
+        self.saved = SavedPosition(start.epoch, start.batch, start.step) if start.resumed else None
 
     @property
     def last_path(self) -> Path:
@@ -929,6 +1037,7 @@ class _Run:
             _say(context, self.header)
         try:
             for epoch in range(self.start.epoch, self.total_epochs):
+                self.epoch = epoch
                 record = self._train_epoch(epoch)
                 last_epoch = epoch + 1 == self.total_epochs
                 self._evaluate(epoch, record, last_epoch)
@@ -939,6 +1048,7 @@ class _Run:
                 if improved:
                     best_top1 = record["top1"]
                 self._save(epoch + 1, 0, None, finished=last_epoch, best=improved)
+                writers.draw_curves(final=last_epoch)  # after the checkpoint: a drawing never holds it up
         finally:
             writers.close()
         if context.is_main:
@@ -959,9 +1069,11 @@ class _Run:
         self.train_step.forward_model.train()
         started = time.perf_counter()
         bar = self._progress_bar(epoch, first_batch)
-        images = self._train_batches(epoch, first_batch, tally, bar)
-        if bar is not None:
-            bar.close()
+        try:
+            images = self._train_batches(epoch, first_batch, tally, bar)
+        finally:
+            if bar is not None:  # also on Ctrl-C or a divergence: their message must not land on the bar's line
+                bar.close()
         return self._end_epoch(epoch, tally, images, time.perf_counter() - started)
 
     def _progress_bar(self, epoch: int, first_batch: int) -> Any:
@@ -983,9 +1095,12 @@ class _Run:
         """Trains the epoch's batches from ``first_batch`` on; returns the images trained (every rank's).
 
         Reads the losses back at log intervals and before a checkpoint within the epoch only (see
-        :class:`_StepTally`). Raises TrainingDiverged at the first read after a NaN or infinite loss.
+        :class:`_StepTally`). At a log interval the read updates the progress bar or, without one, rank 0 prints a
+        log line (:meth:`_log_line`). Raises TrainingDiverged at the first read after a NaN or infinite loss.
         """
         config, context = self.config, self.context
+        log_lines = bar is None and context.is_main  # output sent to a file (or progress=off): no silent epochs
+        started = time.perf_counter()
         images_trained = 0
         batches = iter(self.loader)  # before the generators are set: making an iterator draws from them
         self._set_generators(epoch, first_batch)
@@ -1000,9 +1115,14 @@ class _Run:
             if batch_index % config.log_interval == 0:  # with or without a bar: a diverged run stops soon
                 reading = tally.read(last_loss=losses.loss)
                 self._stop_if_diverged(reading, epoch, f"at batch {batch_index}")
+                lr = self.train_step.optimizer.param_groups[0]["lr"]
                 if bar is not None:
-                    lr = self.train_step.optimizer.param_groups[0]["lr"]
                     bar.set_postfix(loss=f"{reading.last_loss:.3f}", lr=f"{lr:.2e}")
+                elif log_lines:
+                    # timed after the read, which waited for the device: the time of the batches themselves
+                    seconds = time.perf_counter() - started
+                    line = self._log_line(epoch, batch_index, first_batch, reading, lr, images_trained, seconds)
+                    print(line, flush=True)  # a file's block buffer would hold it back for minutes
             done = batch_index + 1
             if update and config.checkpoint_steps and self.step % config.checkpoint_steps == 0:
                 if done < self.batches_per_epoch:  # the epoch's end has its own checkpoint
@@ -1012,6 +1132,35 @@ class _Run:
                     self._stop_if_diverged(reading, epoch, f"at batch {batch_index}")
                     self._save(epoch, done, reading.sums)
         return images_trained
+
+    def _log_line(
+        self,
+        epoch: int,
+        batch_index: int,
+        first_batch: int,
+        reading: _TallyReading,
+        lr: float,
+        images: int,
+        seconds: float,
+    ) -> str:
+        """One line of progress after batch ``batch_index`` (0-based) of ``epoch``, from a log interval's read:
+
+        ``epoch   1/30  batch  51/390  loss 2.2034 (mean 2.3011)  lr 1.00e-04  512 img/s  ETA 0:10:12``
+
+        ``loss``: the batch's classification loss, and its mean over the epoch's batches so far (this rank's);
+        ``img/s``: every rank's images over the ``seconds`` since this process's first batch of the epoch
+        (``first_batch``); ``ETA``: the epoch's batches left at that pace (evaluation not included).
+        """
+        done = batch_index + 1
+        mean = reading.sums["loss"] / max(reading.sums["samples"], 1.0)
+        remaining = (self.batches_per_epoch - done) * seconds / max(done - first_batch, 1)
+        eta = datetime.timedelta(seconds=round(remaining))
+        rate = images / max(seconds, 1e-9)
+        width = len(str(self.batches_per_epoch))  # aligned, as the epoch lines are
+        return (
+            f"epoch {epoch + 1:>3}/{self.total_epochs}  batch {done:>{width}}/{self.batches_per_epoch}  loss "
+            f"{reading.last_loss:.4f} (mean {mean:.4f})  lr {lr:.2e}  {rate:.0f} img/s  ETA {eta}"
+        )
 
     def _train_batch(
         self, images: torch.Tensor, targets: torch.Tensor, batch_index: int, update: bool, tally: _StepTally
@@ -1139,7 +1288,10 @@ class _Run:
     ) -> None:
         """Rank 0 writes ``last.pt`` (and ``best.pt`` when ``best``) atomically: a run resumed from it goes on at
         batch ``batch_in_epoch`` of ``epoch`` (0-based), the batches before it summed in ``running_sums``."""
+        # every rank knows what rank 0 saved: an interrupted rank says where the run resumes
+        position = SavedPosition(epoch, batch_in_epoch, self.step, finished)
         if not self.context.is_main:
+            self.saved = position
             return
         optimizer, scaler = self.train_step.optimizer, self.train_step.scaler
         payload = {
@@ -1161,6 +1313,7 @@ class _Run:
             "mjp_fast_version": _version(),
         }
         checkpoint_io.save_atomically(payload, self.last_path)
+        self.saved = position  # once written: a write interrupted midway leaves the previous last.pt
         if best:
             checkpoint_io.save_atomically(payload, self.output / BEST_CHECKPOINT)
 

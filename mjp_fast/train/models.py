@@ -12,6 +12,7 @@ mean reduction). Baselines are the plain timm model. ``pos_embed=none`` adds tim
 from __future__ import annotations
 
 import difflib
+import inspect
 from typing import Any
 
 import timm
@@ -22,6 +23,10 @@ import mjp_fast.timm as mjp_timm
 from mjp_fast.train.config import ConfigError, TrainConfig
 
 MJP_PREFIX = "mjp_"
+
+# The config keys that shape a ViT: timm's VisionTransformer (and Eva, BEiT, the relative-position ViTs) takes each
+# by that name and meaning; ResNet and ConvNeXt take none of them, Swin some with other meanings (num_heads per stage).
+VIT_SHAPE_KEYS = ("img_size", "patch_size", "embed_dim", "depth", "num_heads")
 
 
 def base_name(name: str) -> str:
@@ -47,7 +52,7 @@ def model_spec(config: TrainConfig, num_classes: int, *, mjp: bool | None = None
     use_mjp = config.mjp if mjp is None else mjp
     base = base_name(config.model)
     kwargs: dict[str, Any] = {"num_classes": num_classes, "drop_path_rate": config.drop_path}
-    for key in ("img_size", "patch_size", "embed_dim", "depth", "num_heads"):
+    for key in VIT_SHAPE_KEYS:
         value = getattr(config, key)
         if value is not None:
             kwargs[key] = value
@@ -65,6 +70,21 @@ def model_spec(config: TrainConfig, num_classes: int, *, mjp: bool | None = None
         mjp_dal_reduction=config.dal_reduction,
     )
     return MJP_PREFIX + base, kwargs
+
+
+def keywords_taken(model_class: type) -> frozenset[str]:
+    """The keyword arguments that ``model_class(...)`` takes by name. A constructor that passes ``**kwargs`` on
+    (timm's ``VisionTransformerDistilled``) adds those of the next class up its method resolution order."""
+    taken: set[str] = set()
+    for cls in model_class.__mro__:
+        if "__init__" not in vars(cls) or cls is object:
+            continue
+        parameters = inspect.signature(cls.__init__).parameters.values()
+        taken.update(p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+        if not any(p.kind is p.VAR_KEYWORD for p in parameters):
+            break
+    taken.discard("self")
+    return frozenset(taken)
 
 
 def create_model(model_name: str, model_kwargs: dict[str, Any]) -> nn.Module:

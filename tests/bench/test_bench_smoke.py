@@ -217,7 +217,7 @@ def test_mjp_bench_smoke_runs_every_case_into_one_json(tmp_path, capsys):
     (recorded / "cpu-test-2000-01-01.json").write_text(json.dumps({**payload, "smoke": False}))
     page = render.render(recorded)
     assert page.startswith("# Benchmarks")
-    assert "## Summary: the aims, newest suite run per device" in page
+    assert "## Summary: the aims, newest run of each case per device" in page
     assert "### Training step" in page and "### Applying the jigsaw" in page
     assert payload["device"]["torch"] in page
     assert render.render(tmp_path).count("## cpu-") == 0  # the smoke file itself is left out

@@ -61,7 +61,12 @@ def test_timm_log_without_the_last_batch_is_refused():
 def test_mjp_run_reads_metrics_and_times_the_evaluation_from_its_lines(tmp_path):
     record = {"epoch": 1, "step": 40, "train_images_per_second": 400.0, "epoch_seconds": 3.2}
     (tmp_path / "metrics.jsonl").write_text(json.dumps(record) + "\n")
-    lines = [(5.0, "mjp train: deit_tiny_patch16_224 with ..."), (9.7, "epoch   1/1  loss 2.3  400 img/s  3.2 s")]
+    lines = [
+        (5.0, "mjp train: deit_tiny_patch16_224 with ..."),
+        # a log line within the epoch (output not on a terminal) is not the epoch's record
+        (6.1, "epoch   1/1  batch  21/40  loss 2.4102 (mean 2.4800)  lr 1.00e-03  400 img/s  ETA 0:00:01"),
+        (9.7, "epoch   1/1  loss 2.3  400 img/s  3.2 s"),
+    ]
     measured = case.parse_mjp_run(tmp_path, lines)
     assert measured["train_images_per_s"] == 400.0
     assert measured["train_step_s"] == pytest.approx(3.2 / 40)

@@ -324,3 +324,95 @@ def test_a_patch_embed_sweep_marks_the_batch_its_aim_judged(tmp_path, results):
     one_width, one_height = png_size(plots / "nvidia-h200-patch-embed.png")
     sweep_width, sweep_height = png_size(plots / "cpu-test-cpu-patch-embed.png")
     assert one_width < sweep_width <= 1400 and one_height <= sweep_height <= 800
+
+
+def _with_aim(section: dict, verdict: str, measured: float) -> dict:
+    aim = {"aim": f"sampler aim judged {verdict}", "threshold": 50.0, "measured": measured, "unit": "x"}
+    return section | {"aims": [aim | {"verdict": verdict}]}
+
+
+def test_the_page_shows_the_newest_run_of_each_case_per_device_and_the_history_the_rest(tmp_path, results):
+    # cpu-test-cpu: an old suite (a sampler FAIL, the only train_step), the sampler measured again (PASS), an
+    # older single-case sampler run (superseded whole), a newer suite whose sampler raised; a 1-thread run and a
+    # GPU run, older than all of them, each a device of its own.
+    write_suite(
+        results,
+        "cpu-test-cpu-2000-01-02",
+        CPU,
+        "2000-01-02T00:00:00+00:00",
+        {"sampler": _with_aim(sampler_section(), "FAIL", 20.0), "train_step": train_step_section()},
+    )
+    write_suite(
+        results,
+        "cpu-test-cpu-2000-01-03-suite-sampler",
+        CPU,
+        "2000-01-03T00:00:00+00:00",
+        {"sampler": _with_aim(sampler_section(), "PASS", 60.0)},
+    )
+    single = {"benchmark": "sampler", "smoke": False, "date": "2000-01-01T00:00:00+00:00", "device": CPU}
+    single |= _with_aim(sampler_section(), "FAIL", 10.0)
+    (results / "cpu-test-cpu-2000-01-01-sampler.json").write_text(json.dumps(single))
+    broken = {"error": "RuntimeError: boom", "config": {}, "backends": [], "results": [], "aims": []}
+    write_suite(results, "cpu-test-cpu-2000-01-04-suite-sampler", CPU, "2000-01-04T00:00:00+00:00", {"sampler": broken})
+    write_suite(
+        results,
+        "cpu-test-cpu-2000-01-01-threads1",
+        CPU | {"torch_threads": 1},
+        "2000-01-01T00:00:00+00:00",
+        {"sampler": _with_aim(sampler_section(), "FAIL", 30.0)},
+    )
+    write_suite(results, "nvidia-h200-2000-01-01", GPU, "2000-01-01T00:00:00+00:00", {"sampler": sampler_section()})
+
+    runs = render.load_results(results)
+    assert render.shown_cases(runs) == {
+        "cpu-test-cpu-2000-01-03-suite-sampler.json": ["sampler"],  # the newest sampler that ran
+        "cpu-test-cpu-2000-01-02.json": ["train_step"],  # its sampler was measured again
+        "cpu-test-cpu-2000-01-01-threads1.json": ["sampler"],
+        "nvidia-h200-2000-01-01.json": ["sampler"],
+    }
+    newest = render.newest_per_case(runs)
+    assert list(newest) == [
+        ("cpu-test-cpu", "sampler"),
+        ("cpu-test-cpu", "train_step"),
+        ("cpu-test-cpu-threads1", "sampler"),
+        ("nvidia-h200", "sampler"),
+    ]
+
+    out = tmp_path / "docs" / "benchmarks.md"
+    assert render.main(["--results", str(results), "--out", str(out), "--no-plots"]) == 0
+    page, history = out.read_text(), (out.parent / "benchmarks-history.md").read_text()
+    shown = ["cpu-test-cpu-2000-01-03-suite-sampler", "cpu-test-cpu-2000-01-02", "cpu-test-cpu-2000-01-01-threads1"]
+    for stem in [*shown, "nvidia-h200-2000-01-01"]:
+        assert f"## {stem}\n" in page
+    for stem in ("cpu-test-cpu-2000-01-01-sampler", "cpu-test-cpu-2000-01-04-suite-sampler"):
+        assert f"## {stem}\n" not in page and f"## {stem}\n" in history
+
+    # the superseded FAILs are in the history alone; the 1-thread one is that device's newest
+    assert "judged PASS: 60.00x" in page and "judged FAIL: 30.00x" in page
+    assert "20.00x" not in page and "10.00x" not in page
+    assert "judged FAIL: 20.00x" in history and "judged FAIL: 10.00x" in history
+    summary = page[page.index("## Summary") : page.index("## cpu-test-cpu-2000-01-03-suite-sampler")]
+    assert summary.count("sampler aim judged") == 2  # cpu-test-cpu and its 1-thread run; the GPU's has none
+    # a run shown in part says what it leaves out and where it is in full
+    assert (
+        "- left out here, measured again in a newer run: jigsaw sampler (this run in full: "
+        "[benchmarks-history](benchmarks-history.md#cpu-test-cpu-2000-01-02))" in page
+    )
+    assert "the 3 runs it does not show in full" in page
+    assert "[benchmarks-history](benchmarks-history.md)" in page
+    old = history[history.index("## cpu-test-cpu-2000-01-02\n") :]
+    assert "- superseded by `bench/results/cpu-test-cpu-2000-01-03-suite-sampler.json`: jigsaw sampler" in old
+    assert "- still the newest, shown on [benchmarks](benchmarks.md): training step" in old
+    assert history.index("## cpu-test-cpu-2000-01-04") < history.index("## cpu-test-cpu-2000-01-02")  # newest first
+    failed = history[history.index("## cpu-test-cpu-2000-01-04") : history.index("## cpu-test-cpu-2000-01-02")]
+    newest_sampler = "`bench/results/cpu-test-cpu-2000-01-03-suite-sampler.json`"
+    assert f"- did not run (an error), the page shows {newest_sampler} instead: jigsaw sampler" in failed
+
+
+def test_a_history_with_nothing_superseded_says_so(tmp_path, results):
+    write_suite(results, "cpu-test-cpu-2000-01-02", CPU, "2000-01-02T00:00:00+00:00", {"sampler": sampler_section()})
+    out = tmp_path / "docs" / "benchmarks.md"
+    history = tmp_path / "elsewhere" / "old.md"
+    assert render.main(["--results", str(results), "--out", str(out), "--no-plots", "--history", str(history)]) == 0
+    assert "No earlier runs." in history.read_text() and "](../docs/benchmarks.md)" in history.read_text()
+    assert "does not show in full" not in out.read_text()

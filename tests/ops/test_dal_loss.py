@@ -1,3 +1,5 @@
+import warnings
+
 import pytest
 import torch
 
@@ -98,3 +100,28 @@ def test_regressor_arguments_are_checked():
         mjp_fast.DALRegressor(8, "quadratic")
     with pytest.raises(ValueError, match="dim"):
         mjp_fast.DALRegressor(0)
+
+
+@pytest.mark.parametrize("backend", [name for name in ("torch", "cpu") if name in mjp_fast.available_backends()])
+def test_compiled_dal_loss_traces_no_lru_cache(backend, monkeypatch):
+    # Dynamo traces through an lru_cache-wrapped function without consulting it and warns "Silent incorrectness is
+    # only a *potential* risk" (once per message: a fresh record, so an earlier test cannot hide it).
+    import torch._dynamo.utils
+
+    monkeypatch.setattr(torch._dynamo.utils, "warn_once_cache", set())
+    torch.manual_seed(4)
+    regressor = mjp_fast.DALRegressor(8, "nonlinear")
+    pos = torch.randn(12, 8, requires_grad=True)
+    mask = torch.zeros(2, 12, dtype=torch.bool)
+    mask[0, [2, 7]] = True
+    compiled = torch.compile(
+        lambda table, sampled: mjp_fast.dal_loss(table, regressor, (3, 4), sampled, normalize=True, backend=backend),
+        backend="eager",
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loss = compiled(pos, mask)
+    assert not [str(warning.message) for warning in caught if "lru_cache" in str(warning.message)]
+    torch.testing.assert_close(loss, dal_loss_ref(pos, regressor, (3, 4), mask, normalize=True))
+    loss.backward()
+    assert pos.grad is not None and pos.grad.abs().sum() > 0

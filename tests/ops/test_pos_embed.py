@@ -228,3 +228,25 @@ def test_triton_backward_is_deterministic(monkeypatch):
     second = _forward_backward(function, tokens, pos, unk, jigsaw, grad)[1]
     for got, again in zip(first, second):
         assert torch.equal(got, again)
+
+
+@pytest.mark.skipif("cpu" not in BACKENDS, reason="needs the compiled extension")
+def test_compiled_position_step_traces_no_cache(monkeypatch):
+    # The cpu operators are looked up through a cache in eager mode; Dynamo would trace through that cache without
+    # consulting it and warn "Silent incorrectness is only a *potential* risk" (once per message: a fresh record, so
+    # an earlier test cannot hide it).
+    import warnings
+
+    import torch._dynamo.utils
+
+    monkeypatch.setattr(torch._dynamo.utils, "warn_once_cache", set())
+    tokens, pos, unk, jigsaw, grad = _inputs(2, 3, 4, 8, torch.float32)
+    step = functools.partial(pos_embed_module.mjp_position_step, backend="cpu")
+    compiled = torch.compile(lambda t, p, u: step(t, p, u, jigsaw), backend="aot_eager", fullgraph=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = compiled(tokens, pos, unk)
+    assert not [str(warning.message) for warning in caught if "lru_cache" in str(warning.message)]
+    torch.testing.assert_close(out, mjp_pos_embed_ref(tokens, pos, unk, jigsaw), **TOLERANCES[torch.float32])
+    out.backward(grad)
+    assert pos.grad is not None and unk.grad is not None

@@ -1,4 +1,4 @@
-"""Settings runner, table, JSON and grid; ``mjp attack`` end to end on a folder of photos."""
+"""Settings runner, table, JSON and grid (``mjp attack`` end to end: test_cli.py)."""
 
 import json
 
@@ -7,7 +7,6 @@ import pytest
 import torch
 from PIL import Image
 
-from mjp_fast.cli import main
 from mjp_fast.privacy import METRICS, SETTINGS, april_attack, markdown_table, run_settings, save_grid, write_json
 from mjp_fast.privacy.report import CAPTION_HEIGHT, GAP, GRID_COLUMNS
 from mjp_fast.privacy.settings import SAMPLE_PHOTOS, load_images
@@ -57,38 +56,6 @@ def test_load_images(tmp_path):
         load_images(tmp_path)
     with pytest.raises(ValueError, match="not a folder"):
         load_images(tmp_path / "missing")
-
-
-def test_mjp_attack_command(tmp_path, photos, capsys):
-    names, images = photos
-    folder = tmp_path / "photos"
-    folder.mkdir()
-    for name, image in zip(names[:2], images[:2], strict=True):
-        array = (image.permute(1, 2, 0).numpy() * 255).round().astype("uint8")
-        Image.fromarray(array).save(folder / f"{name}.png")
-    (folder / "notes.txt").write_text("not an image")
-    out = tmp_path / "attack.json"
-    grid = tmp_path / "attack.png"
-    status = main(["attack", "--images", str(folder), "--ratio", "0.5", "--json", str(out), "--grid", str(grid)])
-    assert status == 0
-    result = json.loads(out.read_text())
-    assert set(result) == set(SETTINGS)
-    assert all(set(row) == set(METRICS) for row in result.values())
-    assert result["a"]["psnr"] > 60 and result["no_unk_b"]["psnr"] > 60
-    assert result["b"]["psnr"] < 15 and result["c"]["psnr"] < 15
-    assert grid.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    printed = capsys.readouterr().out
-    assert "| `no_unk_c` |" in printed and "jigsaw ratio 0.5" in printed
-
-
-@pytest.mark.parametrize(
-    ("arguments", "message"),
-    [(["--ratio", "1.5"], "ratio must be in"), (["--images", "/nonexistent/folder"], "not a folder")],
-)
-def test_mjp_attack_rejects_bad_arguments(arguments, message, tmp_path, capsys):
-    status = main(["attack", "--grid", str(tmp_path / "g.png"), *arguments])
-    assert status == 2
-    assert message in capsys.readouterr().err
 
 
 def test_grid_captions_do_not_run_into_each_other_on_small_images(tmp_path):

@@ -46,8 +46,25 @@ def test_trained_weights_in_the_attack_layout_give_the_same_tokens_and_leak_the_
 def test_models_the_analytic_attack_cannot_take_say_why():
     narrow = _trained("deit_tiny_patch16_224", embed_dim=16)
     victim, reason = trained_attack_model(narrow)
-    assert victim is None and "at least the 17 tokens" in reason and "16 wide" in reason
+    # the numbers are the trained models' own (8 px in 2-pixel patches), not those of the attack's fallback model
+    assert victim is None and "at 8 px in 2-pixel patches (17 tokens: a 4x4 grid" in reason
+    assert "12 values a patch), are 16 wide" in reason
     no_positions = _trained("deit_tiny_patch16_224", pos_embed="none")
     assert trained_attack_model(no_positions)[0] is None
     fresh = fresh_attack_model(32, 2, 10, depth=1, seed=0)
     assert fresh.pos_embed.shape[-1] == 272 and fresh.img_size == 32 and fresh.pos_embed.dtype == torch.float64
+
+
+def test_the_fallback_says_its_own_tokens_and_the_trained_models(cifar_sample):
+    # The fallback model takes CIFAR's 32 px (257 tokens); the trained models' numbers (8 px: 17 tokens) are theirs.
+    from mjp_fast.reproduce.attack import run_attack
+
+    narrow = _trained("deit_tiny_patch16_224", embed_dim=16)
+    attack = run_attack(
+        narrow, narrow, data=cifar_sample, split="test", images=1, ratios=[0.5], seed=0, fallback_depth=1,
+        patch_size=2,
+    )  # fmt: skip
+    assert attack["mode"] == "fresh" and attack["image_size"] == 32
+    description = attack["description"]
+    assert description.startswith("a freshly initialised PrivacyViT (272 wide for its 257 tokens, 1 block, patch 2)")
+    assert "the trained models, at 8 px in 2-pixel patches (17 tokens: a 4x4 grid" in description

@@ -115,7 +115,12 @@ def test_a_folder_with_a_run_is_not_overwritten(cifar_tree, tmp_path, capsys):
 def test_bad_data_layout(tmp_path, capsys):
     (tmp_path / "data" / "train").mkdir(parents=True)
     assert main(["train", "--data", str(tmp_path / "data"), "--output", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "has no" in err and "/data/test folder" in err and "expected <data>/<split>/<class>/<image>" in err
+    (tmp_path / "data" / "val").mkdir()
+    assert main(["train", "--data", str(tmp_path / "data"), "--output", str(tmp_path / "run")]) == 2
     assert "has no class folders" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()  # nothing written before the data is found usable
 
 
 def test_nan_exits_with_code_3(cifar_tree, tmp_path, monkeypatch, capsys):

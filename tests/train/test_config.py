@@ -154,3 +154,65 @@ def test_the_ablation_keys_round_trip_through_a_saved_config(tmp_path):
     save_config(config, tmp_path / "config.yaml")
     again = load_config(tmp_path / "config.yaml")
     assert (again.pos_embed, again.mjp_unk, again.dal_reduction) == ("none", False, "sum")
+
+
+def test_a_warmup_that_was_not_set_is_fitted_to_a_short_run():
+    for source, overrides, default in (
+        (None, ["epochs=1"], 20),
+        ("digits", ["epochs=2"], 3),
+        ("deit_s", ["epochs=15"], 20),
+    ):
+        config = load_config(source, overrides)
+        assert config.warmup_epochs == config.epochs // 10 < config.epochs  # a tenth of the run
+        (note,) = config.notes
+        assert f"warmup_epochs={default} (not set here) does not fit in epochs={config.epochs}" in note
+        assert "set warmup_epochs to choose another" in note
+    # a warm-up as long as the run would never start the jigsaw (mjp_from_epoch = warmup_epochs): it is fitted too
+    assert load_config("digits", ["epochs=3"]).warmup_epochs == 0
+    # one that fits is kept, and nothing is said
+    config = load_config("digits", ["epochs=10"])
+    assert config.warmup_epochs == 3 and config.notes == ()
+
+
+def test_a_warmup_that_the_user_set_is_never_fitted(tmp_path):
+    with pytest.raises(ConfigError, match=r"warmup_epochs \(20\) must be <= epochs \(1\)"):
+        load_config(None, ["epochs=1", "warmup_epochs=20"])
+    with pytest.raises(ConfigError, match=r"warmup_epochs \(5\) must be <= epochs \(2\)"):
+        load_config("digits", ["epochs=2"], warmup_epochs=5)
+    path = tmp_path / "mine.yaml"  # the user's own file: its keys are the user's
+    path.write_text("warmup_epochs: 5\n")
+    with pytest.raises(ConfigError, match=r"warmup_epochs \(5\) must be <= epochs \(2\)"):
+        load_config(path, ["epochs=2"])
+    assert load_config(None, ["epochs=2", "warmup_epochs=2"]).warmup_epochs == 2  # as long as the run: allowed
+
+
+def test_explicit_keys_are_the_users_own():
+    assert load_config("digits", ["model=resnet18"]).explicit_keys == {"model"}
+    assert load_config("deit_s", data="/data").explicit_keys == {"data"}  # a bundled recipe's keys are defaults
+    assert load_config(None, ["epochs=3"], data="/d").explicit_keys == {"epochs", "data"}
+    assert TrainConfig().explicit_keys is None and TrainConfig().is_explicit("img_size")  # unknown: all
+    config = load_config("digits")
+    assert config.explicit_keys == frozenset() and not config.is_explicit("img_size")
+    changed = config.replace(img_size=32)
+    assert changed.is_explicit("img_size") and not config.is_explicit("img_size")
+    fitted = config.fitted("a note", img_size=None)
+    assert fitted.img_size is None and not fitted.is_explicit("img_size") and fitted.notes == ("a note",)
+    assert fitted.replace(epochs=3).notes == ("a note",)  # notes stay through copies
+    assert fitted == config.replace(img_size=None)  # not fields: equality, saving and listing ignore them
+
+
+def test_every_bad_value_is_reported_at_once():
+    with pytest.raises(ConfigError) as error:
+        load_config(None, ["mjp_ratio=2", "smoothing=1", "epochs=1", "warmup_epochs=3"])
+    assert error.value.problems == [
+        "mjp_ratio must be in [0, 1], got 2.0",
+        "smoothing must be < 1, got 1.0",
+        "warmup_epochs (3) must be <= epochs (1)",
+    ]
+    assert str(error.value) == "3 problems:\n  " + "\n  ".join(error.value.problems)
+    assert error.value.config is not None and error.value.config.mjp_ratio == 2.0  # for the caller's own checks
+    with pytest.raises(ConfigError) as error:
+        load_config(None, ["mjp_ratio=2"])
+    assert str(error.value) == "mjp_ratio must be in [0, 1], got 2.0"  # one problem: its line alone
+    # a value of the wrong type is reported alone: the range checks need the types
+    assert TrainConfig(epochs="many", mjp_ratio=2.0).problems() == ["epochs must be an integer, got 'many'"]

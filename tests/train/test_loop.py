@@ -3,14 +3,18 @@
 import contextlib
 import json
 import math
+import re
 import sys
+import types
 
 import pytest
 import torch
+from PIL import Image
 from timm.loss import SoftTargetCrossEntropy
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from mjp_fast.train import loop
+from mjp_fast.cli import main
+from mjp_fast.train import curves, loop
 from mjp_fast.train.checkpoint import load_checkpoint, load_model
 from mjp_fast.train.config import load_config
 from mjp_fast.train.loop import TrainingDiverged, count_parameters, dal_weight_at, describe_model, plural, train
@@ -26,17 +30,17 @@ class _Interrupt(Exception):
 
 
 @contextlib.contextmanager
-def _killed_after(steps: int):
-    """Within this context a run dies in its optimizer step number ``steps + 1``: after step ``steps`` and anything
-    that step saved, before the next one can save. A hook of torch's own on every optimizer's step: the loop keeps
-    nothing for tests."""
+def _killed_after(steps: int, error: type[BaseException] = _Interrupt):
+    """Within this context a run dies (raises ``error``) in its optimizer step number ``steps + 1``: after step
+    ``steps`` and anything that step saved, before the next one can save. A hook of torch's own on every optimizer's
+    step: the loop keeps nothing for tests."""
     taken = 0
 
     def hook(optimizer, args, kwargs):
         nonlocal taken
         taken += 1
         if taken > steps:
-            raise _Interrupt(f"stopped after step {steps}")
+            raise error(f"stopped after step {steps}")
 
     handle = register_optimizer_step_post_hook(hook)
     try:
@@ -49,7 +53,11 @@ def test_tiny_run_end_to_end(cifar_tree, tmp_path):
     config = _config(cifar_tree, tmp_path / "run")
     result = train(config)
     output = tmp_path / "run"
-    assert sorted(path.name for path in output.iterdir()) == ["best.pt", "config.yaml", "last.pt", "metrics.jsonl"]
+    names = ["best.pt", "config.yaml", "curves.png", "last.pt", "metrics.jsonl"]
+    assert sorted(path.name for path in output.iterdir()) == names
+    with Image.open(output / "curves.png") as image:  # a PNG that decodes
+        image.load()
+        assert image.format == "PNG" and image.width > 200
     records = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
     assert [record["epoch"] for record in records] == [1, 2]
     assert records == result.history
@@ -387,3 +395,142 @@ def test_records_time_training_and_evaluation_apart(tmp_path):
         assert record["eval_seconds"] is None or record["eval_seconds"] > 0
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [line["eval_seconds"] is None for line in lines] == [True, False, False]
+
+
+def _interrupt_line(err: str) -> str:
+    """The interrupt's message: stderr's last line, and its only one about the interrupt (notes may come first)."""
+    assert err.endswith("\n") and err.count("mjp train: interrupted") == 1, err
+    return err.splitlines()[-1]
+
+
+def _train_arguments(cifar_tree, output, **changes) -> list[str]:
+    return ["train", "--data", str(cifar_tree), "--output", str(output), *tiny_overrides(**changes)]
+
+
+def test_ctrl_c_before_the_first_checkpoint_says_nothing_can_be_resumed(cifar_tree, tmp_path, capsys):
+    output = tmp_path / "run"
+    arguments = _train_arguments(cifar_tree, output, epochs=1, warmup_epochs=0)
+    with _killed_after(2, KeyboardInterrupt):
+        assert main(arguments) == 130
+    err = capsys.readouterr().err
+    assert _interrupt_line(err) == (
+        f"mjp train: interrupted in epoch 1/1, before the run's first checkpoint: nothing to resume in {output}; "
+        "running the same command again starts the run over. Checkpoints are written at the end of each epoch, and "
+        "with checkpoint_steps=N also every N optimizer steps within one"
+    )
+    assert not (output / "last.pt").exists()
+    # the advice holds: --resume has nothing to resume, the same command starts over
+    assert main(["train", "--output", str(output), "--resume"]) == 2
+    assert "nothing to resume" in capsys.readouterr().err
+    assert main(arguments) == 0
+
+
+def test_ctrl_c_after_a_checkpoint_names_the_folder_and_where_the_run_resumes(cifar_tree, tmp_path, capsys):
+    output = tmp_path / "run with space"  # the command is quoted for the shell
+    arguments = _train_arguments(cifar_tree, output, epochs=2, checkpoint_steps=2)
+    with _killed_after(9, KeyboardInterrupt):  # 6 steps an epoch: the last checkpoint is step 8, epoch 2's second
+        assert main(arguments) == 130
+    err = capsys.readouterr().err
+    assert _interrupt_line(err) == (
+        f"mjp train: interrupted in epoch 2/2; {output}/last.pt is kept (resumes at epoch 2, batch 2): continue with "
+        f"mjp train --output '{output}' --resume"
+    )
+    assert main(["train", "--output", str(output), "--resume"]) == 0
+    assert "resuming" in capsys.readouterr().out
+
+
+def test_ctrl_c_clears_the_progress_bar_before_the_message(cifar_tree, tmp_path, capsys):
+    arguments = _train_arguments(cifar_tree, tmp_path / "run", epochs=1, warmup_epochs=0, progress="on")
+    with _killed_after(2, KeyboardInterrupt):
+        assert main(arguments) == 130
+    err = capsys.readouterr().err
+    bar, message = err.split("mjp train: interrupted", 1)
+    assert "epoch 1/1" in bar  # the bar was drawn ...
+    assert bar.endswith(("\r", "\n"))  # ... and cleared: the message starts its own line
+
+
+_LOG_LINE = re.compile(
+    r"epoch +(\d+)/(\d+)  batch +(\d+)/(\d+)  loss (\S+) \(mean (\S+)\)  lr (\S+)  (\d+) img/s  ETA (\d+:\d\d:\d\d)"
+)
+
+
+def test_without_a_progress_bar_a_line_every_log_interval(cifar_tree, tmp_path, capsys):
+    # progress=auto and stderr captured (not a terminal): no bar, log lines instead, at the reads the loop makes
+    result = train(_config(cifar_tree, tmp_path / "lines", progress="auto", log_interval=2))
+    out = capsys.readouterr().out
+    lines = [_LOG_LINE.fullmatch(line) for line in out.splitlines() if line.startswith("epoch") and "batch" in line]
+    assert all(lines), out
+    assert [(int(m[1]), int(m[3])) for m in lines] == [(e, b) for e in (1, 2) for b in (1, 3, 5)]  # 6 batches each
+    assert all(m[2] == "2" and m[4] == "6" and int(m[8]) > 0 for m in lines)
+    for match in lines:
+        assert math.isfinite(float(match[5])) and 0 < float(match[7]) <= 1e-3
+    # the first line of an epoch has one batch: its mean is its loss; the epoch's mean is the record's loss
+    assert lines[0][5] == lines[0][6] and lines[3][5] == lines[3][6]
+    assert abs(float(lines[5][6]) - result.history[1]["train_loss"]) < 0.5
+    # each line follows its epoch's batches: epoch 1's lines come before epoch 1's record line
+    assert out.index("epoch   1/2  batch 5/6") < out.index("epoch   1/2  loss ") < out.index("epoch   2/2  batch 1/6")
+
+
+def test_the_progress_bar_replaces_the_log_lines(cifar_tree, tmp_path, capsys):
+    train(_config(cifar_tree, tmp_path / "bar", progress="on", log_interval=2, epochs=1, warmup_epochs=0))
+    captured = capsys.readouterr()
+    assert not any(_LOG_LINE.search(line) for line in captured.out.splitlines())
+    assert "epoch 1/1" in captured.err and "img" in captured.err  # tqdm's bar, on stderr
+
+
+def test_curves_are_redrawn_during_a_run_only_after_a_while(cifar_tree, tmp_path, monkeypatch):
+    drawn = []
+    original = curves.write_curves
+
+    def recording(histories, path, title=""):
+        drawn.append((path.name, {name: len(history) for name, history in histories.items()}))
+        return original(histories, path, title)
+
+    monkeypatch.setattr(curves, "write_curves", recording)
+    config = _config(cifar_tree, tmp_path / "slow", epochs=3, max_train_samples=16)
+    train(config)  # short epochs: drawn once, at the end
+    assert drawn == [("curves.png", {"slow": 3})]
+    drawn.clear()
+    monkeypatch.setattr(curves, "REFRESH_SECONDS", 0.0)  # as if every epoch took longer than the refresh time
+    train(config.replace(output=str(tmp_path / "fast")))
+    assert drawn == [("curves.png", {"fast": 1}), ("curves.png", {"fast": 2}), ("curves.png", {"fast": 3})]
+
+
+def test_tensorboard_gets_every_numeric_value_of_each_epochs_record(cifar_tree, tmp_path, monkeypatch):
+    # tensorboard is not installed here: a stand-in SummaryWriter records what the loop writes
+    writers = []
+
+    class RecordingWriter:
+        def __init__(self, log_dir):
+            self.log_dir, self.scalars, self.closed = log_dir, {}, False
+            writers.append(self)
+
+        def add_scalar(self, tag, value, step):
+            self.scalars[tag, step] = value
+
+        def flush(self):
+            pass
+
+        def close(self):
+            self.closed = True
+
+    module = types.ModuleType("torch.utils.tensorboard")
+    module.SummaryWriter = RecordingWriter
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", module)
+    result = train(_config(cifar_tree, tmp_path / "board", tensorboard=True))
+    (writer,) = writers
+    assert writer.log_dir == str(tmp_path / "board" / "tensorboard") and writer.closed
+    expected = {
+        (key, record["epoch"]): value
+        for record in result.history
+        for key, value in record.items()
+        if isinstance(value, (int, float)) and key != "epoch"
+    }
+    assert writer.scalars == expected
+    assert {("train_loss", 1), ("train_loss", 2), ("lr", 2), ("top1", 2)} <= set(writer.scalars)
+
+
+def test_tensorboard_without_the_package_is_a_config_error(cifar_tree, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails, as when not installed
+    with pytest.raises(ValueError, match=r"tensorboard=true needs the tensorboard package"):
+        train(_config(cifar_tree, tmp_path / "board", tensorboard=True))

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from mjp_fast.train.config import ConfigError, load_config
-from mjp_fast.train.models import create_model, model_spec
+from mjp_fast.train.models import VIT_SHAPE_KEYS, create_model, keywords_taken, model_spec
 from tests.train.helpers import tiny_overrides
 
 
@@ -72,3 +72,17 @@ def test_checkpoints_written_before_the_ablation_keys_still_load():
     rebuilt = create_model("mjp_vit_tiny_patch16_224", old_kwargs)
     rebuilt.load_state_dict(model.state_dict())  # strict: the same keys
     assert rebuilt.mjp.unk_embed is not None and rebuilt.mjp.dal_scale == 0.5
+
+
+def test_keywords_taken_follow_kwargs_up_the_class_tree():
+    from timm.models.deit import VisionTransformerDistilled
+    from timm.models.resnet import ResNet
+    from timm.models.swin_transformer import SwinTransformer
+    from timm.models.vision_transformer import VisionTransformer
+
+    assert set(VIT_SHAPE_KEYS) <= keywords_taken(VisionTransformer)
+    # VisionTransformerDistilled.__init__(*args, **kwargs) hands everything to VisionTransformer's
+    assert keywords_taken(VisionTransformerDistilled) == keywords_taken(VisionTransformer)
+    assert not set(VIT_SHAPE_KEYS) & keywords_taken(ResNet) and "num_classes" in keywords_taken(ResNet)
+    assert set(VIT_SHAPE_KEYS) - keywords_taken(SwinTransformer) == {"depth"}  # depths, per stage
+    assert "self" not in keywords_taken(ResNet)
