@@ -10,13 +10,13 @@ same weight (0.01). The paper's code regresses raw integer coordinates; ``normal
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from mjp_fast import backend as backend_module
+from mjp_fast._eager_cache import eager_cache
 from mjp_fast._validate import check_grid_size, check_position_table, check_tensor
 
 
@@ -65,19 +65,10 @@ def dal_loss_ref(
     return total / max(count, 1)
 
 
+@eager_cache(maxsize=64)
 def _coordinates(rows: int, cols: int, normalize: bool, device: str) -> torch.Tensor:
     """:func:`grid_coordinates` float32 ``[rows * cols, 2]``: made once per grid and device in eager mode (the
-    per-step path builds nothing), built in the graph under torch.compile."""
-    if torch.compiler.is_compiling():
-        # Dynamo would trace through an lru_cache without consulting it (and warn of silent incorrectness); a few
-        # arange ops in the graph are what the compiler can see and fold.
-        return grid_coordinates((rows, cols), normalize=normalize, device=torch.device(device))
-    return _cached_coordinates(rows, cols, normalize, device)
-
-
-@functools.lru_cache(maxsize=64)
-def _cached_coordinates(rows: int, cols: int, normalize: bool, device: str) -> torch.Tensor:
-    """The eager path of :func:`_coordinates`: one tensor per grid and device, reused every step."""
+    per-step path builds nothing); under torch.compile a few arange ops in the graph, which it can fold."""
     return grid_coordinates((rows, cols), normalize=normalize, device=torch.device(device))
 
 
@@ -90,18 +81,10 @@ if backend_module.triton_importable():
     from mjp_fast.triton import dal_loss as _triton_kernels
 
 
+@eager_cache()
 def _extension_operator() -> Callable[..., torch.Tensor]:
-    """``dal_loss_extension_autograd`` (the extension's fused DAL with its autograd in C++): looked up once in eager
-    mode (each attribute of ``torch.ops`` is a Python lookup, and this runs every step); under torch.compile the
-    lookup itself, which Dynamo resolves while tracing (it would trace through a cache without consulting it)."""
-    if torch.compiler.is_compiling():
-        return torch.ops.mjp_fast.dal_loss_extension_autograd.default
-    return _cached_extension_operator()
-
-
-@functools.cache
-def _cached_extension_operator() -> Callable[..., torch.Tensor]:
-    """The eager path of :func:`_extension_operator`."""
+    """``dal_loss_extension_autograd`` (the extension's fused DAL with its autograd in C++), looked up once: each
+    attribute of ``torch.ops`` is a Python lookup, and this runs every step."""
     return torch.ops.mjp_fast.dal_loss_extension_autograd.default
 
 

@@ -23,13 +23,13 @@ composition's 5.5 ms.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from mjp_fast import backend as backend_module
+from mjp_fast._eager_cache import eager_cache
 from mjp_fast._validate import check_float_dtype, check_position_table, check_same_device, check_tensor
 from mjp_fast.ops.dal_loss import _fused_layers
 from mjp_fast.ops.permute import _move
@@ -145,19 +145,10 @@ if backend_module.triton_importable():
     from mjp_fast.triton import pos_embed as _triton_kernels
 
 
+@eager_cache()
 def _extension_operator() -> Callable[..., torch.Tensor]:
-    """``pos_embed_extension_autograd`` (the ``cpu`` kernels with their autograd in C++): looked up once in eager
-    mode (each attribute of ``torch.ops`` is a Python lookup, and this runs every step); under torch.compile the
-    lookup itself, which Dynamo resolves while tracing (it would trace through a cache without consulting it, and
-    warn of silent incorrectness)."""
-    if torch.compiler.is_compiling():
-        return torch.ops.mjp_fast.pos_embed_extension_autograd.default
-    return _cached_extension_operator()
-
-
-@functools.cache
-def _cached_extension_operator() -> Callable[..., torch.Tensor]:
-    """The eager path of :func:`_extension_operator`."""
+    """``pos_embed_extension_autograd`` (the ``cpu`` kernels with their autograd in C++), looked up once: each
+    attribute of ``torch.ops`` is a Python lookup, and this runs every step."""
     return torch.ops.mjp_fast.pos_embed_extension_autograd.default
 
 
@@ -285,17 +276,9 @@ def _kernel_inputs(
     )
 
 
+@eager_cache()
 def _extension_step_with_dal() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-    """``mjp_step_extension_autograd``: the ``cpu`` position step and DAL loss as one operator (autograd in C++),
-    looked up as :func:`_extension_operator` is."""
-    if torch.compiler.is_compiling():
-        return torch.ops.mjp_fast.mjp_step_extension_autograd.default
-    return _cached_extension_step_with_dal()
-
-
-@functools.cache
-def _cached_extension_step_with_dal() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-    """The eager path of :func:`_extension_step_with_dal`."""
+    """``mjp_step_extension_autograd``: the ``cpu`` position step and DAL loss as one operator (autograd in C++)."""
     return torch.ops.mjp_fast.mjp_step_extension_autograd.default
 
 
