@@ -203,7 +203,7 @@ def _forward_finish_kernel(
             pred_col - tl.load(coords_ptr + rows * 2 + 1, mask=ok, other=0.0)
         )
         loss += tl.where(ok, weights * error, 0.0)
-    tl.store(loss_ptr, scale * tl.sum(loss, axis=0))
+    tl.store(loss_ptr, (scale.to(tl.float32) * tl.sum(loss, axis=0)).to(loss_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -216,7 +216,10 @@ def _grad_prediction(grad_ptr, pred_ptr, coords_ptr, weights_ptr, rows, N, scale
     offsets = rows.to(tl.int64)[:, None] * 2 + coord[None, :]
     difference = tl.load(pred_ptr + offsets, mask=ok, other=0.0) - tl.load(coords_ptr + offsets, mask=ok, other=0.0)
     sign = tl.where(difference > 0, 1.0, tl.where(difference < 0, -1.0, 0.0))
-    factor = tl.load(grad_ptr).to(tl.float32) * scale * tl.load(weights_ptr + rows, mask=row_ok, other=0.0)
+    # scale is a Python float: float32 in an eager launch, float64 where inductor launches the kernel (torch's
+    # triton_utils gives Python floats fp64), and tl.dot takes no float64 operand next to a float32 one
+    factor = tl.load(grad_ptr).to(tl.float32) * scale.to(tl.float32)
+    factor *= tl.load(weights_ptr + rows, mask=row_ok, other=0.0)
     return sign * factor[:, None]
 
 
