@@ -392,6 +392,12 @@ def _dal_loss_variants(dal_loss) -> list[tuple[str, object, dict[str, str], dict
                     options,
                 )
             )
+    # Under torch.compile, inductor launches these kernels itself and types a Python float argument as fp64 (torch
+    # 2.11's triton_utils.signature_of), where an eager launch passes fp32: the H100's first compiled step failed so.
+    for name, kernel, signature, constexprs, options in list(variants):
+        if signature.get("scale") == "fp32" and ("fp32/fp32" in name or "bf16/bf16" in name or "mask=True" in name):
+            if "sizes=1" not in name:
+                variants.append((f"{name} scale=fp64", kernel, {**signature, "scale": "fp64"}, constexprs, options))
     # A ViT's full table, its class token's row first: skip_rows = 1 alone a constexpr.
     for name, kernel, signature, constexprs, options in list(variants):
         if "nonlinear bf16/bf16" in name:

@@ -25,8 +25,10 @@ def test_every_triton_kernel_compiles_for_hopper():
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
     assert result.stdout.count("ok   sm_90") >= 18 and "\n0 failed" in result.stdout
     # the DAL loss: forward (partial and finish) and backward, nonlinear and linear, float32, bfloat16 and mixed,
-    # with the sizes of 1 that a launch makes constexpr, and a class token's row skipped (skip_rows = 1)
-    assert result.stdout.count("ok   sm_90 dal_loss") == 19
+    # with the sizes of 1 that a launch makes constexpr, a class token's row skipped (skip_rows = 1), and the float
+    # scale typed fp64 as inductor launches the kernels under torch.compile
+    assert result.stdout.count("ok   sm_90 dal_loss") == 25
+    assert len(re.findall(r"ok   sm_90 dal_loss (backward|forward_finish)[^\n]* scale=fp64", result.stdout)) == 6
     # prefix rows: P = Q = 1 (constexpr, as a ViT's class token launches them), P = 0, P = 5 (int32 arguments)
     for kernel in ("patch_embed forward", "patch_embed grad_images", "patch_embed grad_weight", "pos_embed forward"):
         for prefix in ("P=1", "P=0", "P=5"):
