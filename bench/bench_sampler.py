@@ -208,7 +208,7 @@ def format_timing_per_mask(row: dict) -> str:
     return format_timing(timing, scale=row["batch"])
 
 
-def _aims(rows: list[dict], *, smoke: bool, errors: dict[str, str] | None = None) -> list[dict]:
+def _aims(rows: list[dict], *, smoke: bool, errors: dict[str, str] | None = None, device: str = "cpu") -> list[dict]:
     speedups = [row["speedup_vs_python"] for row in rows if row["implementation"] == "cpu"]
     worst = min(speedups) if speedups else None
     aim = {
@@ -221,6 +221,8 @@ def _aims(rows: list[dict], *, smoke: bool, errors: dict[str, str] | None = None
     }
     if errors and "cpu" in errors:  # a sampler that raises misses the aim, whatever its other timings
         aim.update(verdict="FAIL", note=f"the cpu backend raised: {errors['cpu']}")
+    elif worst is None and device != "cpu":
+        aim["note"] = "measured on the CPU only: run the case with --device cpu"
     elif worst is None:
         aim["note"] = "the compiled extension mjp_fast._C is not available on this machine"
     elif smoke:
@@ -245,7 +247,7 @@ def collect(*, smoke: bool, device: str, repeats: int | None = None) -> dict:
         "backends": backends,
         "results": rows,
         "errors": errors,
-        "aims": _aims(rows, smoke=smoke, errors=errors),
+        "aims": _aims(rows, smoke=smoke, errors=errors, device=device),
     }
 
 

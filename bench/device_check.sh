@@ -16,18 +16,20 @@
 #   1. preflight: versions, nvcc, nvidia-smi, the GPU; a missing GPU ends the run 30 s   ~10 s
 #   2. build the extension with CUDA for sm_90 (skipped when already built)       90 s    23 s
 #   3. import mjp_fast and its extension; the backends                            30 s   ~8 s
-#   4. every test with a CUDA or Triton variant, real kernels (TRITON_INTERPRET=0) 150 s  117 s
+#   4. every test with a CUDA or Triton variant, real kernels (TRITON_INTERPRET=0),
+#      but max-autotune; -v, so that a run cut short still names its failures     180 s  117 s (H100: over 160)
 #   5. `mjp train` with sync_debug=true (set_sync_debug_mode("error")), eager:
 #      the digits preset, MJP from step 1, 32 steps of batch 32                    60 s   ~20 s
 #   6. the same under torch.compile (inductor)                                    120 s   ~60 s (DeiT-Ti: 51 s)
 #   7. timm-family sweep, triton backend on cuda, 1 block per model, models
-#      round-robin over the families, no model started after 60 s                 90 s   ~75 s
-#   8. benchmarks, eager: sampler, patch_embed, host_cost, train_step, batch 256  200 s   ~70 s (60 s without
-#                                                                                          host_cost)
+#      round-robin over the families, no model started after 30 s                 60 s   ~40 s (36 s a model)
+#   8. benchmarks, eager, in this order: train_step (batch 256), patch_embed,
+#      sampler, host_cost; the JSON is written after each case                    200 s   H100: patch_embed
+#                                                                                          43 s, sampler 85 s
 #   9. train_step benchmark under torch.compile                                the rest  ~160 s left: cut there
-#   the command: sum of the expected times 1-8 = ~385 s; with 9, the deadline     540 s
+#   the command: sum of the expected times 1-7 = ~400 s; 8 and 9 get the rest      540 s
 #   the session: start-up + command + transfers                                         ~11 min of the 15
-#   If stages 1-7 all ran to their limits (570 s) stages 8-9 would not run: the new checks come first.
+#   If stages 1-7 all ran to their limits (570 s) stages 8-9 would not run: the correctness checks come first.
 #
 # `bash bench/device_check.sh tests` runs stages 1-4. `bash bench/device_check.sh reproduce [KEY=VALUE ...]` runs
 # `mjp reproduce --preset gpu` alone, under a deadline of 570 s (the KEY=VALUE overrides go to mjp reproduce, e.g.
@@ -198,18 +200,31 @@ sys.exit(0 if C.has_cuda() else 'the extension was built without its CUDA kernel
 }
 
 tests() {
+  # max-autotune benchmarks many GEMM configurations per graph (minutes on its own): the default mode runs here,
+  # the same test with max-autotune where a longer check has the time
   local selection=(tests/ops tests/test_compile.py tests/test_timm.py tests/test_timm_patch_embed.py tests/test_nn.py
-    tests/sampler tests/test_host_cost.py tests/test_gpu.py -k "cuda or triton or compile or gpu")
+    tests/sampler tests/test_host_cost.py tests/test_gpu.py -k "(cuda or triton or compile or gpu) and not max-autotune")
   if [[ $dry_run == 1 ]]; then  # no GPU: the selection is collected under the image's versions, not run
     stage "tests (dry run: collection only)" 150 tests.log \
       python3 -m pytest -q -p no:cacheprovider --co "${selection[@]}"
   else
-    stage "tests" 150 tests.log python3 -m pytest -q -p no:cacheprovider -n 8 "${selection[@]}"
+    # -v: each test's name and outcome as it ends (the H100's first run, 2026-11-26, was stopped at its limit with
+    # 13 failures that -q had not yet named); --timeout: a test that hangs fails with its stack after 100 s
+    # instead of holding its worker to the stage's end; -n 12 of the 16 cores, the others for the GPU's host work
+    stage "tests" 180 tests.log python3 -m pytest -v -p no:cacheprovider -n 12 --timeout 100 --durations 15 -rfE \
+      --tb=short "${selection[@]}"
   fi
-  tail -n 25 "$work/tests.log"
+  grep -E "^(FAILED|ERROR) |Timeout" "$work/tests.log" | cut -c1-200 | head -n 40
+  grep -E "slowest|^[0-9.]+s (call|setup)" "$work/tests.log" | head -n 16
   local counts
   counts=$(grep -Eo '[0-9/]+ (passed|failed|skipped|errors?|tests? collected)' "$work/tests.log" | tr '\n' ' ')
+  [[ -z $counts ]] && counts="$(grep -c ' PASSED ' "$work/tests.log") passed, $(grep -c ' FAILED ' \
+"$work/tests.log") failed before the stage ended"
   summary+=("  tests: $counts")
+  local failed
+  failed=$(grep -E "^FAILED |\] FAILED " "$work/tests.log" | grep -Eo "tests/[^ ]+" | sort -u | head -n 30)
+  [[ -n $failed ]] && summary+=("  failed: ${failed//$'\n'/ }")
+  return 0
 }
 
 sync_train() {
@@ -223,14 +238,16 @@ sync_train() {
 }
 
 timm_sweep() {
-  stage "timm sweep, triton on cuda" 90 timm-sweep.log python3 bench/timm_coverage.py --device cuda --backend triton \
-    --depth 1 --time-limit 60 --json "$out/timm-coverage-cuda-triton.json" --doc "$work/timm-coverage-cuda-triton.md"
+  stage "timm sweep, triton on cuda" 60 timm-sweep.log python3 bench/timm_coverage.py --device cuda --backend triton \
+    --depth 1 --time-limit 30 --json "$out/timm-coverage-cuda-triton.json" --doc "$work/timm-coverage-cuda-triton.md"
   grep -E "pass|FAILED" "$work/timm-sweep.log" | tail -n 12
 }
 
 benchmarks() {
+  # each case's own repeats (sampler and host_cost 15); the JSON is written after every case, so a case cut at
+  # the deadline loses only itself
   stage "benchmarks, eager" 200 bench_eager.log python3 -m bench.run --device cuda \
-    --cases sampler,patch_embed,host_cost,train_step --repeats 30 --out "$out"
+    --cases train_step,patch_embed,sampler,host_cost --out "$out"
   grep -E "^(PASS|FAIL|NOT RUN|NOISY|ERROR)" "$work/bench_eager.log" | head -n 30
   stage "benchmarks, torch.compile" 600 bench_compiled.log python3 -m bench.run --device cuda --cases train_step \
     --compile --repeats 20 --out "$out"

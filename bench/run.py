@@ -72,14 +72,15 @@ def case_module(name: str) -> ModuleType:
 
 
 def parse_cases(cases: str | Sequence[str] | None) -> list[str]:
-    """``"sampler,train_step"`` or a list -> the case names in the suite's order; None -> all of them."""
+    """``"sampler,train_step"`` or a list -> the case names in the order given (run first what matters most when
+    time may run out), each once; None -> all of them, in the suite's order."""
     if cases is None:
         return list(CASES)
     names = [part.strip() for part in (cases.split(",") if isinstance(cases, str) else cases) if part.strip()]
     unknown = [name for name in names if name not in CASES]
     if unknown or not names:
         raise ValueError(f"cases must be a comma-separated subset of {','.join(CASES)}, got {cases!r}")
-    return [name for name in CASES if name in names]
+    return list(dict.fromkeys(names))
 
 
 def _load_average() -> float | None:
@@ -107,6 +108,11 @@ def report(name: str, section: dict, info: dict) -> str:
         title = name.replace("_", " ")
         return f"## {title}: did not run\n\nERROR: {section['error']}"
     return case_module(name).report(section, info)
+
+
+def _aims(sections: dict[str, dict]) -> list[dict]:
+    """Every case's aims, each with its case's name."""
+    return [{"case": name, **aim} for name, section in sections.items() for aim in section["aims"]]
 
 
 def result_file_name(cases: list[str], *, smoke: bool, threads: int | None) -> str:
@@ -165,7 +171,33 @@ def run_suite(
     torch.set_num_threads(threads or machine_threads())
     load_before = _load_average()
     begin = time.perf_counter()
-    sections = {}
+    sections: dict[str, dict] = {}
+    info: dict = {}
+    file_name = result_file_name(names, smoke=smoke, threads=threads)
+    folder = results_dir(out_dir, smoke=smoke)
+
+    def save(*, interrupted: bool = False) -> Path:
+        # Written again after every case (atomically): a run stopped at a deadline, as on a lent GPU whose time
+        # runs out, keeps the cases it finished; "cases_missing" names the others.
+        payload = {
+            "suite": SUITE,
+            "smoke": smoke,
+            "date": utc_now(),
+            "device": info,
+            "cases_run": names,
+            "cases": sections,
+            "aims": _aims(sections),
+            "elapsed_s": time.perf_counter() - begin,
+            # other processes share the machine: its 1-minute load average, before and after
+            "load_average": {"start": load_before, "end": _load_average()},
+        }
+        missing = [name for name in names if name not in sections]
+        if missing:
+            payload["cases_missing"] = missing
+            payload["interrupted"] = interrupted
+        return write_results(payload, file_name, folder)
+
+    path = None
     try:
         with quiet_extension_warning():
             info = device_info(device)
@@ -184,34 +216,25 @@ def run_suite(
                     section = failed_section(error)
                 section["elapsed_s"] = time.perf_counter() - case_begin
                 sections[name] = section
+                path = save()
                 say(report(name, section, info))
                 say(f"({name}: {section['elapsed_s']:.0f} s)")
                 say()
+    except KeyboardInterrupt:
+        if sections:
+            say(f"interrupted: the finished cases are in {save(interrupted=True)}")
+        raise
     finally:
         torch.set_num_threads(threads_before)
 
-    aims = [{"case": name, **aim} for name, section in sections.items() for aim in section["aims"]]
-    payload = {
-        "suite": SUITE,
-        "smoke": smoke,
-        "date": utc_now(),
-        "device": info,
-        "cases_run": names,
-        "cases": sections,
-        "aims": aims,
-        "elapsed_s": time.perf_counter() - begin,
-        # other processes share the machine: its 1-minute load average, before and after
-        "load_average": {"start": load_before, "end": _load_average()},
-    }
-    path = write_results(
-        payload, result_file_name(names, smoke=smoke, threads=threads), results_dir(out_dir, smoke=smoke)
-    )
+    aims = _aims(sections)
+    elapsed = time.perf_counter() - begin
     say("## Aims")
     say()
     for aim in aims:
         say(f"- [{aim['case']}] {aim_line(aim)}")
     say()
-    say(f"results: {path} ({payload['elapsed_s']:.0f} s)")
+    say(f"results: {path} ({elapsed:.0f} s)")
     return path
 
 

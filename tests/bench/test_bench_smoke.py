@@ -302,3 +302,48 @@ def test_train_step_median_interval_covers_the_median_and_narrows():
         assert low <= float(np.median(values)) <= high
     assert np.subtract(*_median_interval(many)[::-1]) < np.subtract(*_median_interval(few)[::-1])
     assert _median_interval([2.0] * 7) == (2.0, 2.0)
+
+
+@pytest.mark.timeout(120)
+def test_a_suite_stopped_midway_keeps_the_cases_it_finished(tmp_path, monkeypatch):
+    # A lent GPU's deadline stops `bench.run` with SIGINT (KeyboardInterrupt): the cases finished before it are
+    # already on disk, and the file names the cases that were not measured.
+    import io
+
+    from bench import bench_patch_embed, render
+    from bench.run import run_suite
+
+    def stopped(**_):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench_patch_embed, "collect", stopped)
+    printed = io.StringIO()
+    with pytest.raises(KeyboardInterrupt):
+        run_suite(cases="sampler,patch_embed", smoke=True, out_dir=tmp_path, device="cpu", stream=printed)
+    (path,) = tmp_path.glob("*.json")
+    payload = json.loads(path.read_text())
+    assert list(payload["cases"]) == ["sampler"] and payload["cases"]["sampler"]["results"]
+    assert payload["cases_missing"] == ["patch_embed"] and payload["interrupted"] is True
+    assert f"interrupted: the finished cases are in {path}" in printed.getvalue()
+    recorded = tmp_path / "recorded"
+    recorded.mkdir()
+    (recorded / "cpu-test-2000-01-01.json").write_text(json.dumps({**payload, "smoke": False}))
+    assert "a partial run, stopped before it finished: not measured: patch_embed" in render.render(recorded)
+
+    # a finished run has no such keys
+    monkeypatch.undo()
+    run_suite(cases="sampler", smoke=True, out_dir=tmp_path / "whole", device="cpu", stream=io.StringIO())
+    (path,) = (tmp_path / "whole").glob("*.json")
+    assert "cases_missing" not in json.loads(path.read_text())
+
+
+def test_sampler_aim_on_a_gpu_says_why_it_is_not_judged():
+    # On a GPU the cpu backend is not measured: the note must not claim that the extension is missing (the H100 run
+    # of 2026-11-26 said so with mjp_fast._C loaded).
+    from bench.bench_sampler import _aims
+
+    rows = [{"implementation": "triton", "speedup_vs_python": 500.0}]
+    (aim,) = _aims(rows, smoke=False, device="cuda")
+    assert aim["verdict"] == "NOT RUN" and "CPU only" in aim["note"]
+    (aim,) = _aims(rows, smoke=False, device="cpu")
+    assert "not available" in aim["note"]
