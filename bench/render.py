@@ -802,6 +802,9 @@ def render(
     summary = _summary(runs)
     if summary:
         parts.append(summary)
+    logs = _device_check_logs(results_dir, page_dir if page_dir is not None else plots_dir and Path(plots_dir).parent)
+    if logs:
+        parts.append(logs)
     if plots_dir is not None:
         plots = draw_plots(runs, plots_dir)
         section = _plots_markdown(plots, Path(page_dir) if page_dir is not None else Path(plots_dir).parent)
@@ -818,6 +821,25 @@ def render(
             notes.append(f"left out here, measured again in a newer run: {_case_list(left_out)}{full}")
         parts.append(render_run(path, payload, cases=cases, notes=notes))
     return "\n".join(parts).rstrip() + "\n"
+
+
+def _device_check_logs(results_dir: Path | str, page_dir: Path | str | None) -> str:
+    """A section linking the ``*-device-check.md`` records in ``results_dir``: GPU checks whose result JSON was
+    lost (a run cut at its deadline), kept as their printed tables; '' when there are none."""
+    records = sorted(Path(results_dir).glob("*-device-check.md"), reverse=True)
+    if not records:
+        return ""
+    lines = [
+        "## GPU checks kept as logs",
+        "",
+        "Runs of `bench/device_check.sh` that left no result JSON, recorded from their printed output:",
+        "",
+    ]
+    for record in records:
+        first = record.read_text(encoding="utf-8").splitlines()[0].lstrip("# ").strip()
+        target = os.path.relpath(record, page_dir) if page_dir is not None else f"bench/results/{record.name}"
+        lines.append(f"- [{first}]({Path(target).as_posix()})")
+    return "\n".join(lines) + "\n"
 
 
 def render_history(results_dir: Path | str = RESULTS_DIR, *, page: str = "benchmarks.md") -> str:

@@ -416,3 +416,16 @@ def test_a_history_with_nothing_superseded_says_so(tmp_path, results):
     assert render.main(["--results", str(results), "--out", str(out), "--no-plots", "--history", str(history)]) == 0
     assert "No earlier runs." in history.read_text() and "](../docs/benchmarks.md)" in history.read_text()
     assert "does not show in full" not in out.read_text()
+
+
+def test_device_check_logs_are_linked_from_the_page(tmp_path):
+    # A GPU check whose JSON was lost is kept as its printed output: the page links it, relative to where it lives.
+    results = tmp_path / "bench" / "results"
+    results.mkdir(parents=True)
+    (results / "nvidia-h100-2026-11-26-device-check.md").write_text("# Device check on an H100\n\ntables\n")
+    (results / "notes.md").write_text("# not a device check\n")
+    page = render.render(results, page_dir=tmp_path / "docs")
+    assert "## GPU checks kept as logs" in page
+    assert "- [Device check on an H100](../bench/results/nvidia-h100-2026-11-26-device-check.md)" in page
+    assert "not a device check" not in page
+    assert "GPU checks kept as logs" not in render.render(tmp_path / "empty-results")
