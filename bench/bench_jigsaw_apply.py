@@ -71,7 +71,7 @@ class PaperPixelJigsaw:
 
     def sample(self) -> tuple[np.ndarray, np.ndarray]:
         """The shared mask bool ``[N]`` and the masked positions in shuffled order."""
-        from bench.paper_sampler import block_mask_python
+        from tests.harness.paper_sampler import block_mask_python
 
         mask = block_mask_python(self.grid, self.ratio, min_block=MIN_BLOCK, min_aspect=MIN_ASPECT, rng=self.rng)
         mask = mask.reshape(-1)

@@ -48,7 +48,7 @@ MIN_BLOCK, MIN_ASPECT = 8, 0.3  # the paper's code
 
 def python_jigsaws(batch: int, grid: tuple[int, int], ratio: float, rng: random.Random) -> tuple[torch.Tensor, ...]:
     """Mask bool ``[B, N]`` and perm int64 ``[B, N]`` by the Python loop, one sample at a time."""
-    from bench.paper_sampler import block_mask_python
+    from tests.harness.paper_sampler import block_mask_python
 
     num_positions = grid[0] * grid[1]
     masks = np.zeros((batch, num_positions), dtype=bool)

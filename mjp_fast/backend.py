@@ -11,6 +11,11 @@ Backends:
 The automatic choice takes the fastest one available for the tensors' device: ``triton`` (fused kernels), else
 ``cuda``, for CUDA tensors; ``cpu`` for CPU tensors when the extension is there; else ``torch``. The Triton
 interpreter is never chosen automatically: it is for testing.
+
+When it is read: a call of a public function (``mjp_patch_embed(...)``) resolves its backend at that call. A model
+(``MJPPatchEmbed``, a converted timm model, a plain one after ``fast_patch_embed``) resolves its one backend once per
+device, at its first step (:func:`resolve_once`, kept by its sampler or its patch embedding), and every part of its
+step runs on it: ``MJP_FAST_BACKEND`` set mid-run moves no part of a model; setting the model's ``backend`` moves all.
 """
 
 from __future__ import annotations
@@ -156,6 +161,20 @@ def resolve_backend(backend: str | None, device: torch.device) -> str:
         )
         raise ValueError(f"{source}={backend!r} cannot run on tensors on device {device}{hint}")
     return backend
+
+
+def resolve_once(cache: dict[tuple[str | None, torch.device], str], backend: str | None, device: torch.device) -> str:
+    """:func:`resolve_backend`, remembered in ``cache`` per ``(backend, device)``: what a model holds, so that its
+    sampler, embedding and DAL loss keep the one choice made at their first step (``MJP_FAST_BACKEND`` is read then,
+    not at every step). Under torch.compile a choice not made yet is resolved without storing it (the graph's guards
+    read the module's state)."""
+    key = (backend, device)
+    chosen = cache.get(key)
+    if chosen is None:
+        chosen = resolve_backend(backend, device)
+        if not torch.compiler.is_compiling():
+            cache[key] = chosen
+    return chosen
 
 
 # Fixed for the life of the process (what is installed, whether a GPU is visible), so found once, at import: a

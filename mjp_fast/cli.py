@@ -55,7 +55,6 @@ class CommandParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from mjp_fast.demo import BUILTIN_IMAGES
     from mjp_fast.evaluate.cli import register as register_eval
     from mjp_fast.privacy.cli import register as register_attack
     from mjp_fast.reproduce.cli import register as register_reproduce
@@ -67,6 +66,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"mjp_fast {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=CommandParser)
+
+    _add_demo(commands)
+    commands.add_parser(
+        "backends",
+        help="list the available backends and whether the compiled extension loaded",
+        description="Lists the backends that can run here, fastest first, and whether mjp_fast._C loaded.",
+    )
+
+    _add_bench(commands)
+    register_attack(commands)
+    register_train(commands)
+    register_eval(commands)
+    register_reproduce(commands)
+    return parser
+
+
+def _add_demo(commands: argparse._SubParsersAction) -> None:
+    """``mjp demo``: its options."""
+    from mjp_fast.demo import BUILTIN_IMAGES
 
     demo = commands.add_parser(
         "demo",
@@ -113,12 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"sampler backend (default: ${backend_module.ENV_VARIABLE}, else the fastest available)",
     )
 
-    commands.add_parser(
-        "backends",
-        help="list the available backends and whether the compiled extension loaded",
-        description="Lists the backends that can run here, fastest first, and whether mjp_fast._C loaded.",
-    )
 
+def _add_bench(commands: argparse._SubParsersAction) -> None:
+    """``mjp bench``: the options of ``bench/run.py``, which it runs."""
     bench = commands.add_parser(
         "bench",
         help="run the benchmark suite of a repository checkout; print tables, write JSON",
@@ -151,11 +166,6 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--compile", dest="compile_model", action="store_true", help="torch.compile the training-step models"
     )
-    register_attack(commands)
-    register_train(commands)
-    register_eval(commands)
-    register_reproduce(commands)
-    return parser
 
 
 def bench_runner(roots: Sequence[Path] | None = None) -> ModuleType:

@@ -211,35 +211,6 @@ def render_demo(picture: np.ndarray, panels: list[JigsawPanel], patch_size: int)
     return canvas
 
 
-def make_demo_image(
-    image: str | np.ndarray = "astronaut",
-    ratios: Sequence[float] = (0.1, 0.3, 0.5, 0.9),
-    *,
-    patch_size: int = 16,
-    size: int = 224,
-    seed: int = 0,
-    backend: str | None = None,
-) -> Image.Image:
-    """The demo picture: the original beside one jigsawed copy per ratio.
-
-    Args:
-        image: a built-in photo's name (:data:`BUILTIN_IMAGES`), a path to an image file, or a uint8
-            ``[size, size, 3]`` array.
-        ratios: mask ratios in [0, 1], one panel each.
-        patch_size: patch side in pixels; ``size`` must be a multiple of it.
-        size: the side in pixels of each panel.
-        seed: the sampler's seed.
-        backend: the sampler's, ``torch``, ``cpu`` or ``cuda``; default the fastest available on the CPU.
-
-    Returns:
-        An RGB image of :func:`demo_canvas_size` ``(size, len(ratios))`` pixels.
-    """
-    check_geometry(size, patch_size)
-    picture = load_picture(image, size) if isinstance(image, str) else image
-    panels = jigsaw_panels(picture, list(ratios), patch_size=patch_size, seed=seed, backend=backend)
-    return render_demo(picture, panels, patch_size)
-
-
 def save_png_atomically(image: Image.Image, path: Path) -> None:
     """Writes ``image`` as PNG to a temporary file beside ``path``, then renames it: no half-written file.
 

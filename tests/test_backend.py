@@ -94,3 +94,99 @@ print("ok", mjp_fast.available_backends())
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.startswith("ok")
+
+
+def _tiny_vit(**kwargs):
+    import timm
+
+    return timm.create_model(
+        "vit_tiny_patch16_224", img_size=32, patch_size=8, embed_dim=16, depth=1, num_heads=2, num_classes=3, **kwargs
+    )
+
+
+def _record_backends(monkeypatch) -> list[str]:
+    """The backends that the MJP step's operations run on, as they are called (the sampler's plan, the fused
+    embedding, the position step, the DAL loss)."""
+    import mjp_fast.core
+    import mjp_fast.sampler.module
+    import mjp_fast.timm.fused
+    import mjp_fast.timm.state
+
+    seen = []
+    wrap = {
+        mjp_fast.timm.fused: ("patch_embed_step", 6),
+        mjp_fast.timm.state: ("mjp_position_step", 4),
+        mjp_fast.core: ("dal_loss_unchecked", 4),
+        mjp_fast.sampler.module: ("make_sampler_plan", None),
+    }
+    for module, (name, index) in wrap.items():
+        original = getattr(module, name)
+
+        def recorded(*args, _original=original, _index=index, **kwargs):
+            seen.append(kwargs["backend"] if _index is None else args[_index])
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, recorded)
+    return seen
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_model_keeps_one_backend_when_the_environment_changes_mid_run(fused, monkeypatch):
+    # One resolved backend per model, held by its sampler: MJP_FAST_BACKEND is read at the first step, and a change
+    # of it mid-run moves no part of the model (neither the sampler, the embedding nor the DAL loss).
+    monkeypatch.delenv(backend.ENV_VARIABLE, raising=False)
+    torch.manual_seed(0)
+    # pca: the DAL loss runs as its own operation (not fused into the cpu position step), so it is seen here
+    model = mjp_fast.convert(_tiny_vit(), ratio=0.5, prob=1.0, dal="pca", fused_patch_embed=fused)
+    images = torch.randn(2, 3, 32, 32)
+    seen = _record_backends(monkeypatch)
+    model(images)
+    first = backend.resolve_backend(None, images.device)
+    assert set(seen) == {first} and len(seen) == 3  # the sampler, the embedding or position step, DAL
+    monkeypatch.setenv(backend.ENV_VARIABLE, "torch" if first != "torch" else "cpu")
+    seen.clear()
+    model(images)
+    model.mjp.sampler.prob = 0.75  # a new sampler plan: it too keeps the model's backend
+    model(images)
+    assert set(seen) == {first} and model.mjp.backend_for(images.device) == first
+    model.eval()
+    model(images)  # the plain fused embedding of an eval step, too
+    assert set(seen) == {first}
+    # Set on the model, a backend moves every part at once.
+    model.train()
+    model.mjp.backend = "torch"
+    seen.clear()
+    model(images)
+    assert set(seen) == {"torch"} and model.mjp.sampler.backend == "torch"
+
+
+def test_fast_patch_embed_sets_the_one_backend_of_an_mjp_model():
+    model = mjp_fast.convert(_tiny_vit(), ratio=0.5, prob=1.0, dal=None)
+    assert mjp_fast.fast_patch_embed(model, backend="torch") is model
+    assert model.mjp.backend == model.mjp.sampler.backend == "torch"
+    assert model.patch_embed.fused_backend is None  # the model's backend has one holder: model.mjp
+    mjp_fast.fast_patch_embed(model)  # None keeps it
+    assert model.mjp.backend == "torch"
+
+
+def test_a_plain_fused_model_resolves_its_backend_once(monkeypatch):
+    monkeypatch.delenv(backend.ENV_VARIABLE, raising=False)
+    model = mjp_fast.fast_patch_embed(_tiny_vit()).eval()
+    images = torch.randn(2, 3, 32, 32)
+    expected = model(images)
+    monkeypatch.setenv(backend.ENV_VARIABLE, "not-a-backend")  # read again, it would raise
+    torch.testing.assert_close(model(images), expected, rtol=0, atol=0)
+
+
+def test_mjp_patch_embed_keeps_one_backend_when_the_environment_changes(monkeypatch):
+    monkeypatch.delenv(backend.ENV_VARIABLE, raising=False)
+    module = mjp_fast.MJPPatchEmbed(32, 8, 3, 16, ratio=0.5, prob=1.0, dal="nonlinear")
+    images = torch.randn(2, 3, 32, 32)
+    module(images)
+    first = module.backend_for(images.device)
+    monkeypatch.setenv(backend.ENV_VARIABLE, "not-a-backend")  # read again, it would raise
+    module(images)
+    module.sampler.ratio = 0.25  # a new plan
+    module(images)
+    module.dal_loss()
+    assert module.backend_for(images.device) == first

@@ -1,9 +1,9 @@
 """What MJP's part of a training step dispatches, counted (no GPU needed): a guard against host-cost regressions.
 
-The harness is the host-cost benchmark's (bench/bench_host_cost.py): a timm ViT at tiny sizes, the position step
-forward and backward, plain against MJP (sampler, move, position term, DAL attached to the tokens; ``mjp explicit``:
-with ``mjp_aux_loss()`` added by the loop too). Each dispatched operator is one trip through Python and the
-dispatcher, and on a GPU most are one kernel launch: on the H200's slow host, each cost tens of microseconds.
+The harness (tests/harness/host_cost.py, which the host-cost benchmark times too): a timm ViT at tiny sizes, the
+position step forward and backward, plain against MJP (sampler, move, position term, DAL attached to the tokens;
+``mjp explicit``: with ``mjp_aux_loss()`` added by the loop too). Each dispatched operator is one trip through Python
+and the dispatcher, and on a GPU most are one kernel launch: on the H200's slow host, each cost tens of microseconds.
 Issue 11 aims at 25 for the MJP step; the ceilings below are what this code reaches (the plain step: 11), so an
 added operation fails here. On the ``triton`` backend (the GPU default), the kernel launches of the same steps are
 counted in the interpreter.
@@ -12,7 +12,7 @@ counted in the interpreter.
 import pytest
 import torch
 
-from bench.bench_host_cost import count_ops, count_triton_launches, position_steps, sampler_steps, tiny_models
+from tests.harness.host_cost import count_ops, count_triton_launches, position_steps, sampler_steps, tiny_models
 
 from .conftest import backends_for
 

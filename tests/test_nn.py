@@ -113,7 +113,8 @@ def test_timm_patch_embed_weights_load():
         (dict(prob=-1.0), ValueError, "prob"),
         (dict(img_size=30), ValueError, "img_size"),
         (dict(patch_size=0), ValueError, "patch_size"),
-        (dict(dal="quadratic"), ValueError, "kind"),
+        (dict(dal="quadratic"), ValueError, "dal must be None, 'none' or one of"),  # the core's check names dal
+        (dict(backend="fastest"), ValueError, "backend must be None or one of"),
         (dict(seed=-1), ValueError, "seed"),
     ],
 )
@@ -181,14 +182,14 @@ def test_fused_layers_are_the_regressors_parameters_and_a_parametrized_one_runs_
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
 def test_dal_loss_runs_on_the_module_backend(backend, monkeypatch):
-    dal_loss_module = importlib.import_module("mjp_fast.ops.dal_loss")  # the package exports the function
+    core = importlib.import_module("mjp_fast.core")  # where the module's DAL loss calls the operation
 
     if backend not in mjp_fast.available_backends():
         pytest.skip(f"{backend} is not available")
     seen = []
-    unchecked = dal_loss_module.dal_loss_unchecked
+    unchecked = core.dal_loss_unchecked
     monkeypatch.setattr(
-        dal_loss_module,
+        core,
         "dal_loss_unchecked",
         lambda *args, **kwargs: seen.append(args[4]) or unchecked(*args, **kwargs),
     )
@@ -200,3 +201,12 @@ def test_dal_loss_runs_on_the_module_backend(backend, monkeypatch):
         module.pos_embed, module.dal_regressor, (4, 4), module.last_jigsaw.mask, backend="torch"
     )
     torch.testing.assert_close(loss, expected)
+
+
+def test_dal_regressor_hidden_dim_is_for_the_nonlinear_kind_only():
+    DALRegressor = mjp_fast.DALRegressor
+    assert DALRegressor(8, "nonlinear", hidden_dim=5).net[0].out_features == 5
+    for kind in ("linear", "pca"):
+        DALRegressor(8, kind)  # the default works
+        with pytest.raises(ValueError, match=f"hidden_dim: the '{kind}' regressor has no hidden layer"):
+            DALRegressor(8, kind, hidden_dim=5)

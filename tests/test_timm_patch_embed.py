@@ -259,7 +259,7 @@ def test_fx_symbolic_trace_and_feature_extraction(mode):
     nodes = list(graph.graph.nodes)
     assert any(node.op == "call_module" and node.target == "mjp" for node in nodes) == (mode == "train")
     # Without MJP's jigsaw, the fused embedding is one call of its own.
-    fused = mjp_timm.fused._fused_patch_embed
+    fused = mjp_timm.fused.fused_patch_embed
     fused_calls = [node for node in nodes if node.op == "call_function" and node.target is fused]
     assert len(fused_calls) == (mode == "eval")
     assert not any(node.op == "call_module" and node.target == "patch_embed.proj" for node in nodes)
@@ -278,7 +278,7 @@ def test_fx_symbolic_trace_and_feature_extraction(mode):
 def test_fx_traces_a_plain_model_after_fast_patch_embed():
     model = mjp_timm.fast_patch_embed(small_vit()).eval()
     graph = torch.fx.symbolic_trace(model)
-    assert any(node.target is mjp_timm.fused._fused_patch_embed for node in graph.graph.nodes)
+    assert any(node.target is mjp_timm.fused.fused_patch_embed for node in graph.graph.nodes)
     images = torch.randn(2, 3, 32, 32)
     torch.testing.assert_close(graph(images), model(images), rtol=0, atol=0)
 

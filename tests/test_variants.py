@@ -35,10 +35,22 @@ def _train(output: Path, *overrides: str) -> dict:
 
 
 def _evaluate(checkpoint: Path, output: Path) -> dict:
-    """Runs ``mjp eval`` on the checkpoint's own data; returns its JSON."""
+    """Runs ``mjp eval`` on the checkpoint's own data, the 16 validation images its run evaluated; returns its
+    JSON."""
     arguments = ["eval", "--checkpoint", str(checkpoint), "--output", str(output), "--no-plots", "--progress", "off"]
+    arguments += ["--max-images", "16"]
     assert main(arguments) == 0
     return json.loads((output / "eval.json").read_text())
+
+
+def _same_as_the_training_run(results: dict, record: dict) -> None:
+    """``mjp eval`` on a run's own validation images repeats the loop's evaluation after its last epoch: the same 16
+    images, the same jigsaws (``eval_ratio``, ``eval_seed``: the defaults of both) and the same 5-fold regression."""
+    assert results["images"] == 16 and results["eval_ratio"] == 0.5
+    for key in ("top1", "top5", "consistency", "diff_norm", "pos_mae_1d", "pos_mae_2d"):
+        assert results[key] == pytest.approx(record[key], rel=1e-4, abs=1e-6), key
+    assert 0.0 <= results["top1"] <= 100.0 and results["top1"] * 16 / 100 == round(results["top1"] * 16 / 100)
+    assert 0.0 <= results["consistency"] <= 100.0
 
 
 def _rebuilt_matches_its_config(output: Path) -> tuple[torch.nn.Module, dict]:
@@ -52,7 +64,7 @@ def _rebuilt_matches_its_config(output: Path) -> tuple[torch.nn.Module, dict]:
 
 def test_b_no_position_embeddings_trains_and_is_jigsaw_invariant(tmp_path, capsys):
     record = _train(tmp_path / "b", "mjp=false", "pos_embed=none")
-    assert record["top1"] is not None and record["pos_mae_1d"] is None  # no position embeddings to regress
+    assert 0.0 <= record["top1"] <= 100.0 and record["pos_mae_1d"] is None  # no position embeddings to regress
     model, checkpoint = _rebuilt_matches_its_config(tmp_path / "b")
     assert checkpoint["model_name"] == "deit_tiny_patch16_224" and checkpoint["model_kwargs"]["pos_embed"] == "none"
     assert model.pos_embed is None and "pos_embed" not in checkpoint["state_dict"]
@@ -75,7 +87,7 @@ def test_b_with_the_jigsaw_is_the_pixel_space_model(tmp_path, capsys):
 
 def test_d_dal_without_a_jigsaw(tmp_path, capsys):
     record = _train(tmp_path / "d", "mjp_ratio=0", "mjp_dal=nonlinear")
-    assert record["dal_loss"] > 0 and record["top1"] is not None and record["pos_mae_1d"] is not None
+    assert record["dal_loss"] > 0 and record["pos_mae_1d"] > 0
     model, checkpoint = _rebuilt_matches_its_config(tmp_path / "d")
     assert checkpoint["model_kwargs"]["mjp_ratio"] == 0.0
     assert int(model.mjp.sampler.sample_counter) == 0  # ratio 0 draws no jigsaw
@@ -91,7 +103,9 @@ def test_d_dal_without_a_jigsaw(tmp_path, capsys):
     every_position = dal_loss(model.pos_embed[0, 1:], model.mjp.dal_regressor, (4, 4), None, backend="torch")
     torch.testing.assert_close(model.mjp_aux_loss(), every_position)
     results = _evaluate(tmp_path / "d" / "last.pt", tmp_path / "d-eval")
-    assert results["consistency"] is not None and results["top1"] is not None
+    _same_as_the_training_run(results, record)
+    # trained without a jigsaw, measured with one (and its unknown embedding): the features move
+    assert results["jigsaw"] == "unk" and results["diff_norm"] > 0 and results["pos_mae_1d"] > 0
 
 
 def test_e_the_naive_shuffle_has_no_unknown_embedding(tmp_path, capsys):
@@ -103,8 +117,9 @@ def test_e_the_naive_shuffle_has_no_unknown_embedding(tmp_path, capsys):
     assert int(model.mjp.sampler.sample_counter) == 32
     # `mjp eval` measures it as the plain model sees a jigsawed image: what this model trained on
     results = _evaluate(tmp_path / "e" / "last.pt", tmp_path / "e-eval")
-    assert results["consistency"] is not None and results["diff_norm"] is not None
-    assert results["pos_mae_1d"] is not None
+    assert results["jigsaw"] == "pixel"
+    _same_as_the_training_run(results, record)
+    assert results["diff_norm"] > 0 and results["pos_mae_1d"] > 0
 
 
 def test_dal_reduction_sum_doubles_the_dal_loss(tmp_path, capsys):

@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mjp_fast._distributed import rank_and_world
+from mjp_fast._model_geometry import patch_size_of
 from mjp_fast.ops.jigsaw_images import jigsaw_images
 from mjp_fast.sampler import sample_jigsaw
 
@@ -144,12 +146,6 @@ def features_and_logits(model: nn.Module, images: torch.Tensor) -> tuple[torch.T
     return features, model.forward_head(tokens)
 
 
-def _rank_and_world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
 @torch.no_grad()
 def evaluate_model(
     model: nn.Module,
@@ -182,13 +178,11 @@ def evaluate_model(
     Returns:
         ``top1``, ``top5`` (percent), ``loss``, ``consistency`` (percent), ``diff_norm``, ``images``.
     """
-    from mjp_fast.train.models import patch_size_of
-
     device = torch.device(device)
     mode = resolve_jigsaw_mode(model, jigsaw) if ratio > 0 else "none"
     if mode == "pixel":
         patch_size = patch_size or patch_size_of(model) or 16
-    rank, world = _rank_and_world()
+    rank, world = rank_and_world()
     mean, std = mean.to(device).view(1, -1, 1, 1), std.to(device).view(1, -1, 1, 1)
     was_training = model.training
     model.eval()

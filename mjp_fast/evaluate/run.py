@@ -14,37 +14,41 @@ import json
 import math
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.data import DataLoader
 
 from mjp_fast._atomic import write_atomically
+from mjp_fast._model_geometry import input_size
+from mjp_fast._seeds import draw_seed
 from mjp_fast.evaluate.corruptions import CORRUPTIONS, SEVERITIES, corrupt, corruption_errors, resolve_corruptions
 from mjp_fast.evaluate.metrics import evaluate_model, resolve_jigsaw_mode
 from mjp_fast.evaluate.plots import plot_attention_maps, plot_position_embeddings
 from mjp_fast.evaluate.position import model_position_regression, patch_position_embeddings
-from mjp_fast.train.checkpoint import load_model
-from mjp_fast.train.config import FIELDS, ConfigError, TrainConfig, build_config
-from mjp_fast.train.data import (
-    build_datasets,
-    default_workers,
-    draw_seed,
-    eval_loader,
-    eval_transform,
-    set_transform,
-)
-from mjp_fast.train.loop import amp_dtype, resolve_device
-from mjp_fast.train.models import input_size
 
 REQUIRED_KEYS = ("top1", "top5", "consistency", "diff_norm", "pos_mae_1d", "pos_mae_2d")
 
 
-def checkpoint_config(checkpoint: dict[str, Any]) -> TrainConfig:
-    """The run's config from a checkpoint (keys this version does not know are dropped)."""
-    saved = checkpoint.get("config") or {}
-    return build_config({key: value for key, value in saved.items() if key in FIELDS})
+@dataclass
+class _Opened:
+    """A checkpoint opened for evaluation: its model and data, as its run trained them."""
+
+    model: nn.Module  # in eval mode, on ``device``
+    state: dict[str, Any]  # the checkpoint
+    config: Any  # the run's TrainConfig, with the data, split and image limit asked for
+    loader: DataLoader  # the validation images, uint8 [B, 3, H, W] at the model's input size
+    device: torch.device
+    mean: torch.Tensor  # [3]
+    std: torch.Tensor  # [3]
+    dtype: torch.dtype | None  # autocast's; None: none
+    jigsaw: str  # the consistency protocol's jigsaw, resolved ("unk", "pixel" or "none")
+    baseline_model: nn.Module | None = None  # for the mCE; loaded only with corruptions asked for
+    baseline_mean: torch.Tensor | None = None
+    baseline_std: torch.Tensor | None = None
 
 
 def _progress_bar(total: int, description: str, enabled: bool):
@@ -58,11 +62,13 @@ def _progress_bar(total: int, description: str, enabled: bool):
 class _Evaluator:
     """One model with its data: the clean pass and the corrupted passes."""
 
-    def __init__(self, model: nn.Module, loader, *, device, mean, std, dtype, show_progress: bool) -> None:
-        self.model, self.loader, self.device = model, loader, device
-        self.mean, self.std, self.dtype = mean, std, dtype
+    def __init__(
+        self, model: nn.Module, opened: _Opened, mean: torch.Tensor, std: torch.Tensor, show_progress: bool
+    ) -> None:
+        self.model, self.loader, self.device, self.dtype = model, opened.loader, opened.device, opened.dtype
+        self.mean, self.std = mean, std
         self.show_progress = show_progress
-        self.images = len(loader.dataset)
+        self.images = len(opened.loader.dataset)
 
     def run(self, description: str, **kwargs: Any) -> dict[str, Any]:
         bar = _progress_bar(self.images, description, self.show_progress)
@@ -109,32 +115,34 @@ class _BatchCorruption:
         return corrupt(images, self.name, self.severity, generator)
 
 
-def evaluate_checkpoint(
+def _open_checkpoint(
     checkpoint: str | Path,
     *,
-    data: str | None = None,
-    split: str = "auto",
-    baseline: str | Path | None = None,
-    ratio: float = 0.5,
-    seed: int = 0,
-    jigsaw: str = "auto",
-    batch_size: int = 128,
-    workers: int | None = None,
-    device: str = "auto",
-    amp: str = "auto",
-    max_images: int | None = None,
-    corruptions: Sequence[str] = (),
-    severities: Sequence[int] = SEVERITIES,
-    plots: str | Path | None = None,
-    attention_images: int = 4,
-    folds: int = 5,
-    progress: bool = False,
-) -> dict[str, Any]:
-    """Evaluates a checkpoint of ``mjp train``; returns the results (see ``mjp eval --help``).
+    data: str | None,
+    split: str,
+    baseline: str | Path | None,
+    ratio: float,
+    jigsaw: str,
+    batch_size: int,
+    workers: int | None,
+    device: str,
+    amp: str,
+    max_images: int | None,
+    corruptions: Sequence[str],
+    severities: Sequence[int],
+) -> tuple[_Opened, list[str]]:
+    """Checks the arguments, then rebuilds the checkpoint's model and validation data (and the baseline's model)
+    with the training package; returns them with the corruptions' names. Raises ConfigError as
+    :func:`evaluate_checkpoint` does, naming the option.
 
-    Raises:
-        ConfigError: a bad path or value.
+    The training package is imported here, when a checkpoint is evaluated: evaluation sits below training, which
+    imports it for the validation of every epoch.
     """
+    from mjp_fast.train.checkpoint import checkpoint_config, load_model
+    from mjp_fast.train.config import ConfigError
+    from mjp_fast.train.data import build_datasets, default_workers, eval_loader, eval_transform, set_transform
+    from mjp_fast.train.device import amp_dtype, resolve_device
+
     if not 0.0 <= ratio <= 1.0:
         raise ConfigError(f"--ratio must be in [0, 1], got {ratio}")
     if any(severity not in SEVERITIES for severity in severities):
@@ -179,15 +187,64 @@ def evaluate_checkpoint(
         mode = resolve_jigsaw_mode(model, jigsaw)
     except ValueError as error:
         raise ConfigError(str(error)) from None
+    opened = _Opened(model, state, config, loader, torch_device, mean, std, dtype, mode, baseline_model)
+    if baseline_state is not None:
+        baseline_config = checkpoint_config(baseline_state)
+        opened.baseline_mean = torch.tensor(baseline_config.mean or mean.tolist())
+        opened.baseline_std = torch.tensor(baseline_config.std or std.tolist())
+    return opened, names
 
-    evaluator = _Evaluator(model, loader, device=torch_device, mean=mean, std=std, dtype=dtype, show_progress=progress)
-    clean = evaluator.run("clean", ratio=ratio, seed=seed, jigsaw=mode)
+
+def evaluate_checkpoint(
+    checkpoint: str | Path,
+    *,
+    data: str | None = None,
+    split: str = "auto",
+    baseline: str | Path | None = None,
+    ratio: float = 0.5,
+    seed: int = 0,
+    jigsaw: str = "auto",
+    batch_size: int = 128,
+    workers: int | None = None,
+    device: str = "auto",
+    amp: str = "auto",
+    max_images: int | None = None,
+    corruptions: Sequence[str] = (),
+    severities: Sequence[int] = SEVERITIES,
+    plots: str | Path | None = None,
+    attention_images: int = 4,
+    folds: int = 5,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """Evaluates a checkpoint of ``mjp train``; returns the results (see ``mjp eval --help``).
+
+    Raises:
+        ConfigError: a bad path or value.
+    """
+    opened, names = _open_checkpoint(
+        checkpoint,
+        data=data,
+        split=split,
+        baseline=baseline,
+        ratio=ratio,
+        jigsaw=jigsaw,
+        batch_size=batch_size,
+        workers=workers,
+        device=device,
+        amp=amp,
+        max_images=max_images,
+        corruptions=corruptions,
+        severities=severities,
+    )
+    model, loader = opened.model, opened.loader
+    evaluator = _Evaluator(model, opened, opened.mean, opened.std, progress)
+    clean = evaluator.run("clean", ratio=ratio, seed=seed, jigsaw=opened.jigsaw)
     regression = model_position_regression(model, folds=folds)
     results: dict[str, Any] = {
         "checkpoint": str(checkpoint),
-        "model_name": state["model_name"],
-        "mjp": bool(config.mjp),
-        "data": config.data or "digits",
+        "model_name": opened.state["model_name"],
+        "mjp": bool(opened.config.mjp),
+        "data": opened.config.data or "digits",
         "images": clean["images"],
         "top1": clean["top1"],
         "top5": clean["top5"],
@@ -196,48 +253,52 @@ def evaluate_checkpoint(
         "diff_norm": clean["diff_norm"],
         "eval_ratio": ratio,
         "eval_seed": seed,
-        "jigsaw": mode if ratio > 0 else "none",
+        "jigsaw": opened.jigsaw if ratio > 0 else "none",
         "pos_mae_1d": regression["mae_1d"] if regression else None,
         "pos_mae_2d": regression["mae_2d"] if regression else None,
         "position_regression": regression,
-        "epoch": state.get("epoch"),
+        "epoch": opened.state.get("epoch"),
     }
-
     if names:
-        errors = evaluator.corruption_errors(names, severities, seed)
-        corruption: dict[str, Any] = {
-            "severities": list(severities),
-            "error": errors,
-            "mean_error": {name: sum(values) / len(values) for name, values in errors.items()},
-        }
-        if baseline_model is not None:
-            baseline_config = checkpoint_config(baseline_state)
-            baseline_mean = torch.tensor(baseline_config.mean or mean.tolist())
-            baseline_std = torch.tensor(baseline_config.std or std.tolist())
-            other = _Evaluator(
-                baseline_model,
-                loader,
-                device=torch_device,
-                mean=baseline_mean,
-                std=baseline_std,
-                dtype=dtype,
-                show_progress=progress,
-            )
-            baseline_errors = other.corruption_errors(names, severities, seed)
-            relative = corruption_errors(errors, baseline_errors)
-            corruption.update(
-                baseline=str(baseline), baseline_error=baseline_errors, ce=relative["ce"], mce=relative["mce"]
-            )
-            results["mce"] = relative["mce"]
-        else:
-            # Without a baseline, the mean corruption error itself (the unnormalized mCE).
-            corruption["mce"] = None
-            results["mce"] = None
-        results["mean_corruption_error"] = sum(corruption["mean_error"].values()) / len(names)
-        results["corruptions"] = corruption
-
+        results.update(_corruption_results(evaluator, opened, names, severities, seed, baseline, progress))
     if plots is not None:
-        results["plots"] = [str(path) for path in _write_plots(model, loader, Path(plots), mean, std, attention_images)]
+        written = _write_plots(model, loader, Path(plots), opened.mean, opened.std, attention_images)
+        results["plots"] = [str(path) for path in written]
+    return results
+
+
+def _corruption_results(
+    evaluator: _Evaluator,
+    opened: _Opened,
+    names: list[str],
+    severities: Sequence[int],
+    seed: int,
+    baseline: str | Path | None,
+    progress: bool,
+) -> dict[str, Any]:
+    """The results' ``mce``, ``mean_corruption_error`` and ``corruptions`` (each corruption's error per severity;
+    with a baseline, its errors too and each corruption's CE)."""
+    errors = evaluator.corruption_errors(names, severities, seed)
+    corruption: dict[str, Any] = {
+        "severities": list(severities),
+        "error": errors,
+        "mean_error": {name: sum(values) / len(values) for name, values in errors.items()},
+    }
+    results: dict[str, Any] = {}
+    if opened.baseline_model is not None:
+        other = _Evaluator(opened.baseline_model, opened, opened.baseline_mean, opened.baseline_std, progress)
+        baseline_errors = other.corruption_errors(names, severities, seed)
+        relative = corruption_errors(errors, baseline_errors)
+        corruption.update(
+            baseline=str(baseline), baseline_error=baseline_errors, ce=relative["ce"], mce=relative["mce"]
+        )
+        results["mce"] = relative["mce"]
+    else:
+        # Without a baseline, the mean corruption error itself (the unnormalized mCE).
+        corruption["mce"] = None
+        results["mce"] = None
+    results["mean_corruption_error"] = sum(corruption["mean_error"].values()) / len(names)
+    results["corruptions"] = corruption
     return results
 
 

@@ -18,6 +18,7 @@ from torch import nn
 from mjp_fast import backend as backend_module
 from mjp_fast._eager_cache import eager_cache
 from mjp_fast._validate import check_grid_size, check_position_table, check_tensor
+from mjp_fast.ops.dal_regressor import fused_layers
 
 
 def grid_coordinates(
@@ -66,7 +67,7 @@ def dal_loss_ref(
 
 
 @eager_cache(maxsize=64)
-def _coordinates(rows: int, cols: int, normalize: bool, device: str) -> torch.Tensor:
+def cached_grid_coordinates(rows: int, cols: int, normalize: bool, device: str) -> torch.Tensor:
     """:func:`grid_coordinates` float32 ``[rows * cols, 2]``: made once per grid and device in eager mode (the
     per-step path builds nothing); under torch.compile a few arange ops in the graph, which it can fold."""
     return grid_coordinates((rows, cols), normalize=normalize, device=torch.device(device))
@@ -134,12 +135,6 @@ class _FusedDALTriton(torch.autograd.Function):
         )
 
 
-def _fused_layers(regressor: object) -> tuple[torch.Tensor | None, ...] | None:
-    """``(w1, b1, w2, b2)`` of a regressor the fused kernels compute, or None (any other module: torch runs it)."""
-    layers = getattr(regressor, "fused_layers", None)
-    return layers() if callable(layers) else None
-
-
 def dal_loss_unchecked(
     pos: torch.Tensor,
     regressor: nn.Module,
@@ -154,7 +149,7 @@ def dal_loss_unchecked(
     ``skip_rows`` the prefix tokens' rows), ``coords`` float32 ``[N, 2]`` on its device (see :func:`grid_coordinates`),
     ``mask`` bool ``[B, N]`` on its device or None; ``scale`` the reduction's factor (:func:`dal_scale`: 0.5 for the
     default mean over the two coordinates)."""
-    layers = _fused_layers(regressor) if backend != "torch" else None
+    layers = fused_layers(regressor) if backend != "torch" else None
     if layers is not None and backend != "triton":
         return _extension_operator()(pos.contiguous(), skip_rows, *layers, coords, mask, scale)
     if layers is not None and pos.dtype != torch.float64:
@@ -217,5 +212,5 @@ def dal_loss(
             raise ValueError(f"mask must be bool [B, {num_positions}], got {mask.dtype} {list(mask.shape)}")
         if mask.device != pos_embed.device:
             raise ValueError(f"mixed devices: pos_embed on {pos_embed.device}, mask on {mask.device}")
-    coords = _coordinates(rows, cols, bool(normalize), str(pos_embed.device))
+    coords = cached_grid_coordinates(rows, cols, bool(normalize), str(pos_embed.device))
     return dal_loss_unchecked(pos_embed, regressor, coords, mask, chosen, scale=scale)

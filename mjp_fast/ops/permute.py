@@ -15,7 +15,9 @@ def _flat_rows(perm: torch.Tensor) -> torch.Tensor:
     return (perm + torch.arange(batch, device=perm.device)[:, None] * num_positions).reshape(-1)
 
 
-def _move(x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+def move_rows(x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+    """``out[b, n, ...] = x[b, perm[b, n], ...]`` (``x`` ``[B, N, ...]``, ``perm`` int64 ``[B, N]``) as one
+    ``index_select``, without an autograd node of its own: for the autograd nodes that move rows both ways."""
     batch, num_positions = perm.shape
     moved = x.reshape(batch * num_positions, *x.shape[2:]).index_select(0, _flat_rows(perm))  # no -1: B may be 0
     return moved.reshape(x.shape)
@@ -25,13 +27,13 @@ class _PermuteRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         ctx.save_for_backward(perm)
-        return _move(x, perm)
+        return move_rows(x, perm)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         (perm,) = ctx.saved_tensors
         inverse = torch.argsort(perm, dim=1)  # perm[b] is a permutation: its inverse undoes the move
-        return _move(grad.contiguous(), inverse), None
+        return move_rows(grad.contiguous(), inverse), None
 
 
 def permute_rows_ref(x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:

@@ -31,8 +31,8 @@ import torch.nn.functional as F
 from mjp_fast import backend as backend_module
 from mjp_fast._eager_cache import eager_cache
 from mjp_fast._validate import check_float_dtype, check_position_table, check_same_device, check_tensor
-from mjp_fast.ops.dal_loss import _fused_layers
-from mjp_fast.ops.permute import _move
+from mjp_fast.ops.dal_regressor import fused_layers
+from mjp_fast.ops.permute import move_rows
 from mjp_fast.sampler.jigsaw import Jigsaw, check_jigsaw
 
 
@@ -101,7 +101,7 @@ class _MJPPosEmbed(torch.autograd.Function):
     def forward(ctx, tokens, perm, mask, pos_embed, unk_embed):  # type: ignore[override]
         # The dtype of `tokens + pos_embed`, as timm's own add (under autocast: bfloat16 tokens, float32 table).
         dtype = torch.promote_types(tokens.dtype, pos_embed.dtype)
-        out = _move(tokens, perm).to(dtype)  # a fresh tensor (the move gathers): the add goes in place
+        out = move_rows(tokens, perm).to(dtype)  # a fresh tensor (the move gathers): the add goes in place
         # The position term as a row lookup in [pos_embed; unk_embed] (row N is unk_embed): the oracle's values,
         # copied row by row (several times faster on the CPU than where's broadcast; pos + mask * (unk - pos)
         # would round twice).
@@ -122,7 +122,7 @@ class _MJPPosEmbed(torch.autograd.Function):
         grad_tokens = grad_pos = grad_unk = None
         if need_tokens:
             inverse = torch.argsort(perm, dim=1)  # perm[b] is a permutation: its inverse undoes the move
-            grad_tokens = _move(grad, inverse).to(tokens_dtype)
+            grad_tokens = move_rows(grad, inverse).to(tokens_dtype)
         if need_pos or need_unk:
             # weights[n, 0, b] = not masked, weights[n, 1, b] = masked: sums[n] = [pos_embed's, unk's share].
             # The matmul wants the batch of each position contiguous: one transposed copy of the gradient.
@@ -133,6 +133,15 @@ class _MJPPosEmbed(torch.autograd.Function):
             if need_unk:
                 grad_unk = sums[:, 1].sum(0).to(unk_dtype)
         return grad_tokens, None, None, grad_pos, grad_unk
+
+
+def mjp_pos_embed_torch(
+    tokens: torch.Tensor, pos_embed: torch.Tensor, unk_embed: torch.Tensor, jigsaw: Jigsaw
+) -> torch.Tensor:
+    """The ``torch`` backend's MJP step on checked arguments, one autograd node: ``tokens`` ``[B, N, D]`` moved by
+    ``jigsaw`` (``[B, N]`` each), plus ``unk_embed`` ``[D]`` at its masked positions and ``pos_embed`` ``[N, D]``
+    elsewhere. Returns ``[B, N, D]`` in the dtype ``tokens + pos_embed`` promotes to."""
+    return _MJPPosEmbed.apply(tokens, jigsaw.perm, jigsaw.mask, pos_embed, unk_embed)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -252,7 +261,7 @@ def mjp_position_step(
     dtype = _promoted(tokens.dtype, pos_embed.dtype)  # as timm's own add (autocast: bfloat16 + float32 table)
     if not has_kernels(backend, dtype):
         patch_rows = pos_embed[..., prefix_positions:, :].reshape(-1, dim)
-        moved = _MJPPosEmbed.apply(tokens, jigsaw.perm, jigsaw.mask, patch_rows, unk_embed)
+        moved = mjp_pos_embed_torch(tokens, patch_rows, unk_embed, jigsaw)
         return prepend_prefix(moved, pos_embed, prefix, prefix_positions)
     operator = _extension_operator() if backend == "cpu" else _PosEmbedTriton.apply
     return operator(*_kernel_inputs(tokens, pos_embed, unk_embed, jigsaw, prefix, prefix_positions, dtype))
@@ -303,7 +312,7 @@ def mjp_position_dal_step(
     ``jigsaw``: the position step's (its mask says which positions get ``unk_embed``); ``dal_mask``: the positions
     the DAL loss leaves out (the sampled mask; they differ without unk). ``coords`` float32 ``[N, 2]``.
     """
-    layers = _fused_layers(regressor)
+    layers = fused_layers(regressor)
     if layers is None or torch.compiler.is_compiling():
         return None
     dtype = _promoted(tokens.dtype, pos_embed.dtype)

@@ -157,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
     from mjp_fast.reproduce.run import parse_override_values, plan_runs, reproduce
     from mjp_fast.reproduce.variants import get_preset
     from mjp_fast.train.config import ConfigError
-    from mjp_fast.train.loop import TrainingDiverged
+    from mjp_fast.train.outcome import TrainingDiverged
 
     try:
         preset = get_preset(args.preset)

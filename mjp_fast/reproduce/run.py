@@ -5,7 +5,7 @@
 
 A run is one ``mjp train`` config: the preset's values, then the user's ``KEY=VALUE`` overrides, then the variant's
 own overrides, then its seed. Variants whose configs come out equal share one run (row J and the sweep's J at the
-preset's ratio; row D and the sweep's ratio 0). Each run trains with :func:`mjp_fast.train.loop.train` (its
+preset's ratio; row D and the sweep's ratio 0). Each run trains with :func:`mjp_fast.train.train` (its
 timing, evaluation and position regression), then the report measures what the training loop does not keep:
 
 - every test image's top-1 hit (one more pass of :func:`mjp_fast.evaluate.metrics.evaluate_model`, whose loss
@@ -24,10 +24,8 @@ every run gets the number of epochs that fits the preset's training budget (reco
 
 from __future__ import annotations
 
-import base64
 import datetime
 import json
-import math
 import os
 import platform
 import shutil
@@ -42,13 +40,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from mjp_fast._atomic import write_atomically
 from mjp_fast.evaluate.metrics import evaluate_model
 from mjp_fast.evaluate.plots import plot_position_embeddings
 from mjp_fast.evaluate.position import model_position_regression, patch_position_embeddings, position_regression
-from mjp_fast.evaluate.run import checkpoint_config
+from mjp_fast.reproduce.records import json_ready, pack_hits, read_json, unpack_hits, write_json
+from mjp_fast.reproduce.report import build_report, similarity_figure, write_report
 from mjp_fast.reproduce.variants import BASELINE, MJP, Preset, Variant, preset_variants
-from mjp_fast.train.checkpoint import load_model
+from mjp_fast.train.checkpoint import checkpoint_config, load_checkpoint, load_model
 from mjp_fast.train.config import ConfigError, TrainConfig, build_config, parse_overrides
 from mjp_fast.train.data import (
     build_datasets,
@@ -58,7 +56,9 @@ from mjp_fast.train.data import (
     resolve_split,
     set_transform,
 )
-from mjp_fast.train.loop import LAST_CHECKPOINT, amp_dtype, resolve_device, train
+from mjp_fast.train.device import amp_dtype, resolve_device
+from mjp_fast.train.loop import train
+from mjp_fast.train.outcome import LAST_CHECKPOINT
 
 RUN_RECORD = "reproduce-run.json"
 THROUGHPUT_RECORD = "throughput.json"
@@ -199,34 +199,6 @@ def _say(message: str) -> None:
     print(f"mjp reproduce: {message}", flush=True)
 
 
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def _write_json(data: Any, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with write_atomically(path, text=True) as file:
-        file.write(json.dumps(_finite(data), indent=1, allow_nan=False) + "\n")
-
-
-def _finite(value: Any) -> Any:
-    """JSON-ready: NaN/inf -> None, tuples -> lists, NumPy scalars -> Python numbers, paths -> strings."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, (np.floating, np.integer)):
-        return _finite(value.item())
-    if isinstance(value, dict):
-        return {str(key): _finite(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(item) for item in value]
-    if isinstance(value, Path):
-        return str(value)
-    return value
-
-
 def choose_epochs(plan: Plan) -> dict[str, Any] | None:
     """For a preset with a training budget and no ``epochs=`` override: measures the throughput of the MJP config
     (two epochs on up to 8,192 images; the second, warm, counts) and gives every run the most epochs that fit the
@@ -241,13 +213,13 @@ def choose_epochs(plan: Plan) -> dict[str, Any] | None:
         output=str(probe_dir),
     )  # fmt: skip
     record_path = plan.runs_dir / THROUGHPUT_RECORD
-    record = _read_json(record_path)
-    if record is None or record.get("config") != json.loads(json.dumps(_finite(probe_config.to_dict()))):
+    record = read_json(record_path)
+    if record is None or record.get("config") != json.loads(json.dumps(json_ready(probe_config.to_dict()))):
         shutil.rmtree(probe_dir, ignore_errors=True)  # an interrupted probe: measure again from the start
         _say(f"measuring the training throughput ({probe_spec.run_id}'s config, 2 epochs on {PROBE_IMAGES:,} images)")
         history = train(probe_config).history
         record = {"config": probe_config.to_dict(), "images_per_second": history[-1]["train_images_per_second"]}
-        _write_json(record, record_path)
+        write_json(record, record_path)
     images_per_second = float(record["images_per_second"])
     train_set, _, _ = build_datasets(probe_spec.config)
     train_images = len(train_set)
@@ -317,16 +289,6 @@ def per_image_hits(model: nn.Module, config: TrainConfig, device: torch.device) 
     return recorder.hits(), result
 
 
-def pack_hits(hits: np.ndarray) -> str:
-    """bool ``[n]`` -> base64 of the packed bits (a 10,000-image test set in 1,668 characters)."""
-    return base64.b64encode(np.packbits(hits.astype(bool)).tobytes()).decode("ascii")
-
-
-def unpack_hits(text: str, count: int) -> np.ndarray:
-    """The inverse of :func:`pack_hits`."""
-    return np.unpackbits(np.frombuffer(base64.b64decode(text), dtype=np.uint8))[:count].astype(bool)
-
-
 def describe_device(device: torch.device) -> str:
     """The GPU's name, or the CPU's model with its core and thread counts."""
     if device.type == "cuda":
@@ -378,8 +340,8 @@ def _images_per_second(history: list[dict[str, Any]]) -> float | None:
 def execute_run(spec: RunSpec, title: str) -> dict[str, Any]:
     """Trains (or reuses, or resumes) one run and measures it; returns its record (also written beside it)."""
     record_path = spec.output / RUN_RECORD
-    requested = json.loads(json.dumps(_finite(spec.config.to_dict())))
-    record = _read_json(record_path)
+    requested = json.loads(json.dumps(json_ready(spec.config.to_dict())))
+    record = read_json(record_path)
     if record is not None and record.get("requested_config") == requested:
         record["reused"] = True
         return record
@@ -442,15 +404,13 @@ def execute_run(spec: RunSpec, title: str) -> dict[str, Any]:
         "finished": datetime.datetime.now().isoformat(timespec="seconds"),
         "history": history,
     }
-    _write_json(record, record_path)
+    write_json(record, record_path)
     record["reused"] = False
     return record
 
 
 def _same_config(spec: RunSpec) -> bool:
     """Whether the checkpoint in the run's folder was started with this config (resumable)."""
-    from mjp_fast.train.checkpoint import load_checkpoint
-
     saved = load_checkpoint(spec.output / LAST_CHECKPOINT).get("config") or {}
     wanted = spec.config.to_dict()
     # the loop writes its resolved values (lr, img_size, mjp_seed...): compare only what the plan set
@@ -498,7 +458,6 @@ def reproduce(
     attack's reconstructions (``-attack.png``). ``command``: how the report says it was made (default: this
     process's command line). Returns the report's data (the JSON's content)."""
     from mjp_fast.reproduce.attack import run_attack
-    from mjp_fast.reproduce.report import build_report, similarity_figure, write_report
 
     report_path = Path(report_path)
     json_path = Path(json_path) if json_path else report_path.with_suffix(".json")

@@ -12,11 +12,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from mjp_fast._distributed import rank_and_world
 from mjp_fast._validate import check_fraction, check_grid_size, check_int, check_positive_float, with_index
-from mjp_fast.backend import resolve_backend
+from mjp_fast.backend import resolve_once
 from mjp_fast.sampler.dispatch import SamplerPlan, make_sampler_plan, sampler_params
 from mjp_fast.sampler.jigsaw import Jigsaw
 from mjp_fast.sampler.reference import sampler_tables
@@ -38,6 +38,7 @@ class JigsawSampler(nn.Module):
     # before they existed reads None and makes its plan.
     _plan: SamplerPlan | None = None
     _plan_key: tuple | None = None
+    _tables_min_aspect: float | None = None  # the min_aspect the table buffers hold (None: before this existed)
 
     def __init__(
         self,
@@ -69,6 +70,7 @@ class JigsawSampler(nn.Module):
         h_thresholds, w_thresholds = sampler_tables(*self.grid_size, self.min_aspect)
         self.register_buffer("h_thresholds", h_thresholds.clone(), persistent=False)
         self.register_buffer("w_thresholds", w_thresholds.clone(), persistent=False)
+        self._tables_min_aspect = self.min_aspect
         # The Triton sampler reads the seed and the prob threshold from memory (see triton_kernel.py); refreshed in
         # place when seed or prob change (the training loop sets prob per epoch), not rebuilt per call.
         self.register_buffer("params", sampler_params(self.seed, self.prob, "cpu").clone(), persistent=False)
@@ -81,12 +83,6 @@ class JigsawSampler(nn.Module):
         """How many training samples this rank has drawn (reads the counter: a host sync on a GPU)."""
         return int(self.sample_counter)
 
-    @staticmethod
-    def _rank_and_world() -> tuple[int, int]:
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank(), dist.get_world_size()
-        return 0, 1
-
     @property
     def active(self) -> bool:
         """Whether the next call draws jigsaws (training with ratio and prob > 0, or inside jigsaw_eval)."""
@@ -95,6 +91,16 @@ class JigsawSampler(nn.Module):
         settings = self._eval_settings
         return settings is not None and settings["ratio"] > 0.0 and settings["prob"] > 0.0
 
+    def backend_for(self, device: torch.device) -> str:
+        """The backend on ``device``: ``backend`` resolved once per device (``MJP_FAST_BACKEND`` read then), and again
+        only when ``backend`` is set. The model that owns this sampler runs its embedding and DAL loss on the same
+        choice (:meth:`mjp_fast.core.MJPCore.backend_for`), so a change of the environment mid-run moves no part of
+        it."""
+        cache = self.__dict__.get("_resolved_backends")
+        if cache is None:  # made here: a sampler pickled before this cache existed has none
+            cache = self.__dict__["_resolved_backends"] = {}
+        return resolve_once(cache, self.backend, device)
+
     def forward(self, batch: int, device: torch.device, grid_size: tuple[int, int] | None = None) -> Jigsaw | None:
         """The next ``batch`` jigsaws for ``grid_size`` (default the module's), or None when inactive.
 
@@ -102,8 +108,8 @@ class JigsawSampler(nn.Module):
         made on the first call and kept while the settings, the device and the grid stay the same, so a step only
         launches the sampler. The sampler reads the stream position from ``sample_counter`` on the device, then the
         counter advances on the device: no host sync on the triton and cuda backends; on the CPU, one call of the
-        extension does both. (The backend is resolved when the plan is made: set ``MJP_FAST_BACKEND`` before the
-        first step.)
+        extension does both. (The backend is resolved once per device, :meth:`backend_for`: set ``MJP_FAST_BACKEND``
+        before the first step.)
         """
         if not self.active:
             return None
@@ -114,7 +120,10 @@ class JigsawSampler(nn.Module):
             # compiled graph's guards depend: a recompile on the next step).
             plan = self._make_plan(device, grid_size)
         else:
-            key = (device, grid_size, self.backend, self.ratio, self.prob, self.seed, self.min_block, self.shared)
+            key = (
+                device, grid_size, self.backend, self.ratio, self.prob, self.seed, self.min_block, self.min_aspect,
+                self.shared,
+            )  # fmt: skip
             if key != self._plan_key:
                 self._plan, self._plan_key = self._make_plan(device, grid_size), key
             plan = self._plan
@@ -130,6 +139,12 @@ class JigsawSampler(nn.Module):
         grid = self.grid_size if grid_size is None else tuple(grid_size)
         tables = params = None  # None: make_sampler_plan's shared cached ones
         if grid == self.grid_size and self.h_thresholds.device == device:
+            if self.min_aspect != self._tables_min_aspect:  # refreshed in place, as params below
+                for buffer, table in zip(
+                    (self.h_thresholds, self.w_thresholds), sampler_tables(*grid, self.min_aspect)
+                ):
+                    buffer.copy_(table)
+                self._tables_min_aspect = self.min_aspect
             tables = (self.h_thresholds, self.w_thresholds)
         if settings is None:
             ratio, prob, seed = self.ratio, self.prob, self.seed
@@ -142,14 +157,14 @@ class JigsawSampler(nn.Module):
             ratio, prob, seed = settings["ratio"], settings["prob"], settings["seed"]
         return make_sampler_plan(
             grid, ratio, seed=seed, prob=prob, shared=self.shared, min_block=self.min_block,
-            min_aspect=self.min_aspect, device=device, backend=resolve_backend(self.backend, device), tables=tables,
+            min_aspect=self.min_aspect, device=device, backend=self.backend_for(device), tables=tables,
             params=params,
         )  # fmt: skip
 
     def _draw(self, plan: SamplerPlan, batch: int, counter: torch.Tensor) -> Jigsaw:
         """The next ``batch`` jigsaws of the stream whose position ``counter`` holds, which then advances by
         ``batch``."""
-        rank, world = self._rank_and_world()
+        rank, world = rank_and_world()
         # Sample i of this call has the global stream index counter * world + rank * batch + i: with a constant
         # per-rank batch, distinct on every rank and the same after a resume.
         if counter.device == plan.h_thresholds.device:

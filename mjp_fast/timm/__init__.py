@@ -6,8 +6,9 @@ Importing this package, which ``import mjp_fast`` does, registers ``mjp_deit_tin
 
     model = timm.create_model("mjp_deit_small_patch16_224", mjp_ratio=0.1, mjp_prob=0.5, mjp_dal="nonlinear")
 
-One core, :class:`MJPState` (``model.mjp``: the sampler, ``unk_embed``, the DAL regressor and the step that applies
-them), and one front end per timm family, which :func:`convert` picks (docs/timm-coverage.md lists the models):
+One core, :class:`MJPState` (``model.mjp``: the package's :class:`mjp_fast.core.MJPCore`, whose sampler,
+``unk_embed``, DAL regressor and backend ``MJPPatchEmbed`` shares, plus the DAL weight and the timm step), and one
+front end per timm family, which :func:`convert` picks (docs/timm-coverage.md lists the models):
 
 - ``vit.py``: ``VisionTransformer`` and its subclasses (the distilled DeiT: any number of prefix tokens). In training
   the patch tokens of masked positions are permuted among themselves and get ``unk_embed`` instead of their row
@@ -30,7 +31,7 @@ embedding, the jigsaw and the position term run as one :func:`mjp_fast.mjp_patch
 the model's ``_pos_embed`` embeds them, reading the same ``patch_embed.proj`` weights. Outputs equal timm's Conv2d
 path within float tolerance (the GEMM sums in another order), in training and in eval mode; under autocast the op
 runs in the autocast dtype, as timm's Conv2d would, and returns the dtype of timm's sum. Under FX the fused call is
-one node: ``mjp`` when it jigsaws, else a ``_fused_patch_embed`` call (there is no ``patch_embed.proj`` node).
+one node: ``mjp`` when it jigsaws, else a ``fused_patch_embed`` call (there is no ``patch_embed.proj`` node).
 :func:`fast_patch_embed` does the same for a plain timm ViT or Eva.
 
 timm's conventions carry over: ``features_only=True`` (timm's feature wrappers around the MJP model),
@@ -50,20 +51,19 @@ regressor's included (DDP needs no ``find_unused_parameters``). ``model.mjp_aux_
 
 from __future__ import annotations
 
-from mjp_fast.timm.base import _MJPMixin as MJPModel
+from mjp_fast.timm.base import MJPModel
 from mjp_fast.timm.convert import convert, fast_patch_embed
 from mjp_fast.timm.eva import MJPEva
-from mjp_fast.timm.fused import FusedPatchEmbed, FusedVisionTransformer
-from mjp_fast.timm.fused import _is_fused as is_fused
+from mjp_fast.timm.fused import FusedPatchEmbed, FusedVisionTransformer, is_fused
 from mjp_fast.timm.pixel import (
     MJPBeit,
     MJPConvNeXt,
+    MJPPixelModel,
     MJPPixelVisionTransformer,
     MJPResNet,
     MJPSwinTransformer,
     MJPVisionTransformerRelPos,
 )
-from mjp_fast.timm.pixel import _MJPPixelMixin as MJPPixelModel
 from mjp_fast.timm.registry import REGISTERED_BASES, register
 from mjp_fast.timm.schedule import DALWeightSchedule
 from mjp_fast.timm.state import MJPState

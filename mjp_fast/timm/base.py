@@ -15,7 +15,7 @@ from mjp_fast.timm.state import MJPState
 _SUBCLASSES: dict[tuple[type, type], type] = {}
 
 
-def _mjp_class(model_class: type, timm_class: type | None, mjp_class: type) -> type:
+def mjp_class_of(model_class: type, timm_class: type | None, mjp_class: type) -> type:
     """The MJP class of ``model_class``: ``mjp_class`` for timm's own class, else a generated subclass of both
     (timm subclasses, and the feature wrappers, whose ``mjp_class`` is a mixin: ``timm_class`` None)."""
     if model_class is timm_class:
@@ -26,7 +26,7 @@ def _mjp_class(model_class: type, timm_class: type | None, mjp_class: type) -> t
     return _SUBCLASSES[key]
 
 
-class _MJPMixin:
+class MJPModel:
     """Methods every converted model has."""
 
     mjp: MJPState
@@ -77,7 +77,7 @@ class _MJPMixin:
         self.mjp.set_dal_weight(check_dal_weight("mjp_dal_weight", value))
 
 
-class _MJPNoDALMixin(_MJPMixin):
+class MJPNoDALModel(MJPModel):
     """MJP without position embeddings to regress: the DAL loss is always zero."""
 
     def mjp_aux_loss(self) -> torch.Tensor:

@@ -4,27 +4,29 @@ place, keeping its weights."""
 from __future__ import annotations
 
 import warnings
+from typing import NamedTuple
 
 from timm.models._features import FeatureGetterNet
 from timm.models.eva import Eva
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
-from mjp_fast.timm.base import _mjp_class, _MJPMixin
-from mjp_fast.timm.eva import MJPEva, _eva_layout, _FusedEvaMixin
-from mjp_fast.timm.features import _WRAPPER_MIXINS
+from mjp_fast.core import check_backend, check_dal_kind, check_dal_reduction, check_unk
+from mjp_fast.timm.base import MJPModel, mjp_class_of
+from mjp_fast.timm.eva import FusedEvaMixin, MJPEva, eva_layout
+from mjp_fast.timm.features import WRAPPER_MIXINS
 from mjp_fast.timm.fused import (
-    _fuse_patch_embed,
-    _fused_model_class,
-    _FusedViTMixin,
-    _original_class,
-    _unfusable_reason,
-    _unfuse_patch_embed,
+    FusedViTMixin,
+    fuse_patch_embed,
+    fused_model_class,
+    original_class,
+    unfusable_reason,
+    unfuse_patch_embed,
 )
-from mjp_fast.timm.pixel import _PIXEL_CLASSES
+from mjp_fast.timm.pixel import PIXEL_CLASSES
 from mjp_fast.timm.schedule import DEFAULT_DAL_WEIGHT, check_dal_weight
-from mjp_fast.timm.state import MJPState, _check_backend, _check_unk, _dal_kind, _dal_reduction_scale
-from mjp_fast.timm.vit import MJPVisionTransformer, _jigsaw_pixels_before, _pixel_block
+from mjp_fast.timm.state import MJPState
+from mjp_fast.timm.vit import MJPVisionTransformer, hybrid_pixel_block, jigsaw_pixels_before
 
 
 def _grid(model: nn.Module, patch_size: int) -> tuple[int, int]:
@@ -48,7 +50,7 @@ def _without_dal(model: nn.Module, dal: str | None, asked: bool, what_mjp_does: 
         warnings.warn(
             f"model: {_model_name(model)} has no absolute position table: {what_mjp_does}, and dal={dal!r} is "
             "ignored (no table to regress)",
-            stacklevel=3,
+            stacklevel=4,  # the caller of convert (convert -> _front_end -> here)
         )
     return None
 
@@ -119,84 +121,93 @@ def convert(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a timm model (nn.Module), got {type(model).__name__}")
-    if isinstance(model, _MJPMixin):
+    if isinstance(model, MJPModel):
         raise ValueError(f"model is already an MJP model ({type(model).__name__})")
     if fused_patch_embed is not None and not isinstance(fused_patch_embed, bool):
         raise TypeError(f"fused_patch_embed must be a bool or None, got {type(fused_patch_embed).__name__}")
-    _check_backend(backend)
-    asked_dal, dal_argument = not (isinstance(dal, str) and dal == "auto"), dal
-    dal = _dal_kind(dal) if asked_dal else "nonlinear"  # "auto": where the model has a table to regress
-    _check_unk(unk)
-    _dal_reduction_scale(dal_reduction)  # checked before anything changes
+    check_backend(backend)
+    asked_dal = not (isinstance(dal, str) and dal == "auto")
+    dal_kind = check_dal_kind(dal) if asked_dal else "nonlinear"  # "auto": where the model has a table to regress
+    check_unk(unk)
+    check_dal_reduction(dal_reduction)  # checked before anything changes
     dal_weight = check_dal_weight("dal_weight", dal_weight)
-    sampler_settings = dict(
-        ratio=ratio, prob=prob, seed=seed, min_block=min_block, min_aspect=min_aspect, shared=shared, backend=backend
-    )
-    wrapper_class = next((base for base in _WRAPPER_MIXINS if isinstance(model, base)), None)
+    settings = dict(
+        ratio=ratio, prob=prob, seed=seed, min_block=min_block, min_aspect=min_aspect, shared=shared, backend=backend,
+        dal_normalize=dal_normalize, unk=unk, dal_reduction=dal_reduction, dal_weight=dal_weight,
+    )  # fmt: skip
+    wrapper_class = next((base for base in WRAPPER_MIXINS if isinstance(model, base)), None)
     if wrapper_class is FeatureGetterNet:
-        convert(
-            model.model,
-            dal=dal_argument,
-            patch_size=patch_size,
-            dal_normalize=dal_normalize,
-            fused_patch_embed=fused_patch_embed,
-            unk=unk,
-            dal_reduction=dal_reduction,
-            dal_weight=dal_weight,
-            **sampler_settings,
-        )
-        model.__class__ = _mjp_class(type(model), None, _WRAPPER_MIXINS[wrapper_class])
+        convert(model.model, dal=dal, patch_size=patch_size, fused_patch_embed=fused_patch_embed, **settings)
+        model.__class__ = mjp_class_of(type(model), None, WRAPPER_MIXINS[wrapper_class])
         return model
-    fuse, pixel_block = False, None
+    layout = _front_end(model, wrapper_class, dal_kind, asked_dal, patch_size, fused_patch_embed)
+    state = MJPState(layout.grid, layout.dim, dal=layout.dal, patch_size=layout.patch_size, **settings)
+    _install(model, state, layout, wrapper_class is not None)
+    return model
+
+
+class _Layout(NamedTuple):
+    """What :func:`convert` makes of a model: its MJP class, the state's grid, token width, patch size and DAL kind,
+    whether the patch embedding runs fused, and a hybrid ViT's pixel block (None elsewhere)."""
+
+    new_class: type
+    grid: tuple[int, int]
+    dim: int | None
+    patch_size: int
+    dal: str | None
+    fuse: bool
+    pixel_block: int | None
+
+
+def _fusing(model: nn.Module, fused_patch_embed: bool | None) -> bool:
+    """Whether a ViT or Eva runs its patch embedding fused: ``fused_patch_embed`` None (where it can), True (or a
+    ValueError saying why it cannot), False."""
+    reason = unfusable_reason(model) if fused_patch_embed is not False else None
+    if fused_patch_embed and reason is not None:
+        raise ValueError(f"fused_patch_embed=True: {reason}")
+    return fused_patch_embed is not False and reason is None
+
+
+def _front_end(
+    model: nn.Module, wrapper_class: type | None, dal: str | None, asked_dal: bool, patch_size: int | None,
+    fused_patch_embed: bool | None,
+) -> _Layout:  # fmt: skip
+    """The front end of ``model``'s family (:func:`convert`'s dispatch): ViT, Eva, else the pixel-space jigsaw."""
     if isinstance(model, VisionTransformer) and model.pos_embed is not None:
-        grid, dim = tuple(model.patch_embed.grid_size), model.embed_dim
         # A hybrid ViT (CNN stem) jigsaws its images, a block of pixels per token; others move their tokens.
-        pixel_block = _pixel_block(model.patch_embed)
+        pixel_block = hybrid_pixel_block(model.patch_embed)
         patch_size = pixel_block or _first(model.patch_embed.patch_size)
         # A plain model fused by fast_patch_embed becomes the MJP version of its timm class.
-        new_class = _mjp_class(_original_class(type(model)), VisionTransformer, MJPVisionTransformer)
-        reason = _unfusable_reason(model) if fused_patch_embed is not False else None
-        if fused_patch_embed and reason is not None:
-            raise ValueError(f"fused_patch_embed=True: {reason}")
-        fuse = fused_patch_embed is not False and reason is None
-    elif isinstance(model, Eva):  # EVA-02, DINOv3, PE, the vit_*_rope_* models: a table, a rotary table, or both
+        new_class = mjp_class_of(original_class(type(model)), VisionTransformer, MJPVisionTransformer)
+        grid, dim = tuple(model.patch_embed.grid_size), model.embed_dim
+        return _Layout(new_class, grid, dim, patch_size, dal, _fusing(model, fused_patch_embed), pixel_block)
+    if isinstance(model, Eva):  # EVA-02, DINOv3, PE, the vit_*_rope_* models: a table, a rotary table, or both
         if model.pos_embed is None:  # RoPE only
             dal = _without_dal(model, dal, asked_dal, "it gets the identity rotation at the shuffled positions")
-        grid, dim, patch_size = _eva_layout(model)
-        new_class = _mjp_class(_original_class(type(model)), Eva, MJPEva)
-        reason = _unfusable_reason(model) if fused_patch_embed is not False else None
-        if fused_patch_embed and reason is not None:
-            raise ValueError(f"fused_patch_embed=True: {reason}")
-        fuse = fused_patch_embed is not False and reason is None
+        grid, dim, patch_size = eva_layout(model)
+        new_class = mjp_class_of(original_class(type(model)), Eva, MJPEva)
+        return _Layout(new_class, grid, dim, patch_size, dal, _fusing(model, fused_patch_embed), None)
+    if wrapper_class is not None:
+        mjp_class, timm_class = WRAPPER_MIXINS[wrapper_class], None
     else:
-        if wrapper_class is not None:
-            mjp_class, timm_class = _WRAPPER_MIXINS[wrapper_class], None
-        else:
-            timm_class = next((base for base in _PIXEL_CLASSES if isinstance(model, base)), None)
-            if timm_class is None:
-                families = (VisionTransformer, Eva, *_PIXEL_CLASSES, *_WRAPPER_MIXINS)
-                supported = ", ".join(dict.fromkeys(base.__name__ for base in families))
-                raise TypeError(f"model: convert() supports timm {supported}; got {type(model).__name__}")
-            mjp_class = _PIXEL_CLASSES[timm_class]
-        if fused_patch_embed:
-            raise ValueError(f"fused_patch_embed=True: {_unfusable_reason(model)}")
-        dal = _without_dal(model, dal, asked_dal, "it gets the pixel-space jigsaw")
-        if patch_size is None:
-            embed = getattr(model, "patch_embed", None)
-            patch_size = _first(getattr(embed, "patch_size", 16) if embed is not None else 16)
-        grid, dim = _grid(model, patch_size), None
-        new_class = _mjp_class(type(model), timm_class, mjp_class)
-    state = MJPState(
-        grid,
-        dim,
-        dal=dal,
-        patch_size=patch_size,
-        dal_normalize=dal_normalize,
-        unk=unk,
-        dal_reduction=dal_reduction,
-        dal_weight=dal_weight,
-        **sampler_settings,
-    )
+        timm_class = next((base for base in PIXEL_CLASSES if isinstance(model, base)), None)
+        if timm_class is None:
+            families = (VisionTransformer, Eva, *PIXEL_CLASSES, *WRAPPER_MIXINS)
+            supported = ", ".join(dict.fromkeys(base.__name__ for base in families))
+            raise TypeError(f"model: convert() supports timm {supported}; got {type(model).__name__}")
+        mjp_class = PIXEL_CLASSES[timm_class]
+    if fused_patch_embed:
+        raise ValueError(f"fused_patch_embed=True: {unfusable_reason(model)}")
+    dal = _without_dal(model, dal, asked_dal, "it gets the pixel-space jigsaw")
+    if patch_size is None:
+        embed = getattr(model, "patch_embed", None)
+        patch_size = _first(getattr(embed, "patch_size", 16) if embed is not None else 16)
+    new_class = mjp_class_of(type(model), timm_class, mjp_class)
+    return _Layout(new_class, _grid(model, patch_size), None, patch_size, dal, False, None)
+
+
+def _install(model: nn.Module, state: MJPState, layout: _Layout, wrapped: bool) -> None:
+    """Makes ``model`` its MJP class holding ``state`` as ``model.mjp``, on the model's device and dtype."""
     reference = next(model.parameters(), None)
     if reference is not None:
         state.to(device=reference.device)
@@ -205,17 +216,16 @@ def convert(
         if hasattr(state, "unused_unk_row"):
             state.unused_unk_row = state.unused_unk_row.to(reference.dtype)
     state.train(model.training)
-    model.__class__ = new_class
+    model.__class__ = layout.new_class
     model.mjp = state
-    if fuse:
-        _fuse_patch_embed(model.patch_embed, backend)
+    if layout.fuse:
+        fuse_patch_embed(model.patch_embed)  # the backend is the state's, for the whole model
     elif isinstance(model, VisionTransformer):
-        _unfuse_patch_embed(model.patch_embed)
-        if pixel_block is not None:
-            _jigsaw_pixels_before(model.patch_embed, state)
-    if wrapper_class is not None:  # the wrapper runs its entries in order: the jigsaw goes first
+        unfuse_patch_embed(model.patch_embed)
+        if layout.pixel_block is not None:
+            jigsaw_pixels_before(model.patch_embed, state)
+    if wrapped:  # the wrapper runs its entries in order: the jigsaw goes first
         model._modules = dict(mjp=model._modules.pop("mjp"), **model._modules)
-    return model
 
 
 def fast_patch_embed(model: nn.Module, *, backend: str | None = None) -> nn.Module:
@@ -234,8 +244,9 @@ def fast_patch_embed(model: nn.Module, *, backend: str | None = None) -> nn.Modu
             embedding (``PatchEmbed``; a Conv2d with stride equal to its square kernel; no norm; flattened output;
             a fixed image size: no ``dynamic_img_size``, ``dynamic_img_pad`` or ``strict_img_size=False``), an MJP
             version of one, or timm's ``features_only`` wrapper (``FeatureGetterNet``) of one.
-        backend: the fused op's backend (as :func:`mjp_fast.mjp_patch_embed`); default automatic, or an MJP
-            model's own (``convert``'s ``backend``).
+        backend: the fused op's backend (as :func:`mjp_fast.mjp_patch_embed`); default automatic. An MJP model has
+            one backend for its sampler, embedding and DAL loss (``model.mjp.backend``, ``convert``'s ``backend``):
+            given here, it sets that one; None keeps it.
 
     Raises:
         TypeError: not a timm VisionTransformer or Eva. ValueError: a patch embedding the fused op cannot compute (the
@@ -246,14 +257,18 @@ def fast_patch_embed(model: nn.Module, *, backend: str | None = None) -> nn.Modu
         raise TypeError(
             f"model must be a timm VisionTransformer or Eva (or its FeatureGetterNet), got {type(model).__name__}"
         )
-    reason = _unfusable_reason(target)
+    reason = unfusable_reason(target)
     if reason is not None:
         raise ValueError(f"model: its patch embedding cannot be fused: {reason}")
-    _check_backend(backend)
-    if isinstance(target, _MJPMixin):
-        backend = backend if backend is not None else target.mjp.sampler.backend
-    elif not isinstance(target, (_FusedViTMixin, _FusedEvaMixin)):
-        mixin = _FusedEvaMixin if isinstance(target, Eva) else _FusedViTMixin
-        target.__class__ = _fused_model_class(type(target), mixin)
-    _fuse_patch_embed(target.patch_embed, backend)
+    check_backend(backend)
+    if isinstance(target, MJPModel):
+        # The model's one backend, the core's: a backend given here moves the sampler and the DAL loss too.
+        if backend is not None:
+            target.mjp.backend = backend
+        fuse_patch_embed(target.patch_embed)
+        return model
+    if not isinstance(target, (FusedViTMixin, FusedEvaMixin)):
+        mixin = FusedEvaMixin if isinstance(target, Eva) else FusedViTMixin
+        target.__class__ = fused_model_class(type(target), mixin)
+    fuse_patch_embed(target.patch_embed, backend)
     return model

@@ -24,8 +24,8 @@ from timm.layers.pos_embed_sincos import apply_keep_indices_nlc
 from timm.models.eva import Eva
 
 from mjp_fast.ops.rope_identity import rope_identity
-from mjp_fast.timm.base import _MJPMixin
-from mjp_fast.timm.fused import _fused_pos_embed, _is_fused, _prefix_positions, _prefix_tokens
+from mjp_fast.timm.base import MJPModel
+from mjp_fast.timm.fused import fused_pos_embed, is_fused, prefix_positions_of, prefix_tokens_of
 from mjp_fast.timm.state import MJPState
 from mjp_fast.timm.vit import MJPVisionTransformer
 
@@ -51,25 +51,25 @@ def _batched(rope: torch.Tensor, batch: int) -> torch.Tensor:
     return rope.expand(batch, 1, -1, -1) if rope.dim() == 2 else rope.expand(batch, -1, -1, -1)
 
 
-class MJPEva(_MJPMixin, Eva):
+class MJPEva(MJPModel, Eva):
     """A timm ``Eva`` with MJP position embeddings (made by :func:`mjp_fast.timm.convert`): the jigsawed patch tokens
     get ``unk_embed`` instead of their row of ``pos_embed`` (where the model has one) and no rotation (where it has a
     rotary embedding). In eval mode, outside ``mjp_eval``, it is timm's ``Eva``."""
 
     def _pos_embed(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        state, fused = self.mjp, _is_fused(self.patch_embed)
+        state, fused = self.mjp, is_fused(self.patch_embed)
         if not state.engaged and not fused:  # MJP off (eval mode): timm's own
             state.last_jigsaw = None
             return super()._pos_embed(x)
         x, grid, pos_table, rope = _patch_tokens_and_tables(self, x)
         if fused:  # x: the images, passed through by patch_embed; the state embeds and jigsaws them (one node)
-            x = _fused_pos_embed(self, x, state)
+            x = fused_pos_embed(self, x, state)
         elif pos_table is not None:
             # The whole table and the prefix tokens go in: the kernels write [B, P + N, D] at once. DAL regresses
             # the stored table, not one resampled for another input size.
             resampled = pos_table is not self.pos_embed
             dal_table, dal_grid = (self.pos_embed, self.patch_embed.grid_size) if resampled else (None, None)
-            prefix, prefix_positions = _prefix_tokens(self), _prefix_positions(self)
+            prefix, prefix_positions = prefix_tokens_of(self), prefix_positions_of(self)
             x = state(
                 x, pos_table, grid, prefix=prefix, prefix_positions=prefix_positions, dal_table=dal_table,
                 dal_grid=dal_grid,
@@ -77,7 +77,7 @@ class MJPEva(_MJPMixin, Eva):
             x = self.pos_drop(x)
         else:
             # No table (RoPE only): the tokens move, the shuffled ones get unk_embed; the prefix tokens go in front.
-            x = self.pos_drop(state(x, None, grid, prefix=_prefix_tokens(self), prefix_positions=0))
+            x = self.pos_drop(state(x, None, grid, prefix=prefix_tokens_of(self), prefix_positions=0))
         # One table per sample where the jigsaw gives the shuffled positions no rotation (not for the naive shuffle).
         batched = rope is not None and state.sampler.active and state.use_unk
         if batched:
@@ -105,7 +105,7 @@ def _patch_tokens_and_tables(
         grid = (rows, cols)
         if pos_table is not None:
             pos_table = resample_abs_pos_embed(
-                pos_table, new_size=grid, old_size=embed.grid_size, num_prefix_tokens=_prefix_positions(model)
+                pos_table, new_size=grid, old_size=embed.grid_size, num_prefix_tokens=prefix_positions_of(model)
             )
         return x.view(batch, -1, dim), grid, pos_table, rope.get_embed(shape=grid) if rope is not None else None
     grid = embed.grid_size  # the model's (set_input_size may have changed it since the sampler was made)
@@ -134,19 +134,19 @@ def _drop_patches(
     return x, rope.transpose(0, 1) if mixed else rope.unsqueeze(1)
 
 
-class _FusedEvaMixin:
+class FusedEvaMixin:
     """A plain timm ``Eva`` whose patch embedding and position add run as one fused op (made by
     :func:`mjp_fast.timm.fast_patch_embed`): ``_pos_embed`` receives the images from the pass-through
     ``patch_embed`` and returns timm's ``(tokens, rotary table)``."""
 
     def _pos_embed(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if not _is_fused(self.patch_embed):
+        if not is_fused(self.patch_embed):
             return super()._pos_embed(x)
         x, _, _, rope = _patch_tokens_and_tables(self, x)
-        return _drop_patches(self, _fused_pos_embed(self, x, None), rope, False)
+        return _drop_patches(self, fused_pos_embed(self, x, None), rope, False)
 
 
-def _eva_layout(model: Eva) -> tuple[tuple[int, int], int | None, int]:
+def eva_layout(model: Eva) -> tuple[tuple[int, int], int | None, int]:
     """The state's grid, token width (``unk_embed``'s, with or without a position table) and patch size."""
     embed = model.patch_embed
     patch_size = embed.patch_size

@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch
 from timm.models._features import FeatureDictNet, FeatureGetterNet
 
-from mjp_fast.timm.base import _MJPMixin, _MJPNoDALMixin
+from mjp_fast.timm.base import MJPModel, MJPNoDALModel
 from mjp_fast.timm.state import MJPState
 
 
-class _MJPFeatureGetterMixin(_MJPMixin):
+class _MJPFeatureGetterMixin(MJPModel):
     """timm's ``FeatureGetterNet`` (``features_only=True`` for ViTs) around an MJP model: the wrapped model's
     ``forward_intermediates`` applies MJP, and MJP's methods and state are the wrapped model's."""
 
@@ -21,10 +21,10 @@ class _MJPFeatureGetterMixin(_MJPMixin):
         return self.model.mjp_aux_loss()
 
 
-class _MJPFeatureModulesMixin(_MJPNoDALMixin):
+class _MJPFeatureModulesMixin(MJPNoDALModel):
     """timm's ``FeatureListNet``/``FeatureDictNet`` (``features_only=True`` for CNNs and Swin). They are module
     dicts that run their entries in order, not the model's ``forward``: :func:`convert` puts ``mjp`` first, so
     the input is jigsawed (pixel-space MJP) before the first layer."""
 
 
-_WRAPPER_MIXINS = {FeatureGetterNet: _MJPFeatureGetterMixin, FeatureDictNet: _MJPFeatureModulesMixin}
+WRAPPER_MIXINS = {FeatureGetterNet: _MJPFeatureGetterMixin, FeatureDictNet: _MJPFeatureModulesMixin}

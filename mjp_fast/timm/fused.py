@@ -11,12 +11,12 @@ from timm.models.eva import Eva
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
-from mjp_fast.backend import resolve_backend
+from mjp_fast.backend import resolve_once
 from mjp_fast.ops.patch_embed import patch_embed_step
 from mjp_fast.ops.pos_embed import prepend_prefix
 from mjp_fast.sampler.jigsaw import Jigsaw
 
-# The _pos_embed methods whose arithmetic the fused op computes: the prefix tokens (_prefix_tokens, in timm's
+# The _pos_embed methods whose arithmetic the fused op computes: the prefix tokens (prefix_tokens_of, in timm's
 # order) in front of the patch tokens, the position table added (or added before the prefix with no_embed_class).
 # Eva's also returns its rotary table, which the Eva front end takes from the model's rope.
 _STANDARD_POS_EMBEDS = (VisionTransformer._pos_embed, VisionTransformerDistilled._pos_embed, Eva._pos_embed)
@@ -32,32 +32,34 @@ def _autocast_like_conv(tensor: torch.Tensor | None, dtype: torch.dtype) -> torc
 
 
 @torch.fx.wrap  # one call_function node under FX tracing (torch.fx and timm's create_feature_extractor)
-def _fused_patch_embed(
+def fused_patch_embed(
     images: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     pos_table: torch.Tensor,
     unk_embed: torch.Tensor | None,
     jigsaw: Jigsaw | None,
-    backend: str | None,
+    owner: nn.Module,
     prefix: torch.Tensor | None,
     prefix_positions: int,
 ) -> torch.Tensor:
     """timm's ``PatchEmbed``, the prefix tokens and the position add as one :func:`patch_embed_step`, in the dtypes
-    timm computes them in.
+    timm computes them in. Public for the MJP step (:class:`mjp_fast.timm.MJPState`) and FX graphs.
 
     Args:
         images: ``[B, C, H, W]``; weight ``[D, C, P, P]`` and bias ``[D]`` (or None): ``patch_embed.proj``'s.
         pos_table: the model's ``pos_embed`` ``[1, Q + N, D]``, its first Q (``prefix_positions``) rows the prefix
             tokens'. prefix: the class and register tokens (numel ``P * D``), or None.
         unk_embed: ``[D]``, or None without a jigsaw. jigsaw: ``Jigsaw(mask [B, N], perm [B, N])`` or None.
-        backend: as :func:`mjp_fast.mjp_patch_embed`.
+        owner: the module that holds the model's one backend, ``owner.backend_for(device)``: ``model.mjp`` (the
+            core), or a plain model's pass-through ``patch_embed``. A module, not a name: under FX it is the graph's
+            attribute, and the backend is found when the graph runs (on the images' device).
 
     Returns:
         ``[B, P + N, D]``, in the dtype of timm's ``cat(prefix, proj(images)) + pos_embed``.
     """
     device_type = images.device.type
-    chosen = resolve_backend(backend, images.device)
+    chosen = owner.backend_for(images.device)
     if not torch.is_autocast_enabled(device_type):
         return patch_embed_step(images, weight, bias, pos_table, unk_embed, jigsaw, chosen, prefix, prefix_positions)
     # Under autocast timm's Conv2d runs in the autocast dtype and the add of the float32 table promotes its output:
@@ -80,7 +82,17 @@ class _ImagesThroughPatchEmbed:
     they run unchanged. ``proj`` (and every parameter and state dict key) stays where it was.
     """
 
-    fused_backend: str | None = None  # the backend of the fused op; None: automatic
+    # The backend of the fused op of a plain model (fast_patch_embed); None: automatic. An MJP model's is its core's
+    # (model.mjp.backend), the one place the sampler, the embedding and the DAL loss read.
+    fused_backend: str | None = None
+
+    def backend_for(self, device: torch.device) -> str:
+        """The fused op's backend of a plain model on ``device``: ``fused_backend``, resolved once per device
+        (``MJP_FAST_BACKEND`` read at the first step, not at every one)."""
+        cache = self.__dict__.get("_resolved_backends")
+        if cache is None:
+            cache = self.__dict__["_resolved_backends"] = {}
+        return resolve_once(cache, self.fused_backend, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _, _, height, width = x.shape
@@ -96,16 +108,16 @@ class FusedPatchEmbed(_ImagesThroughPatchEmbed, PatchEmbed):
 _FUSED_EMBED_CLASSES: dict[type, type] = {PatchEmbed: FusedPatchEmbed}
 
 
-def _is_fused(patch_embed: nn.Module) -> bool:
+def is_fused(patch_embed: nn.Module) -> bool:
     return isinstance(patch_embed, _ImagesThroughPatchEmbed)
 
 
-def _original_class(cls: type) -> type:
+def original_class(cls: type) -> type:
     """The class before this module's class swaps (MJP, fused): the first of ``cls``'s MRO not defined here."""
     return next(base for base in cls.__mro__ if not base.__module__.startswith(_PACKAGE))
 
 
-def _unfusable_reason(model: nn.Module) -> str | None:
+def unfusable_reason(model: nn.Module) -> str | None:
     """None when the model's patch embedding plus position add can run as one fused op, else why not.
 
     The fused op computes a square, non-overlapping Conv2d patch embedding of a fixed image size, flattened to
@@ -117,7 +129,7 @@ def _unfusable_reason(model: nn.Module) -> str | None:
         return f"the model is a {type(model).__name__}, not a timm VisionTransformer or Eva"
     if model.pos_embed is None:
         return "the model has no absolute position embeddings (pos_embed is None)"
-    timm_class = _original_class(type(model))
+    timm_class = original_class(type(model))
     if timm_class._pos_embed not in _STANDARD_POS_EMBEDS:
         return f"{timm_class.__name__} overrides {family.__name__}._pos_embed, which the fused path relies on"
     for name in ("forward_features", "forward_intermediates"):
@@ -126,7 +138,7 @@ def _unfusable_reason(model: nn.Module) -> str | None:
     if model.dynamic_img_size:
         return "the model has dynamic_img_size=True (the fused op needs a fixed image size)"
     embed = model.patch_embed
-    embed_class = _original_class(type(embed))
+    embed_class = original_class(type(embed))
     if not issubclass(embed_class, PatchEmbed):
         return f"patch_embed is a {embed_class.__name__}, not timm's PatchEmbed"
     if embed_class.forward is not PatchEmbed.forward:
@@ -159,9 +171,10 @@ def _unfusable_reason(model: nn.Module) -> str | None:
     return None
 
 
-def _fuse_patch_embed(patch_embed: nn.Module, backend: str | None) -> None:
-    """Switches a standard ``PatchEmbed`` (checked by the caller) to pass the images through."""
-    embed_class = _original_class(type(patch_embed))
+def fuse_patch_embed(patch_embed: nn.Module, backend: str | None = None) -> None:
+    """Switches a standard ``PatchEmbed`` (checked by the caller) to pass the images through; ``backend``: a plain
+    model's (an MJP model's is its core's)."""
+    embed_class = original_class(type(patch_embed))
     if embed_class not in _FUSED_EMBED_CLASSES:
         _FUSED_EMBED_CLASSES[embed_class] = type(
             f"Fused{embed_class.__name__}", (_ImagesThroughPatchEmbed, embed_class), {"__module__": __name__}
@@ -170,13 +183,13 @@ def _fuse_patch_embed(patch_embed: nn.Module, backend: str | None) -> None:
     patch_embed.fused_backend = backend
 
 
-def _unfuse_patch_embed(patch_embed: nn.Module) -> None:
-    if _is_fused(patch_embed):
-        patch_embed.__class__ = _original_class(type(patch_embed))
+def unfuse_patch_embed(patch_embed: nn.Module) -> None:
+    if is_fused(patch_embed):
+        patch_embed.__class__ = original_class(type(patch_embed))
         del patch_embed.fused_backend
 
 
-def _prefix_tokens(model: nn.Module) -> torch.Tensor | None:
+def prefix_tokens_of(model: nn.Module) -> torch.Tensor | None:
     """The prefix tokens in timm's order, as one ``[1, P, D]`` tensor, or None: the class token, a distilled
     DeiT's distillation token, then the register tokens (timm's ``VisionTransformer``, ``VisionTransformerDistilled``
     and ``Eva`` put them in front in this order). A single one is returned itself: no copy."""
@@ -190,12 +203,12 @@ def _prefix_tokens(model: nn.Module) -> torch.Tensor | None:
     return torch.cat(tokens, dim=1)
 
 
-def _prefix_positions(model: VisionTransformer) -> int:
+def prefix_positions_of(model: VisionTransformer) -> int:
     """How many leading rows of ``pos_embed`` are the prefix tokens' (0 with ``no_embed_class``)."""
     return 0 if model.no_embed_class else model.num_prefix_tokens
 
 
-def _plain_position_step(
+def plain_position_step(
     x: torch.Tensor, pos_table: torch.Tensor, prefix: torch.Tensor | None, prefix_positions: int
 ) -> torch.Tensor:
     """Without a jigsaw: timm's ``_pos_embed`` arithmetic. ``x`` ``[B, N, D]`` plus its rows of ``pos_table``
@@ -203,44 +216,47 @@ def _plain_position_step(
     return prepend_prefix(x + pos_table[:, prefix_positions:], pos_table, prefix, prefix_positions)
 
 
-def _fused_pos_embed(model: VisionTransformer, images: torch.Tensor, state: nn.Module | None) -> torch.Tensor:
+def fused_pos_embed(model: VisionTransformer, images: torch.Tensor, state: nn.Module | None) -> torch.Tensor:
     """timm's ``patch_embed`` + ``_pos_embed`` of a fused model, from the images ``[B, C, H, W]``.
 
     With MJP (``state``) engaged (jigsawing, or training DAL: see ``MJPState.engaged``), ``state`` embeds and
     jigsaws the images and attaches the DAL loss (one FX node); otherwise the plain embedding plus the position add,
-    still one fused op. Returns ``[B, prefix + N, D]``.
+    still one fused op, on the model's backend (``state``'s, or a plain model's ``patch_embed.backend_for``).
+    Returns ``[B, prefix + N, D]``.
     """
     embed = model.patch_embed
     proj = embed.proj
-    prefix, prefix_positions = _prefix_tokens(model), _prefix_positions(model)
+    prefix, prefix_positions = prefix_tokens_of(model), prefix_positions_of(model)
     if state is not None and state.engaged:
         grid = tuple(embed.grid_size)
-        arguments = (proj.weight, proj.bias, embed.fused_backend, prefix, prefix_positions)
-        return model.pos_drop(state(images, model.pos_embed, grid, *arguments))
+        tokens = state(
+            images, model.pos_embed, grid, proj.weight, proj.bias, prefix=prefix, prefix_positions=prefix_positions
+        )
+        return model.pos_drop(tokens)
     if state is not None:
         state.last_jigsaw = None
-    arguments = (None, None, embed.fused_backend, prefix, prefix_positions)
-    return model.pos_drop(_fused_patch_embed(images, proj.weight, proj.bias, model.pos_embed, *arguments))
+    arguments = (None, None, state if state is not None else embed, prefix, prefix_positions)
+    return model.pos_drop(fused_patch_embed(images, proj.weight, proj.bias, model.pos_embed, *arguments))
 
 
-class _FusedViTMixin:
+class FusedViTMixin:
     """A plain timm ``VisionTransformer`` whose patch embedding and position add run as one fused op (made by
     :func:`fast_patch_embed`); ``_pos_embed`` receives the images from the pass-through ``patch_embed``."""
 
     def _pos_embed(self, x: torch.Tensor) -> torch.Tensor:
-        if not _is_fused(self.patch_embed):
+        if not is_fused(self.patch_embed):
             return super()._pos_embed(x)
-        return _fused_pos_embed(self, x, None)
+        return fused_pos_embed(self, x, None)
 
 
-class FusedVisionTransformer(_FusedViTMixin, VisionTransformer):
+class FusedVisionTransformer(FusedViTMixin, VisionTransformer):
     """A timm ``VisionTransformer`` with its patch embedding and position add fused (see :func:`fast_patch_embed`)."""
 
 
 _FUSED_MODEL_CLASSES: dict[type, type] = {VisionTransformer: FusedVisionTransformer}
 
 
-def _fused_model_class(model_class: type, mixin: type = _FusedViTMixin) -> type:
+def fused_model_class(model_class: type, mixin: type = FusedViTMixin) -> type:
     """``model_class`` with ``mixin``'s fused ``_pos_embed`` (the ViT's, or the Eva front end's)."""
     if model_class not in _FUSED_MODEL_CLASSES:
         _FUSED_MODEL_CLASSES[model_class] = type(

@@ -16,17 +16,17 @@ from timm.models.swin_transformer import SwinTransformer
 from timm.models.vision_transformer import VisionTransformer
 from timm.models.vision_transformer_relpos import VisionTransformerRelPos
 
-from mjp_fast.timm.base import _MJPNoDALMixin
+from mjp_fast.timm.base import MJPNoDALModel
 
 
-class _MJPPixelMixin(_MJPNoDALMixin):
+class MJPPixelModel(MJPNoDALModel):
     """Pixel-space MJP for models without absolute position embeddings: the input is jigsawed in training."""
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         return super().forward(self.mjp(x), *args, **kwargs)
 
 
-class _MJPPixelModelMixin(_MJPPixelMixin):
+class _MJPPixelModelMixin(MJPPixelModel):
     """Pixel-space MJP for a timm model: ``forward_intermediates`` (what timm's ``FeatureGetterNet`` calls) jigsaws
     its input too. Neither entry calls the other in timm's models, so an input is jigsawed once."""
 
@@ -59,7 +59,7 @@ class MJPBeit(_MJPPixelModelMixin, Beit):
     """A timm ``Beit`` (relative position biases) trained on jigsawed inputs."""
 
 
-_PIXEL_CLASSES = {
+PIXEL_CLASSES = {
     ResNet: MJPResNet,
     SwinTransformer: MJPSwinTransformer,
     ConvNeXt: MJPConvNeXt,

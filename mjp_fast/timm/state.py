@@ -1,168 +1,66 @@
-"""``MJPState``: what MJP adds to a timm model (sampler, ``unk_embed``, DAL regressor and weight), and the step that
-applies it.
+"""``MJPState``: the timm front ends' :class:`mjp_fast.core.MJPCore` (``model.mjp``): the core's sampler,
+``unk_embed`` and DAL regressor, plus the DAL weight and the step of a timm model.
 
 Every front end (the ViT, Eva and pixel-space models of this package) holds one ``MJPState`` as ``model.mjp`` and
 calls it once per forward where :attr:`MJPState.engaged`, so an FX graph of an MJP model holds MJP as one
 ``call_module`` node. A training forward computes the DAL loss there and attaches it to the tokens it returns
 (:func:`mjp_fast.ops.aux_loss.attach_aux_loss`): whatever loss the loop back-propagates through the output trains
-DAL too, at ``dal_weight``.
+DAL too, at ``dal_weight``. The loss is kept (the core's ``_dal_stash``) for one reader, :meth:`MJPState.aux_loss`
+(a model's ``mjp_aux_loss``), which hands it out once or computes it again.
 """
 
 from __future__ import annotations
 
+from typing import Unpack
+
 import torch
 import torch.fx
 from timm.layers import register_notrace_module
-from torch import nn
 
 from mjp_fast._validate import check_int
-from mjp_fast.backend import KNOWN_BACKENDS, resolve_backend
-from mjp_fast.nn import DAL_KINDS, DALRegressor
+from mjp_fast.core import MJPCore, MJPSettings
 from mjp_fast.ops.aux_loss import attach_aux_loss, explicit_aux_loss, keep_in_graph
-from mjp_fast.ops.dal_loss import DAL_REDUCTIONS, _coordinates, dal_loss_unchecked, dal_scale, grid_coordinates
 from mjp_fast.ops.jigsaw_images import jigsaw_images
 from mjp_fast.ops.pos_embed import mjp_position_dal_step, mjp_position_step
-from mjp_fast.sampler import JigsawSampler
 from mjp_fast.sampler.jigsaw import Jigsaw
-from mjp_fast.timm.fused import _fused_patch_embed, _plain_position_step
+from mjp_fast.timm.fused import fused_patch_embed, plain_position_step
 from mjp_fast.timm.schedule import DEFAULT_DAL_WEIGHT, check_dal_weight
 
 
-def _dal_kind(dal: str | None) -> str | None:
-    """None for no DAL regressor (``None`` or ``"none"``, since timm's ``create_model`` drops keywords whose value
-    is None), else a checked :class:`mjp_fast.DALRegressor` kind."""
-    if dal is None or (isinstance(dal, str) and dal.lower() == "none"):
-        return None
-    if dal not in DAL_KINDS:
-        raise ValueError(f"dal must be None, 'none' or one of {', '.join(DAL_KINDS)}, got {dal!r}")
-    return dal
-
-
-def _dal_reduction_scale(dal_reduction: str) -> float:
-    """The DAL loss's factor for ``dal_reduction`` (``"mean"``: 0.5, ``"sum"``: 1; see :func:`mjp_fast.dal_loss`)."""
-    if dal_reduction not in DAL_REDUCTIONS:
-        raise ValueError(f"dal_reduction must be one of {', '.join(DAL_REDUCTIONS)}, got {dal_reduction!r}")
-    return dal_scale(dal_reduction)
-
-
-def _check_unk(unk: bool) -> bool:
-    if not isinstance(unk, bool):
-        raise TypeError(f"unk must be a bool, got {type(unk).__name__}")
-    return unk
-
-
-def _check_backend(backend: str | None) -> str | None:
-    if backend is not None and backend not in KNOWN_BACKENDS:
-        raise ValueError(f"backend must be None or one of {', '.join(KNOWN_BACKENDS)}, got {backend!r}")
-    return backend
-
-
 @register_notrace_module  # timm's FX tracer (create_feature_extractor) keeps it as one call
-class MJPState(nn.Module):
-    """What MJP adds to a model: the sampler, ``unk_embed`` (ViTs), the DAL regressor, the last jigsaw.
+class MJPState(MJPCore):
+    """What MJP adds to a timm model: the core (sampler, ``unk_embed``, DAL regressor, the last jigsaw, the one
+    backend), the jigsaw's patch size and the DAL weight.
 
     Calling it applies MJP in training mode (see :meth:`forward`); the models call it once per forward, so a
     ``torch.fx`` graph of an MJP model holds MJP as a single ``call_module`` node, whatever the tracer.
 
     Args:
-        grid_size: the patch grid of the model's input size.
-        dim: the token width D, or None for the pixel-space variant (no position embeddings to replace).
-        dal: None (or ``"none"``) or a :class:`mjp_fast.DALRegressor` kind.
+        grid_size, dim, settings: as :class:`mjp_fast.core.MJPCore` (``settings``: :class:`mjp_fast.core.MJPSettings`,
+            ``ratio``, ``prob``, ``seed`` and ``dal`` required). ``dim`` None: the pixel-space variant (no position
+            embeddings to replace); ``unk`` then has no effect. ``last_jigsaw`` keeps the sampled mask with or
+            without unk (the DAL loss leaves those positions out).
         patch_size: the jigsaw's patch size in pixels.
-        unk: give the masked positions the learned unknown embedding ``unk_embed`` ``[D]`` (MJP). False: the
-            patches of the masked positions are still permuted among themselves, but every position keeps its own
-            ``pos_embed[n]`` (the paper's "naive shuffle" ablation row); no ``unk_embed`` parameter is created, so
-            the state dict has no ``mjp.unk_embed`` key, and ``unk_embed`` is None. ``last_jigsaw`` keeps the
-            sampled mask either way (the DAL loss leaves those positions out). Pixel-space models: no effect.
-        dal_reduction: the DAL loss's reduction over the two coordinates (:func:`mjp_fast.dal_loss`): ``"mean"``
-            (the paper's code) or ``"sum"`` (the paper's formula, twice the mean). Stored as ``dal_scale``, a plain
-            attribute (not in the state dict).
         dal_weight: the weight at which a training forward attaches the DAL loss to the tokens (finite, >= 0;
             default 0.01, the paper's starting weight). Held in ``dal_weight``, a 0-d float32 buffer, not in the
             state dict; change it with :meth:`set_dal_weight` (a model's ``mjp_dal_weight``).
-        The rest: as :class:`mjp_fast.JigsawSampler`.
     """
-
-    # Class-level defaults: a model pickled before these attributes existed reads them from here.
-    use_unk: bool = True
-    dal_scale: float = DAL_REDUCTIONS["mean"]
 
     def __init__(
         self,
         grid_size: tuple[int, int],
         dim: int | None,
         *,
-        ratio: float,
-        prob: float,
-        seed: int,
-        dal: str | None,
         patch_size: int,
-        min_block: int = 8,
-        min_aspect: float = 0.3,
-        shared: bool = False,
-        backend: str | None = None,
-        dal_normalize: bool = False,
-        unk: bool = True,
-        dal_reduction: str = "mean",
         dal_weight: float = DEFAULT_DAL_WEIGHT,
+        **settings: Unpack[MJPSettings],
     ) -> None:
         super().__init__()
-        dal = _dal_kind(dal)
         dal_weight = check_dal_weight("dal_weight", dal_weight)
-        if dal is not None and dim is None:
-            raise ValueError("dal needs a model with absolute position embeddings; pass dal=None for this model")
-        self.dal_scale = _dal_reduction_scale(dal_reduction)
-        self.use_unk = _check_unk(unk)
-        self.sampler = JigsawSampler(
-            grid_size, ratio, prob, seed, min_block=min_block, min_aspect=min_aspect, shared=shared, backend=backend
-        )
+        self._init_core(grid_size, dim, **settings)
         self.patch_size = check_int("patch_size", patch_size, minimum=1)
-        self.dal_normalize = bool(dal_normalize)
-        if dim is not None and unk:
-            self.unk_embed = nn.Parameter(torch.empty(dim))
-            nn.init.trunc_normal_(self.unk_embed, std=0.02)
-        else:
-            self.unk_embed = None
-        if dim is not None and not unk:
-            # The position kernels take a [D] row for the masked positions even when no mask bit is set (they load
-            # it unconditionally): a zero row made once, moved and cast with the model, never saved.
-            self.register_buffer("unused_unk_row", torch.zeros(dim), persistent=False)
-        self.dal_regressor = DALRegressor(dim, dal) if dal is not None else None
-        # The DAL loss of the last training forward (see _attach_dal); a plain dict, so that storing it costs no
-        # nn.Module.__setattr__ per step. "loss": the loss; "unclaimed": (its table, the forward's jigsaw) until
-        # mjp_aux_loss hands the loss out (claim_dal). Its keys never change: a compiled forward guards on them.
-        self._dal_stash: dict[str, object] = {"loss": None, "unclaimed": None}
-        self.last_jigsaw = None
-        self._backends: dict[tuple[str | None, torch.device], str] = {}  # see backend_for
         # Read by the attached loss's backward, filled in place (compiled and captured graphs keep reading it).
         self.register_buffer("dal_weight", torch.tensor(dal_weight, dtype=torch.float32), persistent=False)
-        # The DAL loss's targets, made once for the grid (not saved: they follow from it).
-        self.coordinates_grid = tuple(self.sampler.grid_size)
-        self.register_buffer(
-            "dal_coordinates", grid_coordinates(grid_size, normalize=self.dal_normalize), persistent=False
-        )
-
-    def __getstate__(self) -> dict:
-        """The state that copies and pickles take (``copy.deepcopy`` of a model mid-training, ``torch.save(model)``):
-        without the kept DAL loss, which belongs to this model's last graph (and a tensor with a graph cannot be
-        deep-copied)."""
-        state = super().__getstate__()  # a copy of __dict__
-        state["_dal_stash"] = {"loss": None, "unclaimed": None}
-        return state
-
-    @property
-    def last_jigsaw(self) -> Jigsaw | None:
-        """The jigsaw the last forward sampled (with or without unk: the DAL loss and evaluation read its mask), or
-        None. A front end that skips this module sets it to None, which also forgets the DAL loss kept for
-        ``mjp_aux_loss`` (that loss is not of the last forward any more)."""
-        return self.__dict__.get("_last_jigsaw")
-
-    @last_jigsaw.setter
-    def last_jigsaw(self, jigsaw: Jigsaw | None) -> None:
-        self.__dict__["_last_jigsaw"] = jigsaw
-        stash = self.__dict__.get("_dal_stash")
-        if stash is not None:
-            stash["loss"] = stash["unclaimed"] = None
 
     @property
     def engaged(self) -> bool:
@@ -198,7 +96,7 @@ class MJPState(nn.Module):
         grid: tuple[int, int] | None = None,
         weight: torch.Tensor | None = None,
         bias: torch.Tensor | None = None,
-        backend: str | None = None,
+        *,
         prefix: torch.Tensor | None = None,
         prefix_positions: int = 0,
         dal_table: torch.Tensor | None = None,
@@ -206,7 +104,8 @@ class MJPState(nn.Module):
         pixels_jigsawed: bool = False,
     ) -> torch.Tensor:
         """MJP on one batch: the jigsaw when the sampler is active (training, or inside ``mjp_eval``), else the plain
-        step; in training with a DAL regressor and grad enabled, the DAL loss attached to the result.
+        step; in training with a DAL regressor and grad enabled, the DAL loss attached to the result. Every part runs
+        on the model's one backend (:meth:`backend_for`).
 
         Args:
             x: with ``pos_table``, the patch tokens ``[B, N, D]`` of a ViT (``N = grid[0] * grid[1]``), or its
@@ -219,7 +118,6 @@ class MJPState(nn.Module):
             grid: the patch grid of ``x`` (default: the sampler's).
             weight, bias: the patch projection (timm's ``patch_embed.proj``: Conv2d weight ``[D, C, P, P]``, bias
                 ``[D]`` or None) when ``x`` is images to embed, jigsaw and position in one fused op.
-            backend: the fused embedding's backend (as :func:`mjp_fast.mjp_patch_embed`).
             prefix: the class and register tokens to put in front (numel ``P * D``; timm's ``cls_token``), or None;
                 ``prefix_positions`` is 0 or P.
             dal_table, dal_grid: the table the DAL loss regresses and its grid, when ``pos_table`` is another (the
@@ -239,61 +137,34 @@ class MJPState(nn.Module):
             # Symbolic tracing (torch.fx): the sampler's Python cannot run on proxies, so this call becomes one node
             # that runs the module itself when the graph runs, as a leaf module would.
             tracer = x.tracer
-            args = (x, pos_table, grid, weight, bias, backend, prefix, prefix_positions, dal_table, dal_grid)
-            args += (pixels_jigsawed,)
-            return tracer.create_proxy("call_module", tracer.path_of_module(self), args, {})
+            keywords = dict(prefix=prefix, prefix_positions=prefix_positions, dal_table=dal_table, dal_grid=dal_grid)
+            keywords["pixels_jigsawed"] = pixels_jigsawed
+            args = (x, pos_table, grid, weight, bias)
+            return tracer.create_proxy("call_module", tracer.path_of_module(self), args, keywords)
         if pos_table is None:
             if x.dim() != 3:
                 return self._jigsaw_images(x)
             # Tokens without a position table (a RoPE-only Eva): the same step with a table of zeros, so the tokens
             # move and the shuffled ones get unk_embed, the one learned marker of an unknown position.
             pos_table = x.new_zeros((1, x.shape[1], x.shape[2]))
-        sampler = self.sampler
-        # The sampler's forward, not its __call__: a submodule of ours, with no hooks to run (a step's host time).
-        if not sampler.active:
-            sampled = jigsaw = None
-        elif pixels_jigsawed:  # the images' jigsaw, sampled by this module's pixel step of the same forward
-            sampled = self.last_jigsaw
-            jigsaw = Jigsaw(sampled.mask, _identity_perm(sampled.perm))
-        else:
-            sampled = jigsaw = sampler.forward(x.shape[0], x.device, grid)
+        sampled, jigsaw = self._sample(x, grid, pixels_jigsawed)
         self.last_jigsaw = sampled  # also forgets the last forward's DAL loss
         # The DAL loss rides on the tokens in training only; the regressor's forward is not needed otherwise.
         training = self.training and torch.is_grad_enabled()
         regressor = self.dal_regressor if training else None
         if dal_table is None:
             dal_table, dal_grid = pos_table, grid
-        unk_embed = self.unk_embed
-        if jigsaw is not None and not self.use_unk:
-            # The naive shuffle: the same moves, but no position is "masked" for the position term, so each one
-            # gets its own pos_embed[n] where the moved patch lands.
-            jigsaw = Jigsaw(torch.zeros_like(jigsaw.mask), jigsaw.perm)
-            unk_embed = self.unused_unk_row
+        jigsaw, unk_embed = self.position_jigsaw(jigsaw)  # the naive shuffle masks no position
         loss = None
         if weight is not None:
             # The jigsaw is applied where the patches are cut, the position terms in the GEMM's epilogue.
             unk_embed = unk_embed if jigsaw is not None else None
-            out = _fused_patch_embed(x, weight, bias, pos_table, unk_embed, jigsaw, backend, prefix, prefix_positions)
+            out = fused_patch_embed(x, weight, bias, pos_table, unk_embed, jigsaw, self, prefix, prefix_positions)
         elif jigsaw is None:
-            out = _plain_position_step(x, pos_table, prefix, prefix_positions)
+            out = plain_position_step(x, pos_table, prefix, prefix_positions)
         else:
-            # P(XW) = (PX)W: moving the embedded tokens is moving the patches. One autograd node for the move, the
-            # position terms and the prefix tokens; the arguments are the model's own and the sampler's jigsaws need
-            # no validation.
-            backend = self.backend_for(x.device, sampler)
-            out = None
-            if regressor is not None and backend == "cpu" and dal_table is pos_table:
-                coords = self.dal_coordinates_for(dal_grid)
-                if sampled.mask.shape[1] == coords.shape[0]:  # the mask is of the DAL table's grid
-                    # The DAL loss of this step from the same operator and node.
-                    stepped = mjp_position_dal_step(
-                        x, pos_table, unk_embed, jigsaw, prefix, prefix_positions, regressor, coords, sampled.mask,
-                        self.dal_scale,
-                    )  # fmt: skip
-                    if stepped is not None:
-                        out, loss = stepped
-            if out is None:
-                out = mjp_position_step(x, pos_table, unk_embed, jigsaw, backend, prefix, prefix_positions)
+            dal = (regressor, dal_table, dal_grid, sampled.mask)
+            out, loss = self._moved_tokens(x, pos_table, unk_embed, jigsaw, prefix, prefix_positions, *dal)
         unk = self.unk_embed
         if jigsaw is None and unk is not None and training and unk.requires_grad:
             # The jigsaw is off, so nothing uses unk_embed: its gradient is zero, given through the output, so that
@@ -303,19 +174,43 @@ class MJPState(nn.Module):
             return out
         return self._attach_dal(out, loss, dal_table, dal_grid, sampled, prefix_positions)
 
-    def dal_loss(
-        self, table: torch.Tensor, grid: tuple[int, int] | None, jigsaw: Jigsaw | None, prefix_positions: int
-    ) -> torch.Tensor:
-        """The DAL loss (0-d float32) of ``table`` ``[1, Q + N, D]`` (its first ``prefix_positions`` rows skipped),
-        whose positions form ``grid`` (None: the state's), over the positions ``jigsaw`` left unmasked (every one
-        without a jigsaw, or when its mask is of another grid: an input of another size)."""
-        coords = self.dal_coordinates_for(grid)
-        mask = jigsaw.mask if jigsaw is not None else None
-        if mask is not None and mask.shape[1] != coords.shape[0]:
-            mask = None  # the input had another grid (dynamic size): regress every stored position
-        # The whole table: its prefix rows are skipped by the kernels, so nothing is sliced here.
-        backend = self.backend_for(coords.device)
-        return dal_loss_unchecked(table, self.dal_regressor, coords, mask, backend, prefix_positions, self.dal_scale)
+    def _sample(
+        self, x: torch.Tensor, grid: tuple[int, int] | None, pixels_jigsawed: bool
+    ) -> tuple[Jigsaw | None, ...]:
+        """``(sampled, moving)``: the jigsaw this forward samples for ``x`` (None while the sampler is inactive), and
+        the one that moves the tokens: the same, or for tokens of images jigsawed already (``pixels_jigsawed``) the
+        images' jigsaw with every token left where it is."""
+        sampler = self.sampler
+        if not sampler.active:
+            return None, None
+        if pixels_jigsawed:  # the images' jigsaw, sampled by this module's pixel step of the same forward
+            sampled = self.last_jigsaw
+            return sampled, Jigsaw(sampled.mask, _identity_perm(sampled.perm))
+        # The sampler's forward, not its __call__: a submodule of ours, with no hooks to run (a step's host time).
+        sampled = sampler.forward(x.shape[0], x.device, grid)
+        return sampled, sampled
+
+    def _moved_tokens(
+        self, x: torch.Tensor, pos_table: torch.Tensor, unk_embed: torch.Tensor, jigsaw: Jigsaw,
+        prefix: torch.Tensor | None, prefix_positions: int, regressor: torch.nn.Module | None,
+        dal_table: torch.Tensor, dal_grid: tuple[int, int] | None, dal_mask: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+        """The position step on embedded tokens ``x`` ``[B, N, D]``: ``P(XW) = (PX)W``, moving the embedded tokens is
+        moving the patches. One autograd node for the move, the position terms and the prefix tokens; the arguments
+        are the model's own and the sampler's jigsaws need no validation. Returns ``(out [B, P + N, D], loss)``:
+        ``loss`` the DAL loss of the table from the same operator (the ``cpu`` backend, training with a regressor
+        that the fused kernels compute, the table DAL regresses), else None."""
+        backend = self.backend_for(x.device)
+        if regressor is not None and backend == "cpu" and dal_table is pos_table:
+            coords = self.dal_coordinates_for(dal_grid, x.device)
+            if dal_mask.shape[1] == coords.shape[0]:  # the mask is of the DAL table's grid
+                stepped = mjp_position_dal_step(
+                    x, pos_table, unk_embed, jigsaw, prefix, prefix_positions, regressor, coords, dal_mask,
+                    self.dal_scale,
+                )  # fmt: skip
+                if stepped is not None:
+                    return stepped
+        return mjp_position_step(x, pos_table, unk_embed, jigsaw, backend, prefix, prefix_positions), None
 
     def _attach_dal(
         self,
@@ -327,9 +222,9 @@ class MJPState(nn.Module):
         prefix_positions: int,
     ) -> torch.Tensor:
         """``out`` with the DAL loss of ``table`` (of ``grid``; ``loss``, or computed here) attached at
-        ``dal_weight``; the loss is kept for ``mjp_aux_loss`` and ``last_dal_loss``."""
+        ``dal_weight``; the loss is kept for :meth:`aux_loss` and :attr:`last_dal_loss`."""
         if loss is None:
-            loss = self.dal_loss(table, grid, sampled, prefix_positions)
+            loss = self.dal_loss_of(table, grid, sampled, prefix_positions)
         stash = self.__dict__.get("_dal_stash")
         if stash is not None:  # None: a model pickled before the stash existed
             stash["loss"], stash["unclaimed"] = loss, (table, sampled)
@@ -344,13 +239,15 @@ class MJPState(nn.Module):
             self.register_buffer("dal_weight", weight, persistent=False)
         return weight
 
-    def dal_coordinates_for(self, grid: tuple[int, int] | None) -> torch.Tensor:
-        """The DAL loss's targets float32 ``[N, 2]`` for ``grid`` (None: the state's own): the buffer for the grid
-        the state was made for, else made once per grid (a model whose input size changed: ``set_input_size``)."""
-        coords = self.dal_coordinates
-        if grid is None or tuple(grid) == getattr(self, "coordinates_grid", None):
-            return coords
-        return _coordinates(int(grid[0]), int(grid[1]), self.dal_normalize, str(coords.device))
+    def aux_loss(self, table: torch.Tensor, grid: tuple[int, int] | None, prefix_positions: int) -> torch.Tensor:
+        """A model's ``mjp_aux_loss()``: the DAL loss of its stored ``table`` ``[1, Q + N, D]`` (of ``grid``, its first
+        ``prefix_positions`` rows skipped), the one path that reads the kept loss. The loss the last forward attached,
+        if it was of ``table``, as :meth:`claim_dal` hands it out (once); else computed here over the last jigsaw's
+        unmasked positions (eval mode, no grad, or handed out already: a loss of its own)."""
+        attached = self.claim_dal(table)
+        if attached is not None:
+            return attached
+        return self.dal_loss_of(table, grid, self.last_jigsaw, prefix_positions)
 
     def claim_dal(self, table: torch.Tensor) -> torch.Tensor | None:
         """The DAL loss the last forward attached, if it was of ``table`` (the model's stored position table), for
@@ -365,18 +262,8 @@ class MJPState(nn.Module):
         loss = stash["loss"]
         return explicit_aux_loss(loss, self._weight_buffer(loss.device))
 
-    def backend_for(self, device: torch.device, sampler: JigsawSampler | None = None) -> str:
-        """The backend of the position step and the DAL loss on ``device``: the sampler's choice, resolved once per
-        device (and again if ``sampler.backend`` changes), not every step."""
-        key = ((sampler if sampler is not None else self.sampler).backend, device)
-        if torch.compiler.is_compiling():  # traced once; storing would change state the graph's guards read
-            return resolve_backend(*key)
-        cache = getattr(self, "_backends", None)
-        if cache is None:  # a model pickled before this cache existed
-            cache = self._backends = {}
-        if key not in cache:
-            cache[key] = resolve_backend(*key)
-        return cache[key]
+    # The name of dal_loss_of before the core existed (MJPPatchEmbed's dal_loss() is its own module's loss).
+    dal_loss = MJPCore.dal_loss_of
 
     def _jigsaw_images(self, x: torch.Tensor) -> torch.Tensor:
         if not self.sampler.active:

@@ -15,8 +15,8 @@ from timm.layers import HybridEmbed, resample_abs_pos_embed
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
-from mjp_fast.timm.base import _MJPMixin
-from mjp_fast.timm.fused import _fused_pos_embed, _is_fused, _prefix_positions, _prefix_tokens
+from mjp_fast.timm.base import MJPModel
+from mjp_fast.timm.fused import fused_pos_embed, is_fused, prefix_positions_of, prefix_tokens_of
 
 
 class _PixelJigsawEmbed:
@@ -31,7 +31,7 @@ class _PixelJigsawEmbed:
 _PIXEL_JIGSAW_EMBEDS: dict[type, type] = {}
 
 
-def _jigsaw_pixels_before(patch_embed: nn.Module, state: nn.Module) -> None:
+def jigsaw_pixels_before(patch_embed: nn.Module, state: nn.Module) -> None:
     """Makes ``patch_embed`` (a ``HybridEmbed``) jigsaw its input images through ``state``."""
     embed_class = type(patch_embed)
     if embed_class not in _PIXEL_JIGSAW_EMBEDS:
@@ -42,7 +42,7 @@ def _jigsaw_pixels_before(patch_embed: nn.Module, state: nn.Module) -> None:
     patch_embed.__dict__["_mjp_state"] = state
 
 
-def _pixel_block(patch_embed: nn.Module) -> int | None:
+def hybrid_pixel_block(patch_embed: nn.Module) -> int | None:
     """The side in pixels of one token's block of a hybrid ViT's input (its image size over its token grid), or None
     where the tokens are each a function of their own patch (the jigsaw moves tokens there).
 
@@ -60,13 +60,13 @@ def _pixel_block(patch_embed: nn.Module) -> int | None:
     return height // rows
 
 
-class MJPVisionTransformer(_MJPMixin, VisionTransformer):
+class MJPVisionTransformer(MJPModel, VisionTransformer):
     """A timm ``VisionTransformer`` with MJP position embeddings (made by :func:`convert`)."""
 
     def _pos_embed(self, x: torch.Tensor) -> torch.Tensor:
         state, patch_embed, pos_embed = self.mjp, self.patch_embed, self.pos_embed
-        if _is_fused(patch_embed):  # x: the images, passed through by patch_embed
-            return _fused_pos_embed(self, x, state)
+        if is_fused(patch_embed):  # x: the images, passed through by patch_embed
+            return fused_pos_embed(self, x, state)
         if pos_embed is None or not state.engaged:
             state.last_jigsaw = None
             return super()._pos_embed(x)
@@ -76,12 +76,12 @@ class MJPVisionTransformer(_MJPMixin, VisionTransformer):
             batch, rows, cols, dim = x.shape
             grid = (rows, cols)
             pos_embed = resample_abs_pos_embed(
-                pos_embed, new_size=grid, old_size=patch_embed.grid_size, num_prefix_tokens=_prefix_positions(self)
+                pos_embed, new_size=grid, old_size=patch_embed.grid_size, num_prefix_tokens=prefix_positions_of(self)
             )
             x = x.reshape(batch, rows * cols, dim)
             dal_table, dal_grid = self.pos_embed, patch_embed.grid_size
         # The whole table and the prefix tokens go in: the kernels write [B, P + N, D] at once (no slice, no cat).
-        prefix, prefix_positions = _prefix_tokens(self), _prefix_positions(self)
+        prefix, prefix_positions = prefix_tokens_of(self), prefix_positions_of(self)
         x = state(
             x, pos_embed, grid, prefix=prefix, prefix_positions=prefix_positions, dal_table=dal_table,
             dal_grid=dal_grid, pixels_jigsawed=isinstance(patch_embed, _PixelJigsawEmbed),
@@ -94,11 +94,8 @@ class MJPVisionTransformer(_MJPMixin, VisionTransformer):
         if regressor is None or pos_embed is None:
             anchor = pos_embed if pos_embed is not None else state.unk_embed
             return anchor.new_zeros((), dtype=torch.float32)
-        attached = state.claim_dal(pos_embed)  # the loss the last forward attached, counted at the loop's weight
-        if attached is not None:
-            return attached
-        # Computed here: the last forward attached nothing (eval mode, no grad), or its loss was handed out already.
-        return state.dal_loss(pos_embed, self.patch_embed.grid_size, state.last_jigsaw, _prefix_positions(self))
+        # The loss the last forward attached (counted at the loop's weight), else computed: one path, the state's.
+        return state.aux_loss(pos_embed, self.patch_embed.grid_size, prefix_positions_of(self))
 
     def no_weight_decay(self) -> set[str]:
         extra = {"mjp.unk_embed"} if self.mjp.unk_embed is not None else set()

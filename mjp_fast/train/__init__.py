@@ -5,7 +5,8 @@ result = train(load_config("digits", ["epochs=5", "compare=false"]))
 """
 
 from mjp_fast.train.config import PRESETS, ConfigError, TrainConfig, bundled_configs, load_config
-from mjp_fast.train.loop import RunResult, TrainingDiverged, train
+from mjp_fast.train.loop import train
+from mjp_fast.train.outcome import RunResult, TrainingDiverged
 
 __all__ = [
     "PRESETS",

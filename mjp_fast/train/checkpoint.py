@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from mjp_fast._atomic import write_atomically
-from mjp_fast.train.config import ConfigError
+from mjp_fast.train.config import FIELDS, ConfigError, TrainConfig, build_config
 
 REQUIRED_KEYS = ("model_name", "model_kwargs", "state_dict")
 
@@ -156,3 +156,9 @@ def load_model(
     except RuntimeError as error:
         raise ConfigError(f"{what} {str(path)!r} does not fit its own model: {str(error).splitlines()[0]}") from None
     return model.to(device).eval(), checkpoint
+
+
+def checkpoint_config(checkpoint: dict[str, Any]) -> TrainConfig:
+    """The run's config from a checkpoint (keys this version does not know are dropped)."""
+    saved = checkpoint.get("config") or {}
+    return build_config({key: value for key, value in saved.items() if key in FIELDS})

@@ -103,8 +103,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         if args.resume and args.resume_from:
             raise ConfigError("give either --resume (with --output) or --resume-from CHECKPOINT, not both")
         if args.resume_from:
-            from mjp_fast.evaluate.run import checkpoint_config
-            from mjp_fast.train.checkpoint import load_checkpoint
+            from mjp_fast.train.checkpoint import checkpoint_config, load_checkpoint
 
             base = checkpoint_config(load_checkpoint(args.resume_from))
             overrides.setdefault("output", str(Path(args.resume_from).parent))
@@ -126,7 +125,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 def run(args: argparse.Namespace) -> int:
     """Runs ``mjp train``; returns the exit code."""
-    from mjp_fast.train.loop import TrainingDiverged
+    from mjp_fast.train.outcome import TrainingDiverged, TrainingInterrupted
     from mjp_fast.train.preflight import check_run, say_notes, with_folder_problems
 
     resume = args.resume_from if args.resume_from else bool(args.resume)
@@ -166,8 +165,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"mjp train: error: {error}", file=sys.stderr)
         return EXIT_DIVERGED
     except KeyboardInterrupt as interrupt:
-        from mjp_fast.train.loop import TrainingInterrupted
-
         # a run says what its folder keeps and how to go on; before a run chose its folder there is nothing to say
         message = str(interrupt) if isinstance(interrupt, TrainingInterrupted) else "interrupted"
         print(f"mjp train: {message}", file=sys.stderr)

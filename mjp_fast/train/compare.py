@@ -17,21 +17,19 @@ from typing import Any
 from mjp_fast._atomic import write_atomically
 from mjp_fast.train.config import TrainConfig, save_config
 from mjp_fast.train.curves import CURVES_FILE, write_curves
-from mjp_fast.train.loop import (
+from mjp_fast.train.distributed import broadcast_from_main, distributed_session
+from mjp_fast.train.loop import train
+from mjp_fast.train.outcome import (
     FINAL_KEYS,
     LAST_CHECKPOINT,
+    RUNS,
     RunResult,
     TrainingInterrupted,
-    broadcast_from_main,
-    default_output,
-    distributed_session,
-    plural,
     resume_command,
-    train,
 )
 from mjp_fast.train.preflight import check_run, say_notes
-
-RUNS = (("baseline", False), ("mjp", True))
+from mjp_fast.train.records import plural
+from mjp_fast.train.resume import default_output
 
 
 def comparison_table(results: dict[str, dict[str, Any]]) -> str:
@@ -60,7 +58,7 @@ def train_compare(config: TrainConfig, *, resume: bool = False) -> dict[str, dic
     """Trains the baseline, then the MJP model; prints and returns their final results.
 
     Under ``torchrun`` both runs share one process group, created here unless the caller made one (see
-    :func:`mjp_fast.train.loop.distributed_session`), and rank 0 alone writes and prints.
+    :func:`mjp_fast.train.distributed.distributed_session`), and rank 0 alone writes and prints.
 
     Raises:
         ConfigError: every problem of the config, its folders, its device and both models, one a line (see

@@ -40,6 +40,7 @@ from timm.data.distributed_sampler import OrderedDistributedSampler, RepeatAugSa
 from timm.data.random_erasing import RandomErasing
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, Sampler, Subset
 
+from mjp_fast._seeds import draw_seed
 from mjp_fast.train.augment import pillow_safe
 from mjp_fast.train.config import ConfigError, TrainConfig
 from mjp_fast.train.readers import (
@@ -66,11 +67,6 @@ from mjp_fast.train.readers import (
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
 VAL_SPLIT_NAMES = ("val", "validation", "test")
 DIGITS_VAL_FRACTION = 0.2
-
-
-def draw_seed(*numbers: int) -> int:
-    """A 32-bit seed that mixes ``numbers`` (seed, rank, epoch, position...); distinct inputs give unrelated seeds."""
-    return int(np.random.SeedSequence([int(number) for number in numbers]).generate_state(1)[0])
 
 
 def epoch_seeds(seed: int, rank: int, epoch: int, count: int) -> np.ndarray:

@@ -20,7 +20,21 @@ from timm.models import is_model
 from torch import nn
 
 import mjp_fast.timm as mjp_timm
+from mjp_fast._model_geometry import input_size, patch_size_of
 from mjp_fast.train.config import ConfigError, TrainConfig
+
+__all__ = [
+    "MJP_PREFIX",
+    "VIT_SHAPE_KEYS",
+    "base_name",
+    "create_model",
+    "ensure_registered",
+    "input_size",
+    "is_mjp_model",
+    "keywords_taken",
+    "model_spec",
+    "patch_size_of",
+]
 
 MJP_PREFIX = "mjp_"
 
@@ -105,22 +119,3 @@ def create_model(model_name: str, model_kwargs: dict[str, Any]) -> nn.Module:
 
 def is_mjp_model(model: nn.Module) -> bool:
     return isinstance(model, mjp_timm.MJPModel)
-
-
-def input_size(model: nn.Module, fallback: int = 224) -> int:
-    """The square input side the model expects."""
-    embed = getattr(model, "patch_embed", None)
-    size = getattr(embed, "img_size", None)
-    if size is not None:
-        return int(size[0] if isinstance(size, (tuple, list)) else size)
-    cfg = getattr(model, "pretrained_cfg", None) or {}
-    return int(cfg.get("input_size", (3, fallback, fallback))[-1])
-
-
-def patch_size_of(model: nn.Module) -> int | None:
-    embed = getattr(model, "patch_embed", None)
-    patch = getattr(embed, "patch_size", None)
-    if patch is None:
-        mjp = getattr(model, "mjp", None)
-        return getattr(mjp, "patch_size", None)
-    return int(patch[0] if isinstance(patch, (tuple, list)) else patch)

@@ -33,7 +33,7 @@ from torch import nn
 
 from mjp_fast.train.config import ConfigError, TrainConfig
 from mjp_fast.train.data import resolve_split
-from mjp_fast.train.loop import LAST_CHECKPOINT, amp_dtype, resolve_device
+from mjp_fast.train.device import amp_dtype, resolve_device
 from mjp_fast.train.models import (
     VIT_SHAPE_KEYS,
     base_name,
@@ -43,6 +43,7 @@ from mjp_fast.train.models import (
     keywords_taken,
     model_spec,
 )
+from mjp_fast.train.outcome import LAST_CHECKPOINT, RUNS
 from mjp_fast.train.readers import parse_source
 
 
@@ -93,8 +94,6 @@ def folder_problems(config: TrainConfig, *, resume: bool | str | Path = False) -
         except ConfigError as error:
             problems += error.problems
     if not resume and isinstance(config.output, str) and config.output:
-        from mjp_fast.train.compare import RUNS  # compare imports this module
-
         output = Path(config.output)
         folders = [output / name for name, _ in RUNS] if config.compare else [output]
         for folder in folders:

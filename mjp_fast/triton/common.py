@@ -30,7 +30,18 @@ import torch
 import triton
 import triton.language as tl
 
-from mjp_fast.backend import triton_interpreting as interpreting  # where TRITON_INTERPRET is read, the only place
+from mjp_fast.backend import triton_interpreting  # where TRITON_INTERPRET is read, the only place
+
+INTERPRETING: bool = triton_interpreting()
+"""Whether the kernels run in the Triton interpreter: ``TRITON_INTERPRET`` read once, when this module is imported.
+The operators are registered from it then (:func:`operator`), and triton picks the interpreter for each kernel at
+its definition, so every tile, launch and plan decision reads this one value, never the environment again."""
+
+
+def interpreting() -> bool:
+    """:data:`INTERPRETING`: whether the kernels run in the Triton interpreter (for code outside this module)."""
+    return INTERPRETING
+
 
 # ----------------------------------------------------------------------------------------------------------------
 # Launches and operators
@@ -42,7 +53,7 @@ def launcher(kernel, grid, traced: bool):
     torch.compile sees the kernel itself). In eager mode that wrapper is host time for nothing, and under the
     interpreter the operators are plain custom ops (see :func:`operator`), whose kernels torch 2.11's
     ``wrap_triton`` refuses."""
-    if traced and not interpreting():
+    if traced and not INTERPRETING:
         return torch.library.wrap_triton(kernel)[grid]
     return kernel[grid]
 
@@ -55,7 +66,7 @@ def operator(name: str, *, mutates_args: tuple[str, ...] = (), schema: str | Non
     run interpreted kernels; forward, backward and torch.compile tracing behave the same. ``schema``: the
     operator's schema, when not inferred from the function's type hints.
     """
-    if interpreting():
+    if INTERPRETING:
         return torch.library.custom_op(name, mutates_args=mutates_args, schema=schema)
     return torch.library.triton_op(name, mutates_args=mutates_args, schema=schema)
 
@@ -127,12 +138,12 @@ rows."""
 
 def tile_size(gpu: int) -> int:
     """A tile side: ``gpu`` on a GPU, :data:`INTERPRETER_TILE` in the interpreter."""
-    return INTERPRETER_TILE if interpreting() else gpu
+    return INTERPRETER_TILE if INTERPRETING else gpu
 
 
 def warp_count(gpu: int) -> int:
     """Warps per program: ``gpu`` on a GPU, :data:`INTERPRETER_WARPS` in the interpreter."""
-    return INTERPRETER_WARPS if interpreting() else gpu
+    return INTERPRETER_WARPS if INTERPRETING else gpu
 
 
 def power_of_two_tile(size: int, smallest: int, largest: int) -> int:
@@ -163,7 +174,7 @@ def dot_precision(dtype: torch.dtype) -> str:
 def dot_upcast(first: torch.dtype, second: torch.dtype) -> bool:
     """Multiply in float32: operands of two dtypes (tl.dot takes one), or bfloat16 in the interpreter (which
     multiplies it wrongly)."""
-    return first != second or (interpreting() and torch.bfloat16 in (first, second))
+    return first != second or (INTERPRETING and torch.bfloat16 in (first, second))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -592,8 +603,12 @@ def _position_plan(grad: torch.Tensor, **flags: bool | int | torch.dtype | None)
     """The plan for ``grad`` on its device; ``flags``: the keyword arguments of :func:`position_gradient_plan`
     (tests replace this to force several chunks under the interpreter)."""
     batch, num_positions, dim = grad.shape
-    serial = interpreting() or grad.device.type != "cuda"  # programs run one after another: one chunk
+    serial = INTERPRETING or grad.device.type != "cuda"  # programs run one after another: one chunk
     return position_gradient_plan(batch, num_positions, dim, grad.dtype, multiprocessors(grad.device), serial, **flags)
+
+
+PositionGradients = tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+"""``(grad_tokens, grad_pos, grad_unk, grad_bias, grad_prefix)``, as :func:`launch_position_gradient` returns them."""
 
 
 def launch_position_gradient(
@@ -612,7 +627,7 @@ def launch_position_gradient(
     prefix_shape: Sequence[int] | None = None,
     plan: PositionGradientPlan | None = None,
     traced: bool = False,
-) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+) -> PositionGradients:
     """The gradients that one pass over ``grad`` gives: two kernel launches, outputs made with ``torch.empty``.
 
     Args:
@@ -639,17 +654,66 @@ def launch_position_gradient(
         the prefix rows summed over the batch; an empty ``[0]`` tensor when ``P = 0``; None without
         ``prefix_dtype``).
     """
+    scatter = tokens_dtype is not None
+    read_perm = perm if scatter else None
+    pos_shape = _checked_position_layout(grad, mask, read_perm, prefix_count, prefix_positions, pos_shape)
+    gradients = _empty_position_gradients(
+        grad, pos_shape, tokens_dtype, pos_dtype, unk_dtype, bias_dtype, prefix_count, prefix_dtype, prefix_shape
+    )
+    if grad.shape[2] == 0:  # D = 0: nothing to add up
+        return gradients
+    if plan is None:
+        plan = _position_plan(
+            grad,
+            scatter=scatter,
+            has_mask=mask is not None,
+            has_bias=bias_dtype is not None,
+            tokens_dtype=tokens_dtype,
+            prefix_count=prefix_count,
+            prefix_positions=prefix_positions,
+        )
+    else:
+        _check_plan(plan, grad, prefix_count)
+    _launch_position_kernels(plan, grad, mask, perm, gradients, prefix_count, prefix_positions, traced)
+    return gradients
+
+
+def _checked_position_layout(
+    grad: torch.Tensor,
+    mask: torch.Tensor | None,
+    perm: torch.Tensor | None,
+    prefix_count: int,
+    prefix_positions: int,
+    pos_shape: Sequence[int] | None,
+) -> tuple[int, ...]:
+    """The position table's shape (default ``[Q + N, D]``), once ``grad [B, P + N, D]``, the row layout, and the
+    ``[B, N]`` indices given (``perm`` None where it is not read) are checked."""
     batch, num_positions, dim = grad.shape
     if not 0 <= prefix_count <= num_positions:
         raise ValueError(f"prefix_count must be in [0, {num_positions}] (grad's rows per sample), got {prefix_count}")
     patch_positions = num_positions - prefix_count
-    table_rows = prefix_positions + patch_positions
-    pos_shape = (table_rows, dim) if pos_shape is None else tuple(pos_shape)
+    pos_shape = (prefix_positions + patch_positions, dim) if pos_shape is None else tuple(pos_shape)
     check_row_layout(prefix_count, prefix_positions, pos_shape, patch_positions, dim)
-    scatter, has_mask, has_bias = tokens_dtype is not None, mask is not None, bias_dtype is not None
-    for name, index in (("mask", mask), ("perm", perm if scatter else None)):
+    for name, index in (("mask", mask), ("perm", perm)):
         if index is not None and tuple(index.shape) != (batch, patch_positions):
             raise ValueError(f"{name} must be [B, N] = {[batch, patch_positions]}, got {list(index.shape)}")
+    return pos_shape
+
+
+def _empty_position_gradients(
+    grad: torch.Tensor,
+    pos_shape: tuple[int, ...],
+    tokens_dtype: torch.dtype | None,
+    pos_dtype: torch.dtype,
+    unk_dtype: torch.dtype,
+    bias_dtype: torch.dtype | None,
+    prefix_count: int,
+    prefix_dtype: torch.dtype | None,
+    prefix_shape: Sequence[int] | None,
+) -> PositionGradients:
+    """``(grad_tokens, grad_pos, grad_unk, grad_bias, grad_prefix)`` made with ``torch.empty`` in their final shapes
+    and dtypes (see :func:`launch_position_gradient`); None for those not asked for."""
+    batch, num_positions, dim = grad.shape
     device = grad.device
     grad_prefix = None
     if prefix_dtype is not None:
@@ -657,29 +721,43 @@ def launch_position_gradient(
             check_prefix_shape(prefix_shape, prefix_count, dim)
         shape = ((prefix_count, dim) if prefix_shape is None else tuple(prefix_shape)) if prefix_count else (0,)
         grad_prefix = torch.empty(shape, dtype=prefix_dtype, device=device)
-    grad_tokens = torch.empty((batch, patch_positions, dim), dtype=tokens_dtype, device=device) if scatter else None
+    grad_tokens = None
+    if tokens_dtype is not None:
+        grad_tokens = torch.empty((batch, num_positions - prefix_count, dim), dtype=tokens_dtype, device=device)
     grad_pos = torch.empty(pos_shape, dtype=pos_dtype, device=device)
     grad_unk = torch.empty((dim,), dtype=unk_dtype, device=device)
-    grad_bias = torch.empty((dim,), dtype=bias_dtype, device=device) if has_bias else None
-    if dim == 0:
-        return grad_tokens, grad_pos, grad_unk, grad_bias, grad_prefix
-    if plan is None:
-        plan = _position_plan(
-            grad,
-            scatter=scatter,
-            has_mask=has_mask,
-            has_bias=has_bias,
-            tokens_dtype=tokens_dtype,
-            prefix_count=prefix_count,
-            prefix_positions=prefix_positions,
-        )
-    elif (plan.batch, plan.num_positions, plan.dim, plan.prefix_count) != (batch, num_positions, dim, prefix_count):
+    grad_bias = torch.empty((dim,), dtype=bias_dtype, device=device) if bias_dtype is not None else None
+    return grad_tokens, grad_pos, grad_unk, grad_bias, grad_prefix
+
+
+def _check_plan(plan: PositionGradientPlan, grad: torch.Tensor, prefix_count: int) -> None:
+    """A plan given by the caller must be the one for ``grad``'s sizes and ``P``."""
+    batch, num_positions, dim = grad.shape
+    if (plan.batch, plan.num_positions, plan.dim, plan.prefix_count) != (batch, num_positions, dim, prefix_count):
         raise ValueError(
             f"plan: made for [B, P + N, D] = {[plan.batch, plan.num_positions, plan.dim]} with "
             f"P = {plan.prefix_count}, got grad {list(grad.shape)} with P = {prefix_count}"
         )
+
+
+def _launch_position_kernels(
+    plan: PositionGradientPlan,
+    grad: torch.Tensor,
+    mask: torch.Tensor | None,
+    perm: torch.Tensor | None,
+    gradients: PositionGradients,
+    prefix_count: int,
+    prefix_positions: int,
+    traced: bool,
+) -> None:
+    """The two launches: float32 partial sums per batch chunk (and the inverse move into ``grad_tokens``), then
+    their fixed-order sum into ``gradients`` (from :func:`_empty_position_gradients`). An absent tensor's argument
+    is one that the kernel never reads nor writes through (its flag is off)."""
+    grad_tokens, grad_pos, grad_unk, grad_bias, grad_prefix = gradients
+    batch, num_positions, dim = grad.shape
+    scatter, has_mask, has_bias = grad_tokens is not None, mask is not None, grad_bias is not None
     write_prefix = grad_prefix is not None and prefix_count > 0
-    partials = torch.empty((plan.partial_rows, dim), dtype=torch.float32, device=device)
+    partials = torch.empty((plan.partial_rows, dim), dtype=torch.float32, device=grad.device)
     launcher(_position_partials_kernel, plan.grid, traced)(
         grad,
         mask if has_mask else grad,
@@ -717,4 +795,3 @@ def launch_position_gradient(
         BLOCK_D=plan.reduce_block_d,
         BLOCK_S=plan.reduce_block_s,
     )
-    return grad_tokens, grad_pos, grad_unk, grad_bias, grad_prefix

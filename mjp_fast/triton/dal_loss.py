@@ -203,7 +203,7 @@ def _forward_finish_kernel(
             pred_col - tl.load(coords_ptr + rows * 2 + 1, mask=ok, other=0.0)
         )
         loss += tl.where(ok, weights * error, 0.0)
-    tl.store(loss_ptr, (scale.to(tl.float32) * tl.sum(loss, axis=0)).to(loss_ptr.dtype.element_ty))
+    tl.store(loss_ptr, (tl.cast(scale, tl.float32) * tl.sum(loss, axis=0)).to(loss_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -217,8 +217,9 @@ def _grad_prediction(grad_ptr, pred_ptr, coords_ptr, weights_ptr, rows, N, scale
     difference = tl.load(pred_ptr + offsets, mask=ok, other=0.0) - tl.load(coords_ptr + offsets, mask=ok, other=0.0)
     sign = tl.where(difference > 0, 1.0, tl.where(difference < 0, -1.0, 0.0))
     # scale is a Python float: float32 in an eager launch, float64 where inductor launches the kernel (torch's
-    # triton_utils gives Python floats fp64), and tl.dot takes no float64 operand next to a float32 one
-    factor = tl.load(grad_ptr).to(tl.float32) * scale.to(tl.float32)
+    # triton_utils gives Python floats fp64), and tl.dot takes no float64 operand next to a float32 one. tl.cast,
+    # not scale.to: the interpreter passes scale as a Python float, which has no .to
+    factor = tl.load(grad_ptr).to(tl.float32) * tl.cast(scale, tl.float32)
     factor *= tl.load(weights_ptr + rows, mask=row_ok, other=0.0)
     return sign * factor[:, None]
 
@@ -407,6 +408,50 @@ def _table_sizes(pos: torch.Tensor, skip_rows: int, coords: torch.Tensor) -> tup
     return num_positions, pos.shape[-1]
 
 
+def _check_linear(index: int, weight: torch.Tensor, bias: torch.Tensor | None, shape: tuple[int, int]) -> None:
+    """The regressor's Linear ``index`` (1 or 2): ``w<index>`` of ``shape``, ``b<index>`` None or ``[shape[0]]``."""
+    _check(f"w{index}", weight, shape)
+    if bias is not None:
+        _check(f"b{index}", bias, shape[:1])
+
+
+def _mask_rows(mask: torch.Tensor | None, num_positions: int) -> int:
+    """``B``, the rows of a bool ``[B, N]`` mask; 0 without one."""
+    if mask is None:
+        return 0
+    if mask.dtype != torch.bool or mask.dim() != 2 or mask.shape[1] != num_positions:
+        raise ValueError(f"mask must be bool [B, {num_positions}], got {mask.dtype} {list(mask.shape)}")
+    return mask.shape[0]
+
+
+def _reduction_splits(position_blocks: int, reduced_tiles: int, device: torch.device) -> tuple[int, int]:
+    """``(splits, tiles_per_split)``: the forward's reduction axis (``reduced_tiles`` tiles) cut into splits of whole
+    tiles, enough for about :func:`_programs_wanted` programs with ``position_blocks`` blocks of positions; no split
+    is empty."""
+    splits = max(1, min(reduced_tiles, _programs_wanted(device) // max(position_blocks, 1)))
+    tiles_per_split = triton.cdiv(reduced_tiles, splits)
+    return max(1, triton.cdiv(reduced_tiles, tiles_per_split)), tiles_per_split
+
+
+def _forward_outputs(
+    num_positions: int, hidden_dim: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(loss [], pred [N, 2], hidden [N, H], weights [N])``, float32, made with ``torch.empty``."""
+    loss = torch.empty((), dtype=torch.float32, device=device)
+    pred = torch.empty(num_positions, 2, dtype=torch.float32, device=device)
+    hidden = torch.empty(num_positions, hidden_dim, dtype=torch.float32, device=device)
+    weights = torch.empty(num_positions, dtype=torch.float32, device=device)
+    return loss, pred, hidden, weights
+
+
+def _first_layer_dot(w1: torch.Tensor | None, pos: torch.Tensor) -> tuple[bool, str]:
+    """``(UPCAST, PRECISION)`` of the forward's ``pos @ w1^T`` (``w1`` None: no such product, no upcast)."""
+    # Mixed dtypes, and bfloat16 in the interpreter (which multiplies it wrongly), multiply in float32.
+    upcast = w1 is not None and dot_upcast(w1.dtype, pos.dtype)
+    # Read by tl.dot for float32 operands only ("ieee": no TF32 rounding; float32 after the upcast too).
+    return upcast, "ieee" if upcast else dot_precision(pos.dtype)
+
+
 def dal_forward_launch(
     pos: torch.Tensor,
     skip_rows: int,
@@ -441,40 +486,25 @@ def dal_forward_launch(
     hidden_dim = w1.shape[0] if nonlinear else 0
     reduced = hidden_dim if nonlinear else dim  # the reduction axis of the last Linear
     if nonlinear:
-        _check("w1", w1, (hidden_dim, dim))
-        if b1 is not None:
-            _check("b1", b1, (hidden_dim,))
-    _check("w2", w2, (2, reduced))
-    if b2 is not None:
-        _check("b2", b2, (2,))
+        _check_linear(1, w1, b1, (hidden_dim, dim))
+    _check_linear(2, w2, b2, (2, reduced))
     _check("coords", coords, (num_positions, 2))
-    batch = 0
-    if mask is not None:
-        if mask.dtype != torch.bool or mask.dim() != 2 or mask.shape[1] != num_positions:
-            raise ValueError(f"mask must be bool [B, {num_positions}], got {mask.dtype} {list(mask.shape)}")
-        batch = mask.shape[0]
-        mask = mask.contiguous()
+    batch = _mask_rows(mask, num_positions)
     pos, w2, coords = pos.contiguous(), w2.contiguous(), coords.contiguous()
     if nonlinear:
         w1 = w1.contiguous()
+    if mask is not None:
+        mask = mask.contiguous()
     device = pos.device
-    loss = torch.empty((), dtype=torch.float32, device=device)
-    pred = torch.empty(num_positions, 2, dtype=torch.float32, device=device)
-    hidden = torch.empty(num_positions, hidden_dim, dtype=torch.float32, device=device)
-    weights = torch.empty(num_positions, dtype=torch.float32, device=device)
+    loss, pred, hidden, weights = _forward_outputs(num_positions, hidden_dim, device)
 
     tiles = {name: tile_size(size) for name, size in FORWARD_TILES.items()}
     position_blocks = triton.cdiv(num_positions, tiles["BLOCK_N"])
     reduced_tiles = triton.cdiv(reduced, tiles["BLOCK_K"])
-    splits = max(1, min(reduced_tiles, _programs_wanted(device) // max(position_blocks, 1)))
-    tiles_per_split = triton.cdiv(reduced_tiles, splits)
-    splits = max(1, triton.cdiv(reduced_tiles, tiles_per_split))
+    splits, tiles_per_split = _reduction_splits(position_blocks, reduced_tiles, device)
     partial_pred = torch.empty(splits, num_positions, 2, dtype=torch.float32, device=device)
     partial_kept = torch.empty(splits, num_positions, dtype=torch.int32, device=device) if mask is not None else None
-    # Mixed dtypes, and bfloat16 in the interpreter (which multiplies it wrongly), multiply in float32.
-    upcast = nonlinear and dot_upcast(w1.dtype, pos.dtype)
-    # Read by tl.dot for float32 operands only ("ieee": no TF32 rounding; float32 after the upcast too).
-    precision = "ieee" if upcast else dot_precision(pos.dtype)
+    upcast, precision = _first_layer_dot(w1, pos)
     # Stands for absent tensors (never read nor written): a read-only input, so that no pointer a kernel stores
     # through is passed twice (torch.compile's analysis of which arguments a kernel mutates stays simple).
     dummy = coords

@@ -406,11 +406,8 @@ def patch_embed_forward_launch(
     ``out[b, t] = prefix[t] + (pos[t] if t < Q else 0)`` for ``t < P``; ``out[b, P + n] = patch(b, perm[b, n]) @
     W^T + bias + (unk if mask[b, n] else pos[Q + n])``, summed in float32 and rounded once.
     """
-    batch, channels, height, width = images.shape
-    dim, _, patch, _ = weight.shape
-    num_positions = (height // patch) * (width // patch)
-    cols = width // patch
-    k = channels * patch * patch
+    batch, patch = images.shape[0], weight.shape[2]
+    num_positions, cols, k, dim = _patch_sizes(images, weight)
     prefix_count = prefix_rows(prefix, dim)
     check_row_layout(prefix_count, prefix_positions, pos_embed.shape, num_positions, dim)
     total, total_prefix = batch * num_positions, batch * prefix_count
@@ -487,87 +484,19 @@ def patch_embed_backward_launch(
     grad_out ``[B, P + N, D]``. The weight, bias and image gradients come from the patch rows only; grad_pos's
     rows and grad_prefix from the same one pass over grad_out (:func:`launch_position_gradient`).
     """
-    batch, channels, height, width = images.shape
-    dim, _, patch, _ = weight.shape
-    num_positions = (height // patch) * (width // patch)
-    cols = width // patch
-    k = channels * patch * patch
-    total = batch * num_positions  # the patch tokens
+    batch = images.shape[0]
+    num_positions, _, _, dim = _patch_sizes(images, weight)
     if tuple(grad_out.shape) != (batch, prefix_count + num_positions, dim):
         raise ValueError(
             f"grad_out must be [B, P + N, D] = {[batch, prefix_count + num_positions, dim]}, got {list(grad_out.shape)}"
         )
     grad_out = grad_out.contiguous()
     weight = weight.contiguous()
-    block_m, block_d, block_k = _grad_weight_tiles(dim, k)
-    dummy = grad_out
     grads = [grad_out.new_empty(0) for _ in range(6)]
-
     if need_images:
-        grad_images = torch.empty(batch, channels, height, width, dtype=images.dtype, device=images.device)
-        if total:
-
-            def grid(meta):
-                return (triton.cdiv(total, meta["BLOCK_M"]), triton.cdiv(k, meta["BLOCK_K"]))
-
-            launcher(_grad_images_kernel, grid, traced)(
-                grad_out,
-                weight,
-                perm if perm is not None else dummy,
-                grad_images,
-                total,
-                num_positions,
-                cols,
-                k,
-                dim,
-                *_image_strides(grad_images),
-                prefix_count,
-                tuning_bucket(total),
-                PATCH=patch,
-                HAS_PERM=perm is not None,
-                HAS_PREFIX=prefix_count > 0,
-                PRECISION=dot_precision(images.dtype),
-                UPCAST=dot_upcast(grad_out.dtype, weight.dtype),
-            )
-        else:
-            grad_images.zero_()
-        grads[0] = grad_images
-
+        grads[0] = _grad_images_launch(grad_out, weight, perm, images, prefix_count, traced)
     if need_weight:
-        tiles = triton.cdiv(dim, block_d) * triton.cdiv(k, block_k)
-        # Enough splits of the token axis to fill the GPU about four times over, in whole tiles of tokens.
-        programs_wanted = 1 if interpreting() else 4 * multiprocessors(images.device)
-        splits = max(1, min(triton.cdiv(total, block_m), programs_wanted // max(tiles, 1)))
-        tokens_per_split = triton.cdiv(triton.cdiv(total, splits), block_m) * block_m
-        splits = max(1, triton.cdiv(total, tokens_per_split))
-        partial = torch.empty(splits, dim, k, dtype=torch.float32, device=images.device)
-        if total:
-            launcher(_grad_weight_kernel, (triton.cdiv(dim, block_d), triton.cdiv(k, block_k), splits), traced)(
-                grad_out,
-                images,
-                perm if perm is not None else dummy,
-                partial,
-                total,
-                num_positions,
-                cols,
-                k,
-                dim,
-                tokens_per_split,
-                *_image_strides(images),
-                prefix_count,
-                PATCH=patch,
-                HAS_PERM=perm is not None,
-                HAS_PREFIX=prefix_count > 0,
-                PRECISION=dot_precision(images.dtype),
-                UPCAST=dot_upcast(grad_out.dtype, images.dtype),
-                BLOCK_M=block_m,
-                BLOCK_D=block_d,
-                BLOCK_K=block_k,
-            )
-        else:
-            partial.zero_()
-        grads[1] = partial.sum(0).to(weight.dtype).reshape(weight.shape)
-
+        grads[1] = _grad_weight_launch(grad_out, images, perm, weight, prefix_count, traced)
     if need_bias or need_pos or need_unk or need_prefix:
         _, grad_pos, grad_unk, grad_bias, grad_prefix = launch_position_gradient(
             grad_out,
@@ -590,6 +519,104 @@ def patch_embed_backward_launch(
             if need:
                 grads[index] = grad
     return grads
+
+
+def _patch_sizes(images: torch.Tensor, weight: torch.Tensor) -> tuple[int, int, int, int]:
+    """``(N, cols, K, D)`` of a patch embedding of ``images [B, C, H, W]`` with ``weight [D, C, patch, patch]``:
+    patches per image, per row, and values per patch."""
+    _, channels, height, width = images.shape
+    dim, _, patch, _ = weight.shape
+    return (height // patch) * (width // patch), width // patch, channels * patch * patch, dim
+
+
+def _grad_images_launch(
+    grad_out: torch.Tensor,
+    weight: torch.Tensor,
+    perm: torch.Tensor | None,
+    images: torch.Tensor,
+    prefix_count: int,
+    traced: bool,
+) -> torch.Tensor:
+    """``grad_images [B, C, H, W]`` in images' dtype: ``grad_out``'s patch rows ``@ weight``, each moved back to its
+    patch (one launch; zeros without a patch). ``grad_out`` ``[B, P + N, D]`` and ``weight`` contiguous."""
+    num_positions, cols, k, dim = _patch_sizes(images, weight)
+    total = images.shape[0] * num_positions
+    grad_images = torch.empty(images.shape, dtype=images.dtype, device=images.device)
+    if total:
+
+        def grid(meta):
+            return (triton.cdiv(total, meta["BLOCK_M"]), triton.cdiv(k, meta["BLOCK_K"]))
+
+        launcher(_grad_images_kernel, grid, traced)(
+            grad_out,
+            weight,
+            perm if perm is not None else grad_out,  # absent: never read
+            grad_images,
+            total,
+            num_positions,
+            cols,
+            k,
+            dim,
+            *_image_strides(grad_images),
+            prefix_count,
+            tuning_bucket(total),
+            PATCH=weight.shape[2],
+            HAS_PERM=perm is not None,
+            HAS_PREFIX=prefix_count > 0,
+            PRECISION=dot_precision(images.dtype),
+            UPCAST=dot_upcast(grad_out.dtype, weight.dtype),
+        )
+    else:
+        grad_images.zero_()  # no patch: nothing to launch
+    return grad_images
+
+
+def _grad_weight_launch(
+    grad_out: torch.Tensor,
+    images: torch.Tensor,
+    perm: torch.Tensor | None,
+    weight: torch.Tensor,
+    prefix_count: int,
+    traced: bool,
+) -> torch.Tensor:
+    """``grad_weight`` in weight's shape and dtype: the patches ``^T @`` grad_out's patch rows, one launch whose
+    token axis is split across programs into float32 partials, summed after (zeros without a patch)."""
+    num_positions, cols, k, dim = _patch_sizes(images, weight)
+    total = images.shape[0] * num_positions
+    block_m, block_d, block_k = _grad_weight_tiles(dim, k)
+    tiles = triton.cdiv(dim, block_d) * triton.cdiv(k, block_k)
+    # Enough splits of the token axis to fill the GPU about four times over, in whole tiles of tokens.
+    programs_wanted = 1 if interpreting() else 4 * multiprocessors(images.device)
+    splits = max(1, min(triton.cdiv(total, block_m), programs_wanted // max(tiles, 1)))
+    tokens_per_split = triton.cdiv(triton.cdiv(total, splits), block_m) * block_m
+    splits = max(1, triton.cdiv(total, tokens_per_split))
+    partial = torch.empty(splits, dim, k, dtype=torch.float32, device=images.device)
+    if total:
+        launcher(_grad_weight_kernel, (triton.cdiv(dim, block_d), triton.cdiv(k, block_k), splits), traced)(
+            grad_out,
+            images,
+            perm if perm is not None else grad_out,  # absent: never read
+            partial,
+            total,
+            num_positions,
+            cols,
+            k,
+            dim,
+            tokens_per_split,
+            *_image_strides(images),
+            prefix_count,
+            PATCH=weight.shape[2],
+            HAS_PERM=perm is not None,
+            HAS_PREFIX=prefix_count > 0,
+            PRECISION=dot_precision(images.dtype),
+            UPCAST=dot_upcast(grad_out.dtype, images.dtype),
+            BLOCK_M=block_m,
+            BLOCK_D=block_d,
+            BLOCK_K=block_k,
+        )
+    else:
+        partial.zero_()
+    return partial.sum(0).to(weight.dtype).reshape(weight.shape)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 import argparse
 import importlib
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -51,6 +52,133 @@ def _check_common(payload: dict, printed: str) -> None:
     assert "results: " in printed
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Values that must hold in any run, whatever the timings: the rows' derived fields against the timings they come
+# from, and what each case checks of the outputs
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _groups(rows: list[dict], *keys: str) -> dict[tuple, dict[str, dict]]:
+    """The rows grouped by ``keys`` (one configuration each): key values -> implementation -> row."""
+    groups: dict[tuple, dict[str, dict]] = {}
+    for row in rows:
+        groups.setdefault(tuple(row[key] for key in keys), {})[row["implementation"]] = row
+    return groups
+
+
+def _check_sampler_values(section: dict) -> None:
+    """Every backend draws the oracle's jigsaws (so the same masked counts); no mask goes past its target, and
+    with a ratio above 0 some positions are masked; speedups and per-mask times are the timings' ratios."""
+    from bench.bench_sampler import PYTHON_LOOP
+
+    rows, num_positions = section["results"], math.prod(section["config"]["grid"])
+    for (batch, ratio), group in _groups(rows, "batch", "ratio").items():
+        assert set(group) == {PYTHON_LOOP, *section["backends"]}
+        oracle, python = group["torch"], group[PYTHON_LOOP]
+        if ratio > 0:
+            assert oracle["mean_masked"] > 0
+        for name, row in group.items():
+            assert row["target"] == math.floor(ratio * num_positions)
+            assert 0 <= row["mean_masked"] <= row["target"]  # BEiT's loop may end short of it, never past it
+            assert row["speedup_vs_python"] == pytest.approx(python["median_s"] / row["median_s"])
+            assert row["per_mask_median_s"] == pytest.approx(row["median_s"] / batch)
+            if name not in (PYTHON_LOOP, "torch"):
+                assert row["matches_oracle"] is True, (name, batch, ratio)
+                assert row["mean_masked"] == oracle["mean_masked"]
+            else:
+                assert row["matches_oracle"] is None  # the loop draws other masks; the oracle is the reference
+
+
+def _check_patch_embed_values(section: dict) -> None:
+    """Each row's ratio is its median over timm's in the same mode and batch; the fast paths agree with the
+    oracle."""
+    from bench.bench_patch_embed import BASELINE
+
+    for (mode, batch), group in _groups(section["results"], "mode", "batch").items():
+        for row in group.values():
+            assert row["ratio_vs_timm"] == pytest.approx(row["median_s"] / group[BASELINE]["median_s"])
+            assert row["images_per_s"] == pytest.approx(batch / row["median_s"])
+            if mode == "forward" and row["backend"] is not None:
+                assert row["max_abs_error_vs_ref"] is not None and row["max_abs_error_vs_ref"] < 1e-4
+
+
+def _check_jigsaw_apply_values(section: dict) -> None:
+    """A pixel pipeline's jigsaw cost is its time; a token pipeline's, its time minus the plain embedding's; both
+    over the plain embedding's time."""
+    from bench.bench_jigsaw_apply import PLAIN
+
+    for group in _groups(section["results"], "ratio").values():
+        plain = group[PLAIN]["median_s"]
+        for name, row in group.items():
+            if name == PLAIN:
+                assert row["jigsaw_cost_s"] is None
+                continue
+            cost = row["median_s"] - (plain if row["output"] == "tokens" else 0.0)
+            assert row["jigsaw_cost_s"] == pytest.approx(cost)
+            assert row["jigsaw_cost_vs_plain_embedding"] == pytest.approx(cost / plain)
+
+
+def _check_host_cost_values(section: dict) -> None:
+    """Counts add up, ratios are the timings', and only the triton backend launches Triton kernels."""
+    rows = {row["implementation"]: row for row in section["results"]}
+    for row in rows.values():
+        assert row["ops"] == sum(row["op_counts"].values()) > 0
+        assert row["triton_launches"] == sum(row["triton_kernels"].values())
+        assert row["ratio"] == pytest.approx(row["median_s"] / rows[row["baseline"]]["median_s"])
+        if section["backends"] != ["triton"]:
+            assert row["triton_launches"] == 0
+    assert rows["mjp"]["ops"] > rows["plain"]["ops"]  # MJP's own operators are counted
+
+
+def _check_train_step_values(section: dict) -> None:
+    """The overheads as the module documents them, from each model's plain step: the median of the per-pair
+    overheads lies within their p20 and p80 and its 95% interval; the ratio of medians and the isolated work's share
+    are over the plain median."""
+    from bench.bench_train_step import PLAIN
+
+    for group in _groups(section["results"], "model").values():
+        plain = group[PLAIN]
+        assert plain["overhead_median_pct"] is None  # the baseline has no overhead
+        for name, row in group.items():
+            assert row["pairs"] == row["samples"] == plain["pairs"]
+            if row["overhead_median_pct"] is None:
+                continue
+            assert row["overhead_p20_pct"] <= row["overhead_median_pct"] <= row["overhead_p80_pct"]
+            expected = 100.0 * (row["median_s"] / plain["median_s"] - 1.0)
+            assert row["overhead_of_medians_pct"] == pytest.approx(expected)
+            if name.startswith("mjp"):
+                assert row["overhead_ci95_low_pct"] <= row["overhead_median_pct"] <= row["overhead_ci95_high_pct"]
+                assert 0 <= row["quiet_pairs"] <= row["pairs"]
+                expected = 100.0 * row["isolated_extra_s"] / plain["median_s"]
+                assert row["isolated_overhead_pct"] == pytest.approx(expected)
+
+
+def _check_train_loop_values(section: dict) -> None:
+    """Ratios of median images/s, and per round, against timm's and MJP-off rows of the same data."""
+    from bench.bench_train_loop import MJP_FALSE, TIMM
+
+    for group in _groups(section["results"], "data").values():
+        for row in group.values():
+            assert row["images_per_s"] > 0
+            for field, base_name in (("ratio_vs_timm", TIMM), ("ratio_vs_mjp_false", MJP_FALSE)):
+                if row[field] is None:
+                    continue
+                base = group[base_name]
+                assert row[field] == pytest.approx(row["images_per_s"] / base["images_per_s"])
+                runs = zip(row["images_per_s_runs"], base["images_per_s_runs"], strict=True)
+                assert row[field + "_runs"] == pytest.approx([mine / theirs for mine, theirs in runs])
+
+
+VALUE_CHECKS = {
+    "sampler": _check_sampler_values,
+    "patch_embed": _check_patch_embed_values,
+    "jigsaw_apply": _check_jigsaw_apply_values,
+    "host_cost": _check_host_cost_values,
+    "train_step": _check_train_step_values,
+    "train_loop": _check_train_loop_values,
+}
+
+
 @pytest.mark.timeout(120)
 def test_sampler_benchmark_smoke(tmp_path, capsys):
     payload, printed = _run_smoke("bench.bench_sampler", tmp_path, capsys)
@@ -60,7 +188,7 @@ def test_sampler_benchmark_smoke(tmp_path, capsys):
     assert implementations == {"python loop", *payload["backends"]}
     for row in payload["results"]:
         assert {"batch", "ratio", "per_mask_median_s", "speedup_vs_python", "mean_masked"} <= row.keys()
-        assert row["matches_oracle"] in (None, True)  # every backend bit-identical to the oracle
+    _check_sampler_values(payload)
 
 
 @pytest.mark.timeout(120)
@@ -73,10 +201,7 @@ def test_patch_embed_benchmark_smoke(tmp_path, capsys):
         assert ("forward", f"mjp[{backend}]") in modes
         assert ("forward+backward", f"mjp[{backend}]") in modes
     assert ("forward+backward", "timm") in modes
-    for row in payload["results"]:
-        assert "ratio_vs_timm" in row
-        if row["max_abs_error_vs_ref"] is not None:
-            assert row["max_abs_error_vs_ref"] < 1e-4
+    _check_patch_embed_values(payload)
     # the batch sweep: every implementation in both modes at each batch, each row naming its batch
     from bench import bench_patch_embed
 
@@ -184,6 +309,7 @@ def test_mjp_bench_smoke_runs_every_case_into_one_json(tmp_path, capsys):
         for row in section["results"]:
             assert row.keys() >= TIMING_KEYS | row_keys, (name, row.keys())
             assert 0 < row["p20_s"] <= row["median_s"] <= row["p80_s"]
+        VALUE_CHECKS[name](section)
     assert not payload["cases"]["jigsaw_apply"]["errors"]
     checks = [row["check"] for row in payload["cases"]["jigsaw_apply"]["results"] if row["check"] is not None]
     assert checks and all(check is True or check < 1e-4 for check in checks)  # the pipelines compute the same

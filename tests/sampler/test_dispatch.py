@@ -101,7 +101,7 @@ def test_cuda_route_hands_the_counter_and_params_to_the_kernel_unread(monkeypatc
 def test_cuda_route_step_dispatches_its_outputs_and_the_increment_only():
     # The host cost of a cuda-backend training step: the kernel's two outputs and the counter's add_ on the device
     # (no _local_scalar_dense, the operator behind int() and item()).
-    from bench.bench_host_cost import count_ops
+    from tests.harness.host_cost import count_ops
 
     plan = _cuda_route_plan((4, 4), 0.5, seed=1, prob=1.0, shared=False)
     counter = torch.tensor(0, dtype=torch.int64)

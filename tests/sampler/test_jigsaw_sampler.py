@@ -34,6 +34,28 @@ def test_settings_changed_between_steps_take_effect():
     assert sampler.samples_seen == seen
 
 
+def test_min_aspect_changed_between_steps_takes_effect():
+    # min_aspect shapes the sampler's tables (made in __init__) and its plan: set on the module, the next call draws
+    # with it, in training and inside jigsaw_eval.
+    sampler = mjp_fast.JigsawSampler((6, 7), ratio=0.5, prob=1.0, seed=9, min_block=2)
+    cpu = torch.device("cpu")
+    seen = 0
+    for min_aspect in (0.3, 0.9, 0.3):
+        sampler.min_aspect = min_aspect
+        jigsaw = sampler(4, cpu)
+        expected = mjp_fast.sample_jigsaw(4, (6, 7), 0.5, seed=9, offset=seen, min_block=2, min_aspect=min_aspect)
+        assert torch.equal(jigsaw.mask, expected.mask) and torch.equal(jigsaw.perm, expected.perm), min_aspect
+        seen += 4
+    different = mjp_fast.sample_jigsaw(4, (6, 7), 0.5, seed=9, offset=0, min_block=2, min_aspect=0.9)
+    first = mjp_fast.sample_jigsaw(4, (6, 7), 0.5, seed=9, offset=0, min_block=2, min_aspect=0.3)
+    assert not torch.equal(different.mask, first.mask)  # the setting matters for these draws
+    sampler.eval()
+    sampler.min_aspect = 0.9
+    with sampler.jigsaw_eval(ratio=0.5, seed=9):
+        jigsaw = sampler(4, cpu)
+    assert torch.equal(jigsaw.mask, different.mask) and torch.equal(jigsaw.perm, different.perm)
+
+
 def test_eval_mode_is_plain_unless_asked():
     sampler = mjp_fast.JigsawSampler(4, ratio=0.5, prob=1.0).eval()
     assert sampler(2, torch.device("cpu")) is None

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 import mjp_fast
-from bench.paper_sampler import block_mask_python
 from mjp_fast import backend as backend_module
 from mjp_fast.sampler import sample_jigsaw_ref
 from mjp_fast.sampler.reference import philox_ref
+from tests.harness.paper_sampler import block_mask_python
 
 
 def assert_valid_jigsaw(jigsaw, batch, num_positions, target):
@@ -58,13 +58,45 @@ PARAMETER_SETS = [
 ]
 
 
-@pytest.mark.parametrize("params", PARAMETER_SETS)
-def test_every_backend_equals_the_oracle(params, backend_device):
+# The oracle's output for each parameter set, as the digest of csrc/tests/test_sampler.cpp computes it (FNV-1a 64 over
+# perm * 2 + mask, sample after sample): a statement of the spec that does not come from the oracle's code, so that
+# the oracle cannot drift with the backends that are compared with it. Recorded when the compiled cpu backend (its own
+# code, C++) gave the same jigsaws bit for bit; a change of any of these is a change of the sampler's definition.
+ORACLE_DIGESTS = [
+    0xE087702E2A5295C0,
+    0xC4A0934DC7B930A8,
+    0x48C6747E5DBE0B13,
+    0x9A3A0D1D9D28D38B,
+    0xA944454F3A925281,
+    0x16D0ECE9726AB5D3,
+    0xE873BB0A3C95ED20,
+    0x42B4CEA0907DB0FB,
+    0xC225BBF1FE60E880,
+    0xC7386FF2BD243683,
+    0x35B5BFC355E03B51,
+    0x14650FB0739D0383,  # batch 0: nothing hashed, the start value
+]
+
+
+def jigsaw_digest(jigsaw) -> int:
+    """FNV-1a 64 over ``perm * 2 + mask``, row-major, with csrc/tests/test_sampler.cpp's constants (its start value
+    is 1469598103934665603, not FNV's usual 14695981039346656037: the same as the C++ test's, whatever its origin)."""
+    digest = 1469598103934665603
+    for value in (jigsaw.perm * 2 + jigsaw.mask).flatten().tolist():
+        digest = ((digest ^ value) * 1099511628211) % 2**64
+    return digest
+
+
+@pytest.mark.parametrize("params, digest", list(zip(PARAMETER_SETS, ORACLE_DIGESTS, strict=True)))
+def test_every_backend_equals_the_oracle(params, digest, backend_device):
     backend, device = backend_device
-    expected = sample_jigsaw_ref(**params, device=device)
     got = mjp_fast.sample_jigsaw(**params, device=device, backend=backend)
     rows, cols = (params["grid_size"],) * 2 if isinstance(params["grid_size"], int) else params["grid_size"]
     assert_valid_jigsaw(got, params["batch_size"], rows * cols, math.floor(params["ratio"] * rows * cols))
+    if backend == "torch":  # the oracle itself (sample_jigsaw_ref is this call): against the recorded digest
+        assert jigsaw_digest(got) == digest, hex(jigsaw_digest(got))
+        return
+    expected = sample_jigsaw_ref(**params, device=device)
     assert torch.equal(got.mask, expected.mask)
     assert torch.equal(got.perm, expected.perm)
 
@@ -204,9 +236,17 @@ def test_bad_arguments_are_named(kwargs, error, words):
 
 
 def test_backend_that_cannot_run_here_is_refused():
-    if not torch.cuda.is_available():
-        with pytest.raises(ValueError, match="backend"):
-            mjp_fast.sample_jigsaw(2, 14, 0.1, seed=0, backend="cuda")
+    # On CPU tensors (the default device) the cuda backend is refused on every machine, for the reason that holds
+    # there: without a GPU or a CUDA build it is not available; with them it cannot run on CPU tensors.
+    if "cuda" in mjp_fast.available_backends():
+        reason = "cannot run on tensors on device cpu"
+    else:
+        reason = "is not available on this machine"
+    with pytest.raises(ValueError, match=f"backend='cuda' {reason}"):
+        mjp_fast.sample_jigsaw(2, 14, 0.1, seed=0, backend="cuda")
+    if torch.cuda.is_available() and "cpu" in mjp_fast.available_backends():
+        with pytest.raises(ValueError, match="backend='cpu' cannot run on tensors on device cuda"):
+            mjp_fast.sample_jigsaw(2, 14, 0.1, seed=0, backend="cpu", device="cuda")
 
 
 def test_environment_variable_chooses_the_backend(monkeypatch):

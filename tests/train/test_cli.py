@@ -126,7 +126,7 @@ def test_bad_data_layout(tmp_path, capsys):
 def test_nan_exits_with_code_3(cifar_tree, tmp_path, monkeypatch, capsys):
     import torch
 
-    from mjp_fast.train import loop
+    from mjp_fast.train import build
 
     class InfiniteLoss(torch.nn.Module):
         def __init__(self, *args, **kwargs):
@@ -135,7 +135,7 @@ def test_nan_exits_with_code_3(cifar_tree, tmp_path, monkeypatch, capsys):
         def forward(self, logits, targets):
             return logits.sum() * float("inf")
 
-    monkeypatch.setattr(loop, "SoftTargetCrossEntropy", InfiniteLoss)
+    monkeypatch.setattr(build, "SoftTargetCrossEntropy", InfiniteLoss)
     arguments = ["train", "--data", str(cifar_tree), "--output", str(tmp_path / "run"), *tiny_overrides()]
     assert main(arguments) == 3
     err = capsys.readouterr().err

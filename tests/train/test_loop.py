@@ -14,7 +14,7 @@ from timm.loss import SoftTargetCrossEntropy
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from mjp_fast.cli import main
-from mjp_fast.train import curves, loop
+from mjp_fast.train import build, curves, loop
 from mjp_fast.train.checkpoint import load_checkpoint, load_model
 from mjp_fast.train.config import load_config
 from mjp_fast.train.loop import TrainingDiverged, count_parameters, dal_weight_at, describe_model, plural, train
@@ -143,7 +143,7 @@ def test_nan_loss_stops_the_run(cifar_tree, tmp_path, monkeypatch):
         def forward(self, logits, targets):
             return logits.sum() * float("nan")
 
-    monkeypatch.setattr(loop, "SoftTargetCrossEntropy", NanLoss)  # the recipe's loss with mixup
+    monkeypatch.setattr(build, "SoftTargetCrossEntropy", NanLoss)  # the recipe's loss with mixup
     with pytest.raises(TrainingDiverged, match=r"the loss became nan at epoch 1, batch 0, step 0"):
         train(_config(cifar_tree, tmp_path / "nan"))
 
@@ -171,7 +171,7 @@ def test_a_diverged_run_writes_no_checkpoint_after_the_bad_loss(
     # The loss is read back only at log intervals (none here after batch 0), checkpoints and the epoch's end: the
     # NaN of batch 2 goes unnoticed for a step, but never into a checkpoint (6 batches, one step each).
     monkeypatch.setattr(_NanAtBatch, "calls", 0)
-    monkeypatch.setattr(loop, "SoftTargetCrossEntropy", _NanAtBatch)
+    monkeypatch.setattr(build, "SoftTargetCrossEntropy", _NanAtBatch)
     config = _config(
         cifar_tree, tmp_path / "nan", epochs=1, warmup_epochs=0, log_interval=1000, checkpoint_steps=checkpoint_steps
     )
@@ -191,14 +191,17 @@ def test_a_diverged_run_writes_no_checkpoint_after_the_bad_loss(
 
 
 def _count_host_reads(monkeypatch) -> list[int]:
-    """Counts the reads of tensors back to the host made by the training loop's own code (not timm's or torch's)."""
-    loop_file = loop.__file__
+    """Counts the reads of tensors back to the host made by the training loop's own code (not timm's or torch's,
+    nor evaluation's)."""
+    from mjp_fast.train import records, run, step, tally
+
+    loop_files = {module.__file__ for module in (loop, build, records, run, step, tally)}
     count = [0]
     for name in ("item", "tolist", "__float__", "__int__", "__bool__", "cpu", "numpy"):
         original = getattr(torch.Tensor, name)
 
         def counting(self, *args, _original=original, **kwargs):
-            if sys._getframe(1).f_code.co_filename == loop_file:
+            if sys._getframe(1).f_code.co_filename in loop_files:
                 count[0] += 1
             return _original(self, *args, **kwargs)
 
@@ -292,7 +295,7 @@ METADATA_ONLY = {"detach", "view", "alias", "lift_fresh"}
 def test_the_loops_bookkeeping_per_batch_is_at_most_three_operators(tmp_path, mjp):
     from timm.utils import dispatch_clip_grad
 
-    from bench.bench_host_cost import OpCounter
+    from tests.harness.host_cost import OpCounter
 
     config = load_config(
         None, tiny_overrides(output=str(tmp_path), mjp=mjp, mixup=0.0, cutmix=0.0, drop_path=0.0, mjp_prob=1.0)

@@ -1,4 +1,4 @@
-"""One training step alone (:class:`mjp_fast.train.loop.TrainStep`) on a tiny MJP ViT: losses and gradients against
+"""One training step alone (:class:`mjp_fast.train.step.TrainStep`) on a tiny MJP ViT: losses and gradients against
 the same sums done by hand (the step's DAL loss attached to the model's output, the hand's explicit), accumulation,
 clipping, AMP, the fp16 scaler, a compiled forward, DDP's no_sync and the divergence watch."""
 

@@ -52,27 +52,47 @@ def test_triton_interpret_is_read_in_one_place():
     assert readers == ["backend.py"]
 
 
+def test_triton_interpret_is_read_once_at_import(monkeypatch):
+    # the operators were registered from it at import (custom_op or triton_op): a later change of the environment
+    # must not move the launches, tiles or plans to the other side of that choice
+    assert common.INTERPRETING is mjp_fast.backend.triton_interpreting()
+    assert common.interpreting() is common.INTERPRETING
+    monkeypatch.setenv("TRITON_INTERPRET", "0" if common.INTERPRETING else "1")
+    assert common.interpreting() is common.INTERPRETING
+    assert (common.tile_size(64) == common.INTERPRETER_TILE) is common.INTERPRETING
+
+
+def test_only_the_shared_module_reads_the_interpreter_switch():
+    # the kernel files ask common.interpreting() (one value, which tests may replace as common.INTERPRETING), never
+    # the backend's function, which reads the environment
+    for path in sorted(TRITON_PACKAGE.glob("*.py")):
+        if path.name == "common.py":
+            continue
+        names = [name for _, names in _imported_modules(path) for name in names]
+        assert "triton_interpreting" not in names and "INTERPRETING" not in names, path.name
+
+
 def test_the_package_reexports_the_shared_launch_helpers():
     # code outside mjp_fast/triton (the sampler's kernel) imports these from mjp_fast.triton
-    assert mjp_fast.triton.interpreting is common.interpreting is mjp_fast.backend.triton_interpreting
+    assert mjp_fast.triton.interpreting is common.interpreting
     assert mjp_fast.triton.launcher is common.launcher
     assert mjp_fast.triton.operator is common.operator
     assert mjp_fast.triton.define_operator is common.define_operator
 
 
 def test_tiles_and_warps_follow_the_interpreter(monkeypatch):
-    monkeypatch.setattr(common, "interpreting", lambda: True)
+    monkeypatch.setattr(common, "INTERPRETING", True)
     assert (common.tile_size(64), common.warp_count(4)) == (common.INTERPRETER_TILE, common.INTERPRETER_WARPS)
     assert pos_embed._forward_tiles(384) == (common.INTERPRETER_TILE,) * 2
     assert patch_embed._grad_weight_tiles(384, 768) == (common.INTERPRETER_TILE,) * 3
-    monkeypatch.setattr(common, "interpreting", lambda: False)
+    monkeypatch.setattr(common, "INTERPRETING", False)
     assert (common.tile_size(64), common.warp_count(4)) == (64, 4)
     assert pos_embed._forward_tiles(384) == (common.ROW_TILE, common.MAX_CHANNEL_TILE)
 
 
 @pytest.mark.parametrize("size", [1, 5, 15, 16, 17, 100, 128, 129, 384, 1000])
 def test_gpu_tiles_are_powers_of_two_that_tl_dot_takes(size, monkeypatch):
-    monkeypatch.setattr(common, "interpreting", lambda: False)
+    monkeypatch.setattr(common, "INTERPRETING", False)
     block_m, block_d, block_k = patch_embed._grad_weight_tiles(size, size)
     for side in (block_m, block_d, block_k):
         assert side >= 16 and side & (side - 1) == 0, (size, side)

@@ -135,7 +135,7 @@ def test_plan_refuses_a_prefix_that_does_not_fit():
 
 def test_plan_under_the_interpreter_or_on_cpu_tensors_has_one_chunk(monkeypatch):
     assert position_gradient_plan(256, 196, 384, torch.bfloat16, H100_SMS, True).chunks == 1
-    monkeypatch.setattr(common, "interpreting", lambda: False)
+    monkeypatch.setattr(common, "INTERPRETING", False)
     grad = torch.empty(64, 9, 16)
     plan = common._position_plan(grad, scatter=True, has_mask=True, has_bias=False, tokens_dtype=None)
     assert plan.chunks == 1
@@ -335,7 +335,7 @@ def test_wrap_triton_only_when_traced(monkeypatch):
     monkeypatch.setattr(torch.library, "wrap_triton", wrap_triton)
     # traced launches go through wrap_triton off the interpreter only (torch 2.11 refuses interpreted kernels);
     # pretend to be off it, so that the traced path shows (torch 2.14's wrap_triton accepts them)
-    monkeypatch.setattr(common, "interpreting", lambda: False)
+    monkeypatch.setattr(common, "INTERPRETING", False)
     generator = torch.Generator().manual_seed(11)
     grad = torch.randn(5, 7, 9, generator=generator)
     jigsaw = _jigsaw(5, 7, "some", generator)
@@ -358,7 +358,7 @@ def test_forward_operator_launches_through_wrap_triton(monkeypatch):
     wrapped = []
     real_wrap_triton = torch.library.wrap_triton
     monkeypatch.setattr(torch.library, "wrap_triton", lambda kernel: wrapped.append(kernel) or real_wrap_triton(kernel))
-    monkeypatch.setattr(common, "interpreting", lambda: False)  # see test_wrap_triton_only_when_traced
+    monkeypatch.setattr(common, "INTERPRETING", False)  # see test_wrap_triton_only_when_traced
     generator = torch.Generator().manual_seed(13)
     tokens, pos, unk = (torch.randn(size, generator=generator) for size in ((3, 7, 9), (7, 9), (9,)))
     jigsaw = _jigsaw(3, 7, "some", generator)

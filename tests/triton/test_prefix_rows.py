@@ -404,7 +404,7 @@ def test_patch_embed_wraps_triton_only_when_traced(monkeypatch):
     wrapped = []
     real_wrap_triton = torch.library.wrap_triton
     monkeypatch.setattr(torch.library, "wrap_triton", lambda kernel: wrapped.append(kernel) or real_wrap_triton(kernel))
-    monkeypatch.setattr(common, "interpreting", lambda: False)  # see test_wrap_triton_only_when_traced
+    monkeypatch.setattr(common, "INTERPRETING", False)  # see test_wrap_triton_only_when_traced
     generator = torch.Generator().manual_seed(9)
     images, weight, bias, unk, mask, perm = _patch_inputs(3, torch.float32, generator, "some")
     pos, prefix = _tables((1, 1), LAYOUTS[0], 9, DIM, torch.float32, generator)

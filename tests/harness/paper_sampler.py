@@ -1,7 +1,7 @@
 """The baseline sampler: BEiT's masking generator as the paper's code runs it, a plain Python loop per mask.
 
-The sampler benchmark times it against ``mjp_fast.sample_jigsaw``, and the jigsaw-apply benchmark builds the
-paper's per-batch mask with it; tests/sampler compares the two samplers' distributions.
+tests/sampler compares the two samplers' distributions with it; the sampler benchmark (bench/bench_sampler.py) times it
+against ``mjp_fast.sample_jigsaw``, and the jigsaw-apply benchmark builds the paper's per-batch mask with it.
 """
 
 from __future__ import annotations

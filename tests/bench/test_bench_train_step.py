@@ -1,0 +1,96 @@
+"""bench/bench_train_step.py's arithmetic, on step times given by the test: the overheads come from the interleaved
+pairs as its docstring says (per pair ``t_mjp / t_plain - 1``, then the median), not from the medians' ratio."""
+
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+if str(REPO_ROOT) not in sys.path:  # `bench` is a folder of the checkout, not an installed package
+    sys.path.insert(0, str(REPO_ROOT))
+
+from bench import bench_train_step as case  # noqa: E402
+
+# Step times per variant, one per round (three pairs), in the order the rounds run them. The plain step's second
+# round was slowed down by something else: per pair, MJP prob=1 costs +10%, 0% and +5% (median +5%), while the
+# ratio of the medians says +10%.
+TIMES = {
+    None: [1.0, 2.0, 1.0],
+    case.FAST: [1.0, 2.0, 1.02],
+    0.5: [1.04, 2.0, 1.01],
+    1.0: [1.1, 2.0, 1.05],
+}
+ISOLATED_S = {0.5: 0.002, 1.0: 0.004}
+
+
+class _Trainer:
+    """Stands for a model's training step: the scripted timer below gives its time."""
+
+    def __init__(self, model, **_):
+        self.model = model
+
+    def step(self, images, targets):
+        pass
+
+
+@pytest.fixture
+def rows(monkeypatch):
+    order = list(TIMES)  # the variants in the order run_model makes them: plain, fast, then each prob
+    rounds = [order if index % 2 == 0 else order[::-1] for index in range(3)]
+    script = iter(TIMES[variant][index] for index, variants in enumerate(rounds) for variant in variants)
+
+    class ScriptedTimer:
+        def __init__(self, device):
+            pass
+
+        def __call__(self, function):
+            function()
+            return next(script)
+
+    monkeypatch.setattr(case, "_models", lambda *_, **__: {variant: torch.nn.Identity() for variant in order})
+    monkeypatch.setattr(case, "Trainer", _Trainer)
+    monkeypatch.setattr(case, "StepTimer", ScriptedTimer)
+    monkeypatch.setattr(case, "_isolated", lambda *_, **__: ISOLATED_S)
+    options = dict(batch=2, image_size=32, pairs=3, max_seconds=None, warmup=0, device="cpu", compile_model=False)
+    rows = case.run_model("deit_tiny_patch16_224", smoke=True, **options)
+    assert next(script, None) is None  # every scripted step was taken, once
+    return {row["prob"]: row for row in rows}
+
+
+def test_overheads_are_the_median_over_the_pairs(rows):
+    plain = np.asarray(TIMES[None])
+    for prob in case.MJP_PROBS:
+        row, times = rows[prob], np.asarray(TIMES[prob])
+        per_pair = 100.0 * (times / plain - 1.0)
+        assert row["pairs"] == row["samples"] == 3
+        assert row["overhead_median_pct"] == pytest.approx(np.median(per_pair))
+        assert row["overhead_p20_pct"] == pytest.approx(np.percentile(per_pair, 20))
+        assert row["overhead_p80_pct"] == pytest.approx(np.percentile(per_pair, 80))
+        assert row["overhead_of_medians_pct"] == pytest.approx(100.0 * (np.median(times) / np.median(plain) - 1.0))
+        against_fast = 100.0 * (times / np.asarray(TIMES[case.FAST]) - 1.0)
+        assert row["overhead_vs_fast_median_pct"] == pytest.approx(np.median(against_fast))
+        assert row["isolated_overhead_pct"] == pytest.approx(100.0 * ISOLATED_S[prob] / np.median(plain))
+        assert row["overhead_ci95_low_pct"] <= row["overhead_median_pct"] <= row["overhead_ci95_high_pct"]
+    # the example's point: one slow plain step moves the ratio of medians, not the median over the pairs
+    assert rows[1.0]["overhead_median_pct"] == pytest.approx(5.0)
+    assert rows[1.0]["overhead_of_medians_pct"] == pytest.approx(10.0)
+
+
+def test_quiet_pairs_leave_out_the_slowed_round(rows):
+    # quiet: both steps of a pair within QUIET_MARGIN of the fastest step measured (1.0 s): not the 2 s round
+    assert rows[1.0]["quiet_pairs"] == 2
+    assert rows[1.0]["quiet_overhead_median_pct"] == pytest.approx(np.median([10.0, 5.0]))
+
+
+def test_the_baselines_have_no_overhead_against_themselves(rows):
+    assert rows[None]["overhead_median_pct"] is None and rows[None]["isolated_overhead_pct"] is None
+    fast = rows[case.FAST]  # against plain timm, but no MJP work to isolate
+    assert fast["overhead_median_pct"] == pytest.approx(np.median([0.0, 0.0, 2.0]))
+    assert fast["isolated_overhead_pct"] is None and fast["overhead_vs_fast_median_pct"] is None
