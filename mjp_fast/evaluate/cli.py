@@ -106,10 +106,17 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "--amp", choices=("auto", "none", "bf16", "fp16"), default="auto", help="autocast (default: bf16 on CUDA)"
     )
     parser.add_argument(
-        "--progress", choices=("auto", "on", "off"), default="auto", help="progress bars (default: on a terminal)"
+        "--progress",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="progress bars (default: on a terminal; elsewhere one line per pass over the data; off: neither)",
     )
     parser.set_defaults(handler=run)
     return parser
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -141,6 +148,8 @@ def run(args: argparse.Namespace) -> int:
             attention_images=args.attention_images,
             folds=args.folds,
             progress=progress,
+            # without a terminal's bar (a log file, CI), one line per pass: a corruption sweep runs for minutes
+            log=None if progress or args.progress == "off" else _say,
         )
         path = write_json(results, args.json or output / "eval.json")
     except ConfigError as error:

@@ -13,7 +13,8 @@ from __future__ import annotations
 import json
 import math
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -59,21 +60,46 @@ def _progress_bar(total: int, description: str, enabled: bool):
     return tqdm(total=total, unit="img", unit_scale=True, desc=description, leave=False, dynamic_ncols=True)
 
 
+class _PassLog:
+    """One line per finished pass over the data (``log``), numbered out of the ``total`` passes the evaluation
+    makes: what a user sees without a terminal's progress bar, where a corruption sweep runs for minutes."""
+
+    def __init__(self, log: Callable[[str], None] | None, total: int) -> None:
+        self.log, self.total, self.done = log, total, 0
+
+    def __call__(self, label: str, result: dict[str, Any], seconds: float) -> None:
+        self.done += 1
+        if self.log is not None:
+            self.log(
+                f"eval [{self.done}/{self.total}] {label}: top-1 {result['top1']:.2f}% on {result['images']} images "
+                f"({seconds:.1f} s)"
+            )
+
+
 class _Evaluator:
     """One model with its data: the clean pass and the corrupted passes."""
 
     def __init__(
-        self, model: nn.Module, opened: _Opened, mean: torch.Tensor, std: torch.Tensor, show_progress: bool
+        self,
+        model: nn.Module,
+        opened: _Opened,
+        mean: torch.Tensor,
+        std: torch.Tensor,
+        show_progress: bool,
+        passes: _PassLog,
+        label: str = "",
     ) -> None:
         self.model, self.loader, self.device, self.dtype = model, opened.loader, opened.device, opened.dtype
         self.mean, self.std = mean, std
         self.show_progress = show_progress
         self.images = len(opened.loader.dataset)
+        self.passes, self.label = passes, label
 
     def run(self, description: str, **kwargs: Any) -> dict[str, Any]:
         bar = _progress_bar(self.images, description, self.show_progress)
+        start = time.perf_counter()
         try:
-            return evaluate_model(
+            result = evaluate_model(
                 self.model,
                 self.loader,
                 device=self.device,
@@ -87,6 +113,8 @@ class _Evaluator:
         finally:
             if bar is not None:
                 bar.close()
+        self.passes(f"{self.label}{description}", result, time.perf_counter() - start)
+        return result
 
     def corruption_errors(self, names: list[str], severities: Sequence[int], seed: int) -> dict[str, list[float]]:
         errors: dict[str, list[float]] = {}
@@ -96,7 +124,7 @@ class _Evaluator:
             for severity in severities:
                 corrupt_batch = _BatchCorruption(name, severity, seed, generator_device)
 
-                result = self.run(f"{name} {severity}", ratio=0.0, jigsaw="none", corrupt=corrupt_batch)
+                result = self.run(f"{name} severity {severity}", ratio=0.0, jigsaw="none", corrupt=corrupt_batch)
                 errors[name].append(100.0 - result["top1"])
         return errors
 
@@ -215,8 +243,12 @@ def evaluate_checkpoint(
     attention_images: int = 4,
     folds: int = 5,
     progress: bool = False,
+    log: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Evaluates a checkpoint of ``mjp train``; returns the results (see ``mjp eval --help``).
+
+    ``progress`` shows a tqdm bar per pass over the data; ``log``, if given, is called with one line after each
+    pass (the clean one, then each corruption and severity, the baseline's too), numbered out of all of them.
 
     Raises:
         ConfigError: a bad path or value.
@@ -237,7 +269,9 @@ def evaluate_checkpoint(
         severities=severities,
     )
     model, loader = opened.model, opened.loader
-    evaluator = _Evaluator(model, opened, opened.mean, opened.std, progress)
+    corrupted = len(names) * len(severities) * (2 if opened.baseline_model is not None else 1)
+    passes = _PassLog(log, 1 + corrupted)
+    evaluator = _Evaluator(model, opened, opened.mean, opened.std, progress, passes)
     clean = evaluator.run("clean", ratio=ratio, seed=seed, jigsaw=opened.jigsaw)
     regression = model_position_regression(model, folds=folds)
     results: dict[str, Any] = {
@@ -260,7 +294,7 @@ def evaluate_checkpoint(
         "epoch": opened.state.get("epoch"),
     }
     if names:
-        results.update(_corruption_results(evaluator, opened, names, severities, seed, baseline, progress))
+        results.update(_corruption_results(evaluator, opened, names, severities, seed, baseline, progress, passes))
     if plots is not None:
         written = _write_plots(model, loader, Path(plots), opened.mean, opened.std, attention_images)
         results["plots"] = [str(path) for path in written]
@@ -275,6 +309,7 @@ def _corruption_results(
     seed: int,
     baseline: str | Path | None,
     progress: bool,
+    passes: _PassLog,
 ) -> dict[str, Any]:
     """The results' ``mce``, ``mean_corruption_error`` and ``corruptions`` (each corruption's error per severity;
     with a baseline, its errors too and each corruption's CE)."""
@@ -286,7 +321,9 @@ def _corruption_results(
     }
     results: dict[str, Any] = {}
     if opened.baseline_model is not None:
-        other = _Evaluator(opened.baseline_model, opened, opened.baseline_mean, opened.baseline_std, progress)
+        other = _Evaluator(
+            opened.baseline_model, opened, opened.baseline_mean, opened.baseline_std, progress, passes, "baseline "
+        )
         baseline_errors = other.corruption_errors(names, severities, seed)
         relative = corruption_errors(errors, baseline_errors)
         corruption.update(

@@ -66,6 +66,23 @@ def test_corruptions_and_mce_against_a_baseline(checkpoints):
     assert again["corruptions"]["error"]["gaussian_noise"] == corruption["error"]["gaussian_noise"]
 
 
+def test_without_a_terminal_each_pass_over_the_data_is_one_line(checkpoints, tmp_path, capsys):
+    # A corruption sweep is dozens of passes over the data: in a log file (no terminal, so no bar) a user saw
+    # nothing for minutes. Now each pass prints a numbered line; --progress off prints none.
+    arguments = ["eval", "--checkpoint", str(checkpoints["mjp"]), "--output", str(tmp_path), "--no-plots"]
+    sweep = ["--corruptions", "contrast", "--severities", "1", "3", "--baseline", str(checkpoints["baseline"])]
+    assert main([*arguments, *sweep]) == 0
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("eval [")]
+    results = json.loads((tmp_path / "eval.json").read_text())
+    assert len(lines) == 5, lines  # clean, then 2 severities for each model
+    assert lines[0] == f"eval [1/5] clean: top-1 {results['top1']:.2f}% on 24 images" + lines[0][lines[0].index(" (") :]
+    errors = results["corruptions"]["error"]["contrast"]
+    assert lines[2].startswith(f"eval [3/5] contrast severity 3: top-1 {100 - errors[1]:.2f}% on 24 images (")
+    assert lines[4].startswith("eval [5/5] baseline contrast severity 3: top-1 ")
+    assert main([*arguments, "--progress", "off"]) == 0
+    assert "eval [" not in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "arguments, message",
     [
