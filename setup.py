@@ -179,8 +179,9 @@ setup(
         "pillow>=11",
     ],
     extras_require={
-        # the test extra carries the data readers: their tests read a WebDataset and a saved Hugging Face dataset
-        "test": ["pytest", "pytest-timeout", "pytest-xdist", *DATA_EXTRA],
+        # the test extra carries the data readers: their tests read a WebDataset and a saved Hugging Face dataset;
+        # hypothesis drives the property tests of the public API under hostile input (tests/property)
+        "test": ["pytest", "pytest-timeout", "pytest-xdist", "hypothesis>=6.100", *DATA_EXTRA],
         "data": DATA_EXTRA,
         "bench": ["pytest-benchmark"],
         "umap": ["umap-learn"],

@@ -17,7 +17,10 @@ import pytest  # noqa: E402
 
 import mjp_fast  # noqa: E402
 from mjp_fast import backend as backend_module  # noqa: E402
+from tests.property.settings import register_profiles  # noqa: E402
 from tests.train.helpers import make_cifar_tree  # noqa: E402
+
+register_profiles()
 
 
 def backends_for(device: str) -> list[str]:
