@@ -553,13 +553,6 @@ def eval_loader(
     return Batches(loader, dataset, unreadable)
 
 
-def normalize_batch(images: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
-    """uint8 (or [0, 1] float) ``[B, C, H, W]`` -> normalized float32."""
-    if images.dtype == torch.uint8:
-        images = images.float().div_(255.0)
-    return (images - mean.view(1, -1, 1, 1)) / std.view(1, -1, 1, 1)
-
-
 __all__ = [
     "DeviceNormalize",
     "DigitsDataset",
@@ -577,7 +570,6 @@ __all__ = [
     "eval_transform",
     "fixed_subset",
     "folder_dataset",
-    "normalize_batch",
     "resolve_split",
     "seed_everything",
     "set_transform",
