@@ -248,7 +248,7 @@ def test_readme_eval_line_on_a_comparison_run(tmp_path):
     run = tmp_path / "x"
     trained = _run_mjp(["mjp", "train", "--output", str(run), "epochs=1", "warmup_epochs=0", "progress=off"], 600)
     assert trained.returncode == 0, trained.stderr[-3000:]
-    (line,) = command_lines("mjp eval --checkpoint")
+    (line,) = [line for line in command_lines("mjp eval --checkpoint") if "--corruptions" in line]
     arguments = [argument.replace("runs/x", str(run)) for argument in line]
     result = _run_mjp(arguments, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -256,6 +256,27 @@ def test_readme_eval_line_on_a_comparison_run(tmp_path):
     measured = json.loads((run / "mjp" / "eval" / "eval.json").read_text())
     assert {"top1", "consistency", "diff_norm", "pos_mae_1d", "corruptions", "mce"} <= set(measured)
     assert len(measured["corruptions"]["error"]) == 9 and measured["mce"] > 0  # nine corruptions, five severities
+
+
+def test_readme_robustness_lines_parse_and_every_set_is_documented():
+    """The README's ``mjp eval`` lines with the robustness sets parse as ``mjp eval`` arguments (the sets
+    themselves cannot be downloaded here: tests/evaluate builds them in their layouts), and the README and
+    ``mjp eval --help`` say where each set comes from."""
+    from mjp_fast.cli import build_parser
+
+    options = ("--imagenet-c", "--imagenet-a", "--imagenet-r", "--imagenet-o", "--cifar10-c")
+    lines = [line for line in command_lines("mjp eval --checkpoint") if any(option in line for option in options)]
+    assert {option for line in lines for option in options if option in line} == set(options)
+    for line in lines:
+        parsed = build_parser().parse_args(line[1:])
+        assert parsed.checkpoint == line[line.index("--checkpoint") + 1]
+    help_text = subprocess.run(
+        [sys.executable, "-m", "mjp_fast.cli", "eval", "--help"], capture_output=True, text=True, timeout=120
+    ).stdout
+    for option in options:
+        assert f"| `{option} DIR` |" in README and option in help_text
+    assert "Zenodo record 2235448" in README and "Zenodo record 2535967" in README
+    assert "Hendrycks & Dietterich (ICLR 2019" in help_text and "Zenodo record 2535967" in help_text
 
 
 def test_readme_attack_line_and_its_quoted_numbers(tmp_path):

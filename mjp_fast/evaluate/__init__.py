@@ -7,9 +7,20 @@ results = evaluate_checkpoint("runs/x/mjp/last.pt")
 from typing import Any
 
 from mjp_fast.evaluate.metrics import accuracy, consistency, diff_norm, evaluate_model
+from mjp_fast.evaluate.ood_metrics import aupr, aurra, rms_calibration_error
 from mjp_fast.evaluate.position import position_regression
 
-__all__ = ["accuracy", "consistency", "diff_norm", "evaluate_checkpoint", "evaluate_model", "position_regression"]
+__all__ = [
+    "accuracy",
+    "aupr",
+    "aurra",
+    "consistency",
+    "diff_norm",
+    "evaluate_checkpoint",
+    "evaluate_model",
+    "position_regression",
+    "rms_calibration_error",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from mjp_fast._argtypes import fraction, non_negative_int, positive_int
 from mjp_fast.evaluate.corruptions import CORRUPTIONS, FAMILIES, SEVERITIES
+from mjp_fast.evaluate.natural import NATURAL_SETS
 
 DESCRIPTION = """\
 Evaluates a checkpoint of `mjp train` on a dataset and measures what the paper measures:
@@ -30,12 +31,44 @@ Evaluates a checkpoint of `mjp train` on a dataset and measures what the paper m
                     5-fold cross-validation, mean absolute error in grid cells (supplementary Table 2)
   plots             PNGs of the position embeddings (PCA 2D and 3D, cosine similarity; UMAP with umap-learn) and
                     of the last layer's class-token attention
-  corruptions       top-1 error under ImageNet-C-style corruptions made on the fly, per corruption and severity;
-                    with --baseline, each corruption's CE and the mCE relative to the baseline checkpoint
+  corruptions       a quick proxy, not ImageNet-C: top-1 error under nine ImageNet-C-style corruptions made on the
+                    fly (--corruptions), per corruption and severity; with --baseline, each corruption's CE and the
+                    mCE relative to the baseline; comparable between models measured here only
+  ImageNet-C        --imagenet-c DIR: the benchmark itself, as released by Hendrycks & Dietterich (ICLR 2019;
+                    Zenodo record 2235448, github.com/hendrycks/robustness): DIR/<corruption>/<severity 1-5>/
+                    <wnid>/*.JPEG, 15 corruptions in 4 families (+ the 4 extra ones where present); top-1 error per
+                    corruption and severity, CE normalized by AlexNet's errors and the mCE over the 15; with
+                    --baseline, the mCE relative to the baseline too
+  CIFAR-10-C        --cifar10-c DIR: the same authors' CIFAR-10 release (Zenodo record 2535967): DIR/<corruption>.npy
+                    (uint8 [50000, 32, 32, 3]: 5 severities x 10,000 test images) and DIR/labels.npy; the same table
+                    for CIFAR-10 models, with the unnormalized mean corruption error (no AlexNet reference for it)
+                    and with --baseline the mCE relative to the baseline
+  ImageNet-A        --imagenet-a DIR: Hendrycks, Zhao, Basart, Steinhardt, Song, "Natural Adversarial Examples"
+                    (CVPR 2021; github.com/hendrycks/natural-adv-examples): DIR/<wnid>/*.jpg, 200 classes; top-1,
+                    AURRA and RMS calibration error (adaptive bins of 100 images) from the max-softmax confidence
+  ImageNet-R        --imagenet-r DIR: Hendrycks et al., "The Many Faces of Robustness" (ICCV 2021;
+                    github.com/hendrycks/imagenet-r): DIR/<wnid>/*.jpg, 200 classes; top-1
+  ImageNet-O        --imagenet-o DIR: from "Natural Adversarial Examples" too (github.com/hendrycks/natural-adv-
+                    examples): DIR/<wnid>/*.jpg, 2,000 images of classes outside ImageNet-1k, foldered by the
+                    ImageNet-1k class a ResNet-50 mistook them for; AUPR with them as positives, the --data
+                    validation images of those 200 classes as negatives, anomaly score the negative max-softmax
+                    (as the authors' eval_many_models.py computes it)
+                    For all three the logits are restricted to the set's classes, mapped by WordNet id from the
+                    folder names, as the authors' code does; the model needs those ImageNet-1k classes (a
+                    1000-class model, or one trained on class folders named by WordNet id)
 
-Prints the results as tables and writes them as JSON (keys: top1, top5, consistency, diff_norm, pos_mae_1d,
-pos_mae_2d, position_regression, corruptions, mce, mean_corruption_error, plots, ...).
+Prints the results as tables (the robustness rows beside the paper's DeiT-S and DeiT-S + MJP) and writes them as
+JSON (keys: top1, top5, consistency, diff_norm, pos_mae_1d, pos_mae_2d, position_regression, corruptions, mce,
+mean_corruption_error (these three: the on-the-fly proxy), imagenet_c, cifar10_c, plots, ...).
 """
+
+# what mjp eval measures on each of ImageNet-A, -R, -O (mjp_fast/evaluate/natural.py)
+NATURAL_MEASURES = {
+    "imagenet_a": "top-1, AURRA and RMS calibration error (%) over its 200 classes' logits",
+    "imagenet_r": "top-1 (%) over its 200 classes' logits",
+    "imagenet_o": "AUPR (%) of its images among the --data validation images of its 200 classes, anomaly score "
+    "the negative max-softmax over those classes' logits",
+}
 
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -78,8 +111,8 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         nargs="+",
         default=[],
         metavar="NAME",
-        help=f"corruptions to measure: all, a family ({', '.join(FAMILIES)}) or names ({', '.join(CORRUPTIONS)}) "
-        "(default: none)",
+        help=f"on-the-fly corruptions to measure, a quick proxy (not ImageNet-C): all, a family "
+        f"({', '.join(FAMILIES)}) or names ({', '.join(CORRUPTIONS)}) (default: none)",
     )
     parser.add_argument(
         "--severities",
@@ -88,11 +121,31 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         default=list(SEVERITIES),
         choices=SEVERITIES,
         metavar="S",
-        help="corruption severities, 1..5 (default: all five)",
+        help="severities of the on-the-fly corruptions, 1..5 (default: all five; --imagenet-c and --cifar10-c "
+        "always measure all five)",
+    )
+    parser.add_argument(
+        "--imagenet-c",
+        metavar="DIR",
+        help="ImageNet-C as released (Hendrycks & Dietterich, ICLR 2019; Zenodo): DIR/<corruption>/<severity 1-5>/"
+        "<wnid>/*.JPEG; needs an ImageNet model",
+    )
+    parser.add_argument(
+        "--cifar10-c",
+        metavar="DIR",
+        help="CIFAR-10-C as released (Hendrycks & Dietterich, ICLR 2019; Zenodo): DIR/<corruption>.npy and "
+        "DIR/labels.npy; needs a model of CIFAR-10's ten classes",
     )
     parser.add_argument(
         "--baseline", metavar="PATH", help="baseline checkpoint: corruption errors relative to it give CE and mCE"
     )
+    for info in NATURAL_SETS.values():
+        parser.add_argument(
+            info.option,
+            metavar="DIR",
+            help=f"{info.name} as its authors release it, unpacked: DIR/<WordNet id>/<image> ({info.source}); "
+            f"{NATURAL_MEASURES[info.key]}".replace("%", "%%"),  # argparse formats help with %
+        )
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     parser.add_argument(
         "--attention-images", type=non_negative_int, default=4, help="images in the attention plot (default: 4)"
@@ -148,8 +201,13 @@ def run(args: argparse.Namespace) -> int:
             attention_images=args.attention_images,
             folds=args.folds,
             progress=progress,
+            imagenet_c=args.imagenet_c,
+            cifar10_c=args.cifar10_c,
             # without a terminal's bar (a log file, CI), one line per pass: a corruption sweep runs for minutes
             log=None if progress or args.progress == "off" else _say,
+            imagenet_a=args.imagenet_a,
+            imagenet_r=args.imagenet_r,
+            imagenet_o=args.imagenet_o,
         )
         path = write_json(results, args.json or output / "eval.json")
     except ConfigError as error:

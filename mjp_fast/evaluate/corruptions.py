@@ -1,4 +1,9 @@
-"""Common corruptions in the style of ImageNet-C (Hendrycks and Dietterich, 2019), made on the fly on batches.
+"""A quick proxy for ImageNet-C, not ImageNet-C: corruptions in its style (Hendrycks and Dietterich, 2019), made on
+the fly on batches (``mjp eval --corruptions``).
+
+Their errors compare models measured here with each other, never with published ImageNet-C or CIFAR-10-C numbers:
+those come from the stored benchmark images (``mjp eval --imagenet-c`` / ``--cifar10-c``,
+:mod:`mjp_fast.evaluate.imagenet_c`, :mod:`mjp_fast.evaluate.cifar10_c`), with the AlexNet-normalized mCE.
 
 Nine corruptions in three families, five severities each, on ``[B, 3, H, W]`` float images in ``[0, 1]`` on any
 device. The constants are those of the ImageNet-C code for images larger than 64 pixels (they were made for
@@ -41,6 +46,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image
+
+from mjp_fast.evaluate.common_corruptions import relative_ce
 
 SEVERITIES = (1, 2, 3, 4, 5)
 SCALES = ("auto", "imagenet", "cifar")
@@ -258,8 +265,9 @@ def corrupt(
 def corruption_errors(
     model_errors: dict[str, list[float]], baseline_errors: dict[str, list[float]]
 ) -> dict[str, dict[str, float | None] | float | None]:
-    """ImageNet-C's corruption error: for each corruption, ``100 * sum_s E_model / sum_s E_baseline`` over the
-    severities; mCE is their mean.
+    """The proxy's corruption error against a baseline, as ImageNet-C's CE with the baseline in AlexNet's place:
+    for each corruption, ``100 * sum_s E_model / sum_s E_baseline`` over the severities
+    (:func:`~mjp_fast.evaluate.common_corruptions.relative_ce`); mCE is their mean.
 
     Args:
         model_errors, baseline_errors: corruption -> top-1 error (percent) at each severity.
@@ -268,9 +276,6 @@ def corruption_errors(
         ``{"ce": {corruption: CE}, "mce": mean CE}``; a corruption on which the baseline makes no error at all has
         no CE (None) and is left out of the mean (None when no corruption has one).
     """
-    ce: dict[str, float | None] = {}
-    for name, errors in model_errors.items():
-        reference = sum(baseline_errors[name])
-        ce[name] = 100.0 * sum(errors) / reference if reference > 0 else None
+    ce = {name: relative_ce(errors, baseline_errors[name]) for name, errors in model_errors.items()}
     defined = [value for value in ce.values() if value is not None]
     return {"ce": ce, "mce": sum(defined) / len(defined) if defined else None}

@@ -8,6 +8,8 @@
   stays legible shrunk (:func:`position_similarity_figure`).
 - ``attention.png``: for a few images, the last block's attention from the class token to every patch, one panel
   per head (supplementary Figure 3).
+- ``imagenet_c_severity.png`` / ``cifar10_c_severity.png``: top-1 error against severity, one panel per corruption
+  family, one line per corruption, the baseline's dashed beside the model's (:func:`plot_corruption_severity`).
 
 matplotlib draws off-screen (the Agg backend); nothing here opens a window.
 """
@@ -189,6 +191,54 @@ def plot_attention_maps(
             axis.set_xticks([])
             axis.set_yticks([])
     figure.suptitle(f"{title} last-layer attention of the class token".strip(), fontsize=9)
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(out_path, dpi=110, bbox_inches="tight")
+    plt.close(figure)
+    return out_path
+
+
+def corruption_severity_figure(table: dict, *, title: str = "", labels: tuple[str, str] = ("model", "baseline")):
+    """The matplotlib figure of :func:`plot_corruption_severity`: one panel per family of ``table`` (in its order),
+    each corruption's top-1 error (%) at severities 1..5 as a solid line, the baseline's (when the table has one)
+    as a dashed line of the same color. The caller saves and closes it.
+
+    Args:
+        table: :func:`mjp_fast.evaluate.common_corruptions.corruption_table`'s dict (``families``, ``error``,
+            ``severities``, optional ``baseline``).
+        labels: how the title names the model and the baseline.
+    """
+    plt = _pyplot()
+    families = table["families"]
+    severities = table["severities"]
+    baseline = (table.get("baseline") or {}).get("error")
+    figure, axes = plt.subplots(1, len(families), figsize=(3.6 * len(families), 3.4), squeeze=False, sharey=True)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for axis, (family, names) in zip(axes[0], families.items(), strict=True):
+        for number, name in enumerate(names):
+            color = colors[number % len(colors)]
+            axis.plot(severities, table["error"][name], marker="o", color=color, label=name.replace("_", " "))
+            if baseline is not None:
+                axis.plot(severities, baseline[name], marker="x", linestyle="--", color=color)
+        axis.set_title(family)
+        axis.set_xticks(severities)
+        axis.set_xlabel("severity")
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=7, loc="lower right")
+    axes[0][0].set_ylabel("top-1 error (%)")
+    style = f"solid: {labels[0]}" + (f", dashed: {labels[1]}" if baseline is not None else "")
+    figure.suptitle(f"{title} error against severity ({style})".strip(), fontsize=10)
+    figure.tight_layout()
+    return figure
+
+
+def plot_corruption_severity(
+    table: dict, out_path: str | Path, *, title: str = "", labels: tuple[str, str] = ("model", "baseline")
+) -> Path:
+    """Writes the error against severity of a stored-corruption table (ImageNet-C, CIFAR-10-C) as a PNG: one panel
+    per corruption family, the baseline beside the model (:func:`corruption_severity_figure`)."""
+    plt = _pyplot()
+    figure = corruption_severity_figure(table, title=title, labels=labels)
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(out_path, dpi=110, bbox_inches="tight")

@@ -15,7 +15,7 @@ import math
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,10 +26,15 @@ from torch.utils.data import DataLoader
 from mjp_fast._atomic import write_atomically
 from mjp_fast._model_geometry import input_size
 from mjp_fast._seeds import draw_seed
+from mjp_fast.evaluate.cifar10_c import open_cifar10_c
+from mjp_fast.evaluate.common_corruptions import StoredCorruptions, corruption_table, measure_errors
 from mjp_fast.evaluate.corruptions import CORRUPTIONS, SEVERITIES, corrupt, corruption_errors, resolve_corruptions
+from mjp_fast.evaluate.imagenet_c import open_imagenet_c
 from mjp_fast.evaluate.metrics import evaluate_model, resolve_jigsaw_mode
-from mjp_fast.evaluate.plots import plot_attention_maps, plot_position_embeddings
+from mjp_fast.evaluate.natural import NaturalSet, evaluate_natural_sets, open_natural_sets
+from mjp_fast.evaluate.plots import plot_attention_maps, plot_corruption_severity, plot_position_embeddings
 from mjp_fast.evaluate.position import model_position_regression, patch_position_embeddings
+from mjp_fast.evaluate.robustness_table import robustness_rows, stored_corruption_rows
 
 REQUIRED_KEYS = ("top1", "top5", "consistency", "diff_norm", "pos_mae_1d", "pos_mae_2d")
 
@@ -50,6 +55,12 @@ class _Opened:
     baseline_model: nn.Module | None = None  # for the mCE; loaded only with corruptions asked for
     baseline_mean: torch.Tensor | None = None
     baseline_std: torch.Tensor | None = None
+    # the stored-corruption benchmarks asked for (ImageNet-C, CIFAR-10-C), their layout checked
+    stored: list[StoredCorruptions] = field(default_factory=list)
+    # a loader of any dataset as ``loader`` is made (batch size, workers, --max-images subset)
+    loader_for: Callable[[Any], DataLoader] | None = None
+    # ImageNet-A, -R, -O asked for, their trees checked and their classes mapped to the model's outputs
+    natural: list[NaturalSet] = field(default_factory=list)
 
 
 def _progress_bar(total: int, description: str, enabled: bool):
@@ -70,10 +81,9 @@ class _PassLog:
     def __call__(self, label: str, result: dict[str, Any], seconds: float) -> None:
         self.done += 1
         if self.log is not None:
-            self.log(
-                f"eval [{self.done}/{self.total}] {label}: top-1 {result['top1']:.2f}% on {result['images']} images "
-                f"({seconds:.1f} s)"
-            )
+            # a pass without accuracy (ImageNet-O's, scored by AUPR) has no top-1
+            top1 = f"top-1 {result['top1']:.2f}% on " if result.get("top1") is not None else ""
+            self.log(f"eval [{self.done}/{self.total}] {label}: {top1}{result['images']} images ({seconds:.1f} s)")
 
 
 class _Evaluator:
@@ -95,13 +105,15 @@ class _Evaluator:
         self.images = len(opened.loader.dataset)
         self.passes, self.label = passes, label
 
-    def run(self, description: str, **kwargs: Any) -> dict[str, Any]:
-        bar = _progress_bar(self.images, description, self.show_progress)
+    def run(self, description: str, loader: DataLoader | None = None, **kwargs: Any) -> dict[str, Any]:
+        """One pass over ``loader`` (default: the validation images)."""
+        loader = loader if loader is not None else self.loader
+        bar = _progress_bar(len(loader.dataset), description, self.show_progress)
         start = time.perf_counter()
         try:
             result = evaluate_model(
                 self.model,
-                self.loader,
+                loader,
                 device=self.device,
                 mean=self.mean,
                 std=self.std,
@@ -158,6 +170,9 @@ def _open_checkpoint(
     max_images: int | None,
     corruptions: Sequence[str],
     severities: Sequence[int],
+    imagenet_c: str | Path | None = None,
+    cifar10_c: str | Path | None = None,
+    natural: dict[str, str | Path | None] | None = None,
 ) -> tuple[_Opened, list[str]]:
     """Checks the arguments, then rebuilds the checkpoint's model and validation data (and the baseline's model)
     with the training package; returns them with the corruptions' names. Raises ConfigError as
@@ -192,14 +207,13 @@ def _open_checkpoint(
             f"the model has {num_classes} classes but the data has {len(classes)} ({config.data or 'digits'})"
         )
     img_size = input_size(model)
+    # the stored benchmarks' layouts are checked now, not after the model's clean pass
+    stored = _open_stored(imagenet_c, cifar10_c, list(classes), num_classes, config)
     baseline_model = baseline_state = None
-    if baseline is not None and names:  # loaded first: a bad path fails now, not after the model's evaluation
-        baseline_model, baseline_state = load_model(baseline, torch_device, what="baseline checkpoint")
-        if input_size(baseline_model) != img_size:
-            raise ConfigError(
-                f"the baseline takes {input_size(baseline_model)}px images, the model {img_size}px: "
-                "mCE needs both on the same images"
-            )
+    natural = {key: path for key, path in (natural or {}).items() if path is not None}
+    # loaded first: a bad path fails now, not after the evaluation
+    if baseline is not None and (names or stored or natural):
+        baseline_model, baseline_state = _load_baseline(baseline, torch_device, img_size, num_classes)
     crop_pct = config.crop_pct if config.crop_pct is not None else 0.875
     set_transform(val_set, eval_transform(img_size, config.interpolation, crop_pct))
     loader = eval_loader(
@@ -216,11 +230,95 @@ def _open_checkpoint(
     except ValueError as error:
         raise ConfigError(str(error)) from None
     opened = _Opened(model, state, config, loader, torch_device, mean, std, dtype, mode, baseline_model)
+    opened.stored = stored
+    opened.loader_for = _loader_maker(batch_size, workers, max_images, torch_device)
     if baseline_state is not None:
         baseline_config = checkpoint_config(baseline_state)
         opened.baseline_mean = torch.tensor(baseline_config.mean or mean.tolist())
         opened.baseline_std = torch.tensor(baseline_config.std or std.tolist())
+    if natural:
+        opened.natural = _open_natural(opened, natural, list(classes), num_classes or len(classes))
     return opened, names
+
+
+def _loader_maker(
+    batch_size: int, workers: int | None, max_images: int | None, device: torch.device
+) -> Callable[[Any], DataLoader]:
+    """``loader_for(dataset)``: a loader of any dataset as the validation loader is made (its --max-images subset)."""
+    from mjp_fast.train.data import default_workers, eval_loader, fixed_subset
+
+    workers = workers if workers is not None else default_workers(1)
+    return lambda dataset: eval_loader(
+        fixed_subset(dataset, max_images), batch_size, workers, pin_memory=device.type == "cuda"
+    )
+
+
+def _open_stored(
+    imagenet_c: str | Path | None,
+    cifar10_c: str | Path | None,
+    classes: list[str],
+    num_classes: int | None,
+    config: Any,
+) -> list[StoredCorruptions]:
+    """The stored-corruption benchmarks asked for, their layouts checked and their classes mapped to the model's.
+    Raises ConfigError naming the option (a wrong layout, a model without the benchmark's classes)."""
+    from mjp_fast.train.config import ConfigError
+    from mjp_fast.train.readers import max_bad_images
+
+    stored = []
+    try:
+        if imagenet_c is not None:
+            stored.append(open_imagenet_c(imagenet_c, classes, num_classes, max_bad=max_bad_images(config)))
+        if cifar10_c is not None:
+            stored.append(open_cifar10_c(cifar10_c, classes))
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    return stored
+
+
+def _load_baseline(
+    baseline: str | Path, device: torch.device, img_size: int, num_classes: int | None
+) -> tuple[nn.Module, dict]:
+    """The baseline checkpoint's model and state, checked against the model's: every comparison with it (the
+    proxy's CE, ImageNet-C's and CIFAR-10-C's relative mCE, the natural sets) scores both on the same images and
+    the same classes. Raises ConfigError naming ``--baseline``."""
+    from mjp_fast.train.checkpoint import load_model
+    from mjp_fast.train.config import ConfigError
+
+    model, state = load_model(baseline, device, what="baseline checkpoint")
+    if input_size(model) != img_size:
+        raise ConfigError(
+            f"--baseline: the baseline takes {input_size(model)}px images, the model {img_size}px: "
+            "the comparisons need both on the same images"
+        )
+    classes = getattr(model, "num_classes", num_classes)
+    if num_classes is not None and classes != num_classes:
+        raise ConfigError(
+            f"--baseline: the baseline has {classes} classes, the model {num_classes}: the comparisons score both "
+            "on the same classes"
+        )
+    return model, state
+
+
+def _open_natural(
+    opened: _Opened, paths: dict[str, str | Path], classes: list[str], num_classes: int
+) -> list[NaturalSet]:
+    """ImageNet-A, -R, -O (:mod:`mjp_fast.evaluate.natural`): their trees checked, their classes found among the
+    model's (and the baseline's), their loaders made. Raises ConfigError naming the option."""
+    from mjp_fast.train.config import ConfigError
+    from mjp_fast.train.readers import max_bad_images
+
+    try:
+        return open_natural_sets(
+            paths,
+            classes=classes,
+            num_classes=num_classes,
+            val_loader=opened.loader,
+            make_loader=opened.loader_for,
+            max_bad_images=max_bad_images(opened.config),
+        )
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
 
 
 def evaluate_checkpoint(
@@ -244,8 +342,22 @@ def evaluate_checkpoint(
     folds: int = 5,
     progress: bool = False,
     log: Callable[[str], None] | None = None,
+    imagenet_c: str | Path | None = None,
+    cifar10_c: str | Path | None = None,
+    imagenet_a: str | Path | None = None,
+    imagenet_r: str | Path | None = None,
+    imagenet_o: str | Path | None = None,
 ) -> dict[str, Any]:
     """Evaluates a checkpoint of ``mjp train``; returns the results (see ``mjp eval --help``).
+
+    ``imagenet_a``, ``imagenet_r``, ``imagenet_o``: the folders of ImageNet-A, -R, -O as their authors release them
+    (:mod:`mjp_fast.evaluate.natural`): the results' ``imagenet_a`` (``top1``, ``aurra``, ``calibration_rms``, in
+    %, ``images``, ``classes``), ``imagenet_r`` (``top1``, ``images``, ``classes``) and ``imagenet_o`` (``aupr``
+    in %, ``images_out``, ``images_in``: the validation images of its classes), each with ``dir``, and with a
+    baseline its own under ``baseline`` and its path under ``baseline_checkpoint``.
+
+    ``imagenet_c``, ``cifar10_c``: the benchmarks' folders as released; their tables are the results' ``imagenet_c``
+    and ``cifar10_c`` (:func:`_stored_results`), the baseline's inside.
 
     ``progress`` shows a tqdm bar per pass over the data; ``log``, if given, is called with one line after each
     pass (the clean one, then each corruption and severity, the baseline's too), numbered out of all of them.
@@ -267,9 +379,14 @@ def evaluate_checkpoint(
         max_images=max_images,
         corruptions=corruptions,
         severities=severities,
+        imagenet_c=imagenet_c,
+        cifar10_c=cifar10_c,
+        natural={"imagenet_a": imagenet_a, "imagenet_r": imagenet_r, "imagenet_o": imagenet_o},
     )
     model, loader = opened.model, opened.loader
     corrupted = len(names) * len(severities) * (2 if opened.baseline_model is not None else 1)
+    corrupted += sum(sets.passes() for sets in opened.stored) * (2 if opened.baseline_model is not None else 1)
+    corrupted += sum(natural.passes for natural in opened.natural) * (2 if opened.baseline_model is not None else 1)
     passes = _PassLog(log, 1 + corrupted)
     evaluator = _Evaluator(model, opened, opened.mean, opened.std, progress, passes)
     clean = evaluator.run("clean", ratio=ratio, seed=seed, jigsaw=opened.jigsaw)
@@ -295,8 +412,13 @@ def evaluate_checkpoint(
     }
     if names:
         results.update(_corruption_results(evaluator, opened, names, severities, seed, baseline, progress, passes))
+    for sets in opened.stored:
+        results[_STORED_KEYS[sets.benchmark]] = _stored_results(evaluator, opened, sets, baseline, progress, passes)
+    if opened.natural:
+        results.update(_natural_results(opened, baseline, progress, passes))
     if plots is not None:
         written = _write_plots(model, loader, Path(plots), opened.mean, opened.std, attention_images)
+        written += _stored_plots(results, opened.stored, Path(plots))
         results["plots"] = [str(path) for path in written]
     return results
 
@@ -312,9 +434,12 @@ def _corruption_results(
     passes: _PassLog,
 ) -> dict[str, Any]:
     """The results' ``mce``, ``mean_corruption_error`` and ``corruptions`` (each corruption's error per severity;
-    with a baseline, its errors too and each corruption's CE)."""
+    with a baseline, its errors too and each corruption's CE) of the on-the-fly proxy (not ImageNet-C: its
+    ``note`` says so)."""
     errors = evaluator.corruption_errors(names, severities, seed)
     corruption: dict[str, Any] = {
+        # the keys stay as they were; the note says what they measure (--imagenet-c gives the real benchmark)
+        "note": "on-the-fly corruptions: a quick proxy, not ImageNet-C; comparable between models measured here only",
         "severities": list(severities),
         "error": errors,
         "mean_error": {name: sum(values) / len(values) for name, values in errors.items()},
@@ -336,6 +461,99 @@ def _corruption_results(
         results["mce"] = None
     results["mean_corruption_error"] = sum(corruption["mean_error"].values()) / len(names)
     results["corruptions"] = corruption
+    return results
+
+
+_STORED_KEYS = {"ImageNet-C": "imagenet_c", "CIFAR-10-C": "cifar10_c"}  # the results' key of each benchmark
+
+
+def _stored_plots(results: dict[str, Any], stored: list[StoredCorruptions], out_dir: Path) -> list[Path]:
+    """``imagenet_c_severity.png`` / ``cifar10_c_severity.png``: error against severity, the baseline beside."""
+    labels = ("MJP" if results["mjp"] else "model", "baseline")
+    written = []
+    for sets in stored:
+        key = _STORED_KEYS[sets.benchmark]
+        path = out_dir / f"{key}_severity.png"
+        written.append(plot_corruption_severity(results[key], path, title=f"{sets.benchmark}:", labels=labels))
+    return written
+
+
+def _stored_results(
+    evaluator: _Evaluator,
+    opened: _Opened,
+    sets: StoredCorruptions,
+    baseline: str | Path | None,
+    progress: bool,
+    passes: _PassLog,
+) -> dict[str, Any]:
+    """One stored benchmark's table (:func:`~mjp_fast.evaluate.common_corruptions.corruption_table`): the model's
+    error per corruption and severity, CE and mCE against the benchmark's reference errors (ImageNet-C: AlexNet's),
+    and with a baseline its table and the CE and mCE against it; beside them ``dir``, ``images`` (of each pass; the
+    distinct counts when passes differ) and with a baseline ``baseline_checkpoint``."""
+    from mjp_fast.train.data import eval_transform, set_transform
+
+    config = opened.config
+    crop_pct = sets.crop_pct if sets.crop_pct is not None else (config.crop_pct or 0.875)
+    transform = eval_transform(input_size(opened.model), config.interpolation, crop_pct)
+    images: list[int] = []  # of each pass
+
+    def on(runner: _Evaluator) -> Callable[[str, Any], float]:
+        def evaluate(description: str, dataset: Any) -> float:
+            set_transform(dataset, transform)
+            loader = opened.loader_for(dataset)
+            result = runner.run(description, loader=loader, ratio=0.0, jigsaw="none")
+            images.append(result["images"])
+            return result["top1"]
+
+        return evaluate
+
+    errors = measure_errors(sets, on(evaluator))
+    baseline_errors = None
+    if opened.baseline_model is not None:
+        other = _Evaluator(
+            opened.baseline_model, opened, opened.baseline_mean, opened.baseline_std, progress, passes, "baseline "
+        )
+        baseline_errors = measure_errors(sets, on(other))
+    table = corruption_table(errors, reference=sets.reference, baseline=baseline_errors)
+    counts = sorted(set(images))
+    return {
+        "dir": str(sets.root),
+        "images": counts[0] if len(counts) == 1 else counts,
+        **table,
+        **({"baseline_checkpoint": str(baseline)} if baseline_errors is not None else {}),
+    }
+
+
+def _natural_results(
+    opened: _Opened, baseline: str | Path | None, progress: bool, passes: _PassLog
+) -> dict[str, dict[str, Any]]:
+    """The results' ``imagenet_a``, ``imagenet_r``, ``imagenet_o`` (:func:`~mjp_fast.evaluate.natural.
+    evaluate_natural_sets`), each with ``dir``; with a baseline, its results under ``baseline`` and its path under
+    ``baseline_checkpoint``."""
+    from mjp_fast.train.config import ConfigError
+
+    def measure(model: nn.Module, mean: torch.Tensor, std: torch.Tensor, label: str) -> dict[str, dict[str, Any]]:
+        try:
+            return evaluate_natural_sets(
+                opened.natural,
+                model,
+                device=opened.device,
+                mean=mean,
+                std=std,
+                amp_dtype=opened.dtype,
+                progress_bar=lambda total, description: _progress_bar(total, description, progress),
+                pass_done=lambda description, result, seconds: passes(f"{label}{description}", result, seconds),
+            )
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+
+    results = measure(opened.model, opened.mean, opened.std, "")
+    for natural in opened.natural:
+        results[natural.info.key]["dir"] = str(natural.folder.root)
+    if opened.baseline_model is not None:
+        other = measure(opened.baseline_model, opened.baseline_mean, opened.baseline_std, "baseline ")
+        for key, values in other.items():
+            results[key].update(baseline=values, baseline_checkpoint=str(baseline))
     return results
 
 
@@ -369,7 +587,8 @@ def _number(value: Any, pattern: str = "{:.2f}") -> str:
 
 
 def results_table(results: dict[str, Any]) -> str:
-    """The headline numbers, then the corruption table, as Markdown."""
+    """The headline numbers, the on-the-fly corruption proxy's table, the robustness benchmarks beside the paper's
+    numbers and the ImageNet-C / CIFAR-10-C tables (:mod:`mjp_fast.evaluate.robustness_table`), as Markdown."""
     lines = [
         "| metric | value |",
         "|---|---|",
@@ -384,16 +603,19 @@ def results_table(results: dict[str, Any]) -> str:
     if corruption:
         lines += [
             "",
-            "| corruption | " + " | ".join(f"error s{s}" for s in corruption["severities"]) + " | mean | CE |",
+            "| on-the-fly corruption (proxy, not ImageNet-C) | "
+            + " | ".join(f"error s{s}" for s in corruption["severities"])
+            + " | mean | CE vs baseline |",
         ]
         lines.append("|---|" + "---|" * (len(corruption["severities"]) + 2))
         for name, errors in corruption["error"].items():
             ce = corruption.get("ce", {}).get(name)
             cells = " | ".join(_number(error) for error in errors)
             lines.append(f"| {name} | {cells} | {_number(corruption['mean_error'][name])} | {_number(ce)} |")
-        lines.append(f"\nmean corruption error: {_number(results['mean_corruption_error'])}")
+        lines.append(f"\nmean corruption error of the on-the-fly proxy: {_number(results['mean_corruption_error'])}")
         if corruption.get("mce") is not None:
-            lines.append(f"mCE relative to {corruption['baseline']}: {_number(corruption['mce'])}")
+            lines.append(f"proxy mCE relative to {corruption['baseline']}: {_number(corruption['mce'])}")
+    lines += robustness_rows(results) + stored_corruption_rows(results)
     if results.get("plots"):
         lines.append("\nplots: " + ", ".join(results["plots"]))
     return "\n".join(lines)

@@ -5,6 +5,7 @@
     mjp reproduce --preset gpu --data ../shared/data/cifar10                # about 12 minutes on one H100
     mjp reproduce --preset cpu --data DIR --seeds 0,1,2 --rows A,G,J epochs=8
     mjp reproduce --preset cpu --data ../shared/data/cifar10 --report docs/reproduction.md   # the committed report
+    mjp reproduce --preset cpu --data ../shared/data/cifar10 --cifar10-c /data/CIFAR-10-C   # + each run's CIFAR-10-C
 
 The report goes to the --output folder (runs/reproduce-PRESET/reproduction.md) unless --report names another .md:
 a run from the repository never overwrites the committed docs/reproduction.md by default.
@@ -124,6 +125,13 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "--sweep", type=_ratios, metavar="R[,R...]|none", help="sweep J at these ratios instead of the preset's"
     )
     parser.add_argument(
+        "--cifar10-c",
+        metavar="DIR",
+        help="also measure every run on CIFAR-10-C as released (Hendrycks & Dietterich, ICLR 2019; Zenodo): "
+        "DIR/<corruption>.npy and DIR/labels.npy; the report gives each variant's mean corruption error and its mCE "
+        "relative to row A (95 more passes over the test set's size per run)",
+    )
+    parser.add_argument(
         "overrides", nargs="*", metavar="KEY=VALUE", help="mjp train config overrides applied to every run"
     )
     parser.set_defaults(handler=run)
@@ -140,7 +148,7 @@ def _command_line(args: argparse.Namespace) -> str:
     import shlex
 
     parts = ["mjp", "reproduce", "--preset", args.preset, "--data", args.data]
-    for option, value in (("--output", args.output), ("--report", args.report)):
+    for option, value in (("--output", args.output), ("--report", args.report), ("--cifar10-c", args.cifar10_c)):
         if value:
             parts += [option, value]
     if args.seeds is not None:
@@ -169,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
         overrides = parse_override_values(args.overrides)
         plan = plan_runs(
             preset, data=args.data, runs_dir=runs_dir, overrides=overrides, seeds=args.seeds, rows=args.rows,
-            sweep=args.sweep,
+            sweep=args.sweep, cifar10_c=args.cifar10_c,
         )  # fmt: skip
         reproduce(plan, report_path=report, command=_command_line(args))
         return 0

@@ -19,6 +19,7 @@ import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
 from mjp_fast._atomic import write_atomically
+from mjp_fast.evaluate.common_corruptions import corruption_table
 from mjp_fast.reproduce import claims as rules
 from mjp_fast.reproduce.markdown import render_markdown
 from mjp_fast.reproduce.records import json_ready, unpack_hits
@@ -244,6 +245,45 @@ def _attack_claim(attack: dict[str, Any] | None, samples: int) -> rules.Claim:
     )
 
 
+def _cifar10_c_summary(plan, records: Mapping[str, dict]) -> dict[str, Any] | None:
+    """Each variant's CIFAR-10-C numbers (runs measured with ``--cifar10-c``): its mean corruption error (mean over
+    its seeds) and its mCE relative to row A (each variant's first seed against A's first seed); None when no run
+    was measured."""
+    measured = [records[spec.run_id].get("cifar10_c") for spec in plan.runs]
+    if not any(measured):
+        return None
+    baseline_runs = plan.runs_of(BASELINE)
+    baseline_errors = (records[baseline_runs[0].run_id].get("cifar10_c") or {}).get("error") if baseline_runs else None
+    rows = []
+    for variant in plan.variants:
+        tables = [
+            corruption_table(records[spec.run_id]["cifar10_c"]["error"])
+            for spec in plan.runs_of(variant.key)
+            if records[spec.run_id].get("cifar10_c")
+        ]
+        if not tables:
+            continue
+        first = records[plan.runs_of(variant.key)[0].run_id].get("cifar10_c")
+        relative = None
+        if first and baseline_errors and variant.key != BASELINE:
+            relative = corruption_table(first["error"], baseline=baseline_errors)["mce_vs_baseline"]
+        rows.append(
+            {
+                "key": variant.key,
+                "title": variant.title,
+                "runs": len(tables),
+                "mean_corruption_error": _mean([table["mean_corruption_error"] for table in tables]),
+                "mce_vs_baseline": relative,
+                "family_error": {
+                    family: _mean([float(np.mean([table["mean_error"][name] for name in names])) for table in tables])
+                    for family, names in tables[0]["families"].items()
+                },
+                "corruptions_in_mce": tables[0]["corruptions_in_mce"],
+            }
+        )
+    return {"dir": next(table["dir"] for table in measured if table), "variants": rows}
+
+
 def build_report(
     plan,
     records: Mapping[str, dict],
@@ -305,6 +345,7 @@ def build_report(
         "variants": list(summaries.values()),
         "position_regression": regression,
         "attack": attack,
+        "cifar10_c": _cifar10_c_summary(plan, records),
         "claims": [claim.__dict__ for claim in claims],
         "runs": runs,
         "paths": {name: str(path) for name, path in paths.items()},

@@ -12,7 +12,10 @@ timing, evaluation and position regression), then the report measures what the t
   criterion records them), for the paired bootstrap of accuracy differences;
 - the position regression with its fold spread, and the same regression of a constant (the error of predicting
   the centre: chance);
-- the plots of :func:`mjp_fast.evaluate.plots.plot_position_embeddings`.
+- the plots of :func:`mjp_fast.evaluate.plots.plot_position_embeddings`;
+- with ``--cifar10-c DIR``, its top-1 error on each CIFAR-10-C corruption and severity
+  (:mod:`mjp_fast.evaluate.cifar10_c`), through the run's evaluation transform (a run measured before without it
+  is measured then, its training reused).
 
 A finished run writes ``reproduce-run.json`` beside its checkpoint; running the same command again reuses every run
 whose config is unchanged (and resumes an interrupted one from its checkpoint), so a report can be rebuilt, or a
@@ -40,6 +43,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from mjp_fast.evaluate.cifar10_c import open_cifar10_c
+from mjp_fast.evaluate.common_corruptions import measure_errors
 from mjp_fast.evaluate.metrics import evaluate_model
 from mjp_fast.evaluate.plots import plot_position_embeddings
 from mjp_fast.evaluate.position import model_position_regression, patch_position_embeddings, position_regression
@@ -53,6 +58,7 @@ from mjp_fast.train.data import (
     default_workers,
     eval_loader,
     eval_transform,
+    fixed_subset,
     resolve_split,
     set_transform,
 )
@@ -95,6 +101,7 @@ class Plan:
     seeds: tuple[int, ...]
     notes: list[str] = field(default_factory=list)
     epochs_choice: dict[str, Any] | None = None
+    cifar10_c: str | None = None  # CIFAR-10-C's folder: every run is measured on it too
 
     def runs_of(self, key: str) -> list[RunSpec]:
         """The runs of variant ``key``, by seed."""
@@ -129,6 +136,7 @@ def plan_runs(
     seeds: tuple[int, ...] | None = None,
     rows: tuple[str, ...] | None = None,
     sweep: tuple[float, ...] | None = None,
+    cifar10_c: str | Path | None = None,
 ) -> Plan:
     """The runs of ``preset`` on ``data``: one per variant and seed, equal configs merged.
 
@@ -136,9 +144,11 @@ def plan_runs(
         overrides: TrainConfig values applied to every run (after the preset's, before the variants' own).
         seeds: the seeds of the preset's multi-seed rows (A and J); every other run uses the first.
         rows, sweep: replace the preset's rows and sweep ratios.
+        cifar10_c: CIFAR-10-C's folder (its layout is checked now, against the data's classes).
 
     Raises:
-        ConfigError: a missing data folder or split, a bad override (naming the key), or a bad seed, row or ratio.
+        ConfigError: a missing data folder or split, a bad override (naming the key), a bad seed, row or ratio,
+            or a CIFAR-10-C folder that is not in the published layout (naming --cifar10-c).
     """
     overrides = dict(overrides or {})
     for key in overrides:
@@ -149,8 +159,14 @@ def plan_runs(
         raise ConfigError(f"--data: folder {str(data)!r} does not exist")
     train_split = overrides.get("train_split", preset.config.get("train_split", "train"))
     val_split = overrides.get("val_split", preset.config.get("val_split", "auto"))
-    resolve_split(data_dir, train_split)
+    train_dir = resolve_split(data_dir, train_split)
     resolve_split(data_dir, val_split, validation=True)
+    if cifar10_c is not None:
+        classes = sorted(entry.name for entry in train_dir.iterdir() if entry.is_dir() and entry.name[0] != ".")
+        try:
+            open_cifar10_c(cifar10_c, classes)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
     seeds = tuple(preset.seeds if seeds is None else seeds)
     if not seeds:
         raise ConfigError("--seeds must name at least one seed")
@@ -192,7 +208,9 @@ def plan_runs(
             spec = RunSpec(run_id, [variant.key], seed, config.replace(output=str(runs_dir / run_id)))
             by_config[identity] = spec
             runs.append(spec)
-    return Plan(preset, variants, runs, runs_dir, str(data_dir), overrides, seeds, notes)
+    plan = Plan(preset, variants, runs, runs_dir, str(data_dir), overrides, seeds, notes)
+    plan.cifar10_c = str(cifar10_c) if cifar10_c is not None else None
+    return plan
 
 
 def _say(message: str) -> None:
@@ -289,6 +307,38 @@ def per_image_hits(model: nn.Module, config: TrainConfig, device: torch.device) 
     return recorder.hits(), result
 
 
+def cifar10_c_errors(model: nn.Module, config: TrainConfig, device: torch.device, root: str) -> dict[str, Any]:
+    """The model's top-1 error (%) on each CIFAR-10-C corruption and severity at ``root``, through the run's
+    evaluation transform, on the run's test-set size (``max_val_samples`` images of each severity, when set):
+    ``{"dir": root, "error": {corruption: [severity 1..5]}}``."""
+    _, _, classes = build_datasets(config, need_train=False)
+    sets = open_cifar10_c(root, classes)
+    transform = eval_transform(int(config.img_size), config.interpolation, float(config.crop_pct))
+    workers = config.workers if config.workers is not None else default_workers(1)
+
+    def evaluate(description: str, dataset: Any) -> float:
+        set_transform(dataset, transform)
+        loader = eval_loader(
+            fixed_subset(dataset, config.max_val_samples),
+            config.eval_batch_size or 2 * config.batch_size,
+            workers,
+            pin_memory=device.type == "cuda",
+        )
+        result = evaluate_model(
+            model,
+            loader,
+            device=device,
+            mean=torch.tensor(config.mean),
+            std=torch.tensor(config.std),
+            ratio=0.0,
+            jigsaw="none",
+            amp_dtype=amp_dtype(config, device),
+        )
+        return result["top1"]
+
+    return {"dir": str(root), "error": measure_errors(sets, evaluate)}
+
+
 def describe_device(device: torch.device) -> str:
     """The GPU's name, or the CPU's model with its core and thread counts."""
     if device.type == "cuda":
@@ -337,12 +387,19 @@ def _images_per_second(history: list[dict[str, Any]]) -> float | None:
     return images / seconds if seconds > 0 else None
 
 
-def execute_run(spec: RunSpec, title: str) -> dict[str, Any]:
-    """Trains (or reuses, or resumes) one run and measures it; returns its record (also written beside it)."""
+def execute_run(spec: RunSpec, title: str, cifar10_c: str | None = None) -> dict[str, Any]:
+    """Trains (or reuses, or resumes) one run and measures it; returns its record (also written beside it).
+    ``cifar10_c``: CIFAR-10-C's folder, measured into the record's ``cifar10_c`` (a reused run measured without
+    it, or on another folder, is measured now)."""
     record_path = spec.output / RUN_RECORD
     requested = json.loads(json.dumps(json_ready(spec.config.to_dict())))
     record = read_json(record_path)
     if record is not None and record.get("requested_config") == requested:
+        if cifar10_c is not None and (record.get("cifar10_c") or {}).get("dir") != str(cifar10_c):
+            device = resolve_device(spec.config.device)
+            model, checkpoint = load_model(record["checkpoint"], device)
+            record["cifar10_c"] = cifar10_c_errors(model, checkpoint_config(checkpoint), device, cifar10_c)
+            write_json(record, record_path)
         record["reused"] = True
         return record
     resume = (spec.output / LAST_CHECKPOINT).exists()
@@ -404,6 +461,8 @@ def execute_run(spec: RunSpec, title: str) -> dict[str, Any]:
         "finished": datetime.datetime.now().isoformat(timespec="seconds"),
         "history": history,
     }
+    if cifar10_c is not None:
+        record["cifar10_c"] = cifar10_c_errors(model, config, device, cifar10_c)
     write_json(record, record_path)
     record["reused"] = False
     return record
@@ -473,7 +532,7 @@ def reproduce(
     for index, spec in enumerate(plan.runs, start=1):
         title = " = ".join(f"{key} ({plan.variant(key).title})" for key in spec.variants)
         _say(f"[{index}/{len(plan.runs)}] {spec.run_id}: {title}")
-        record = execute_run(spec, title)
+        record = execute_run(spec, title, plan.cifar10_c)
         records[spec.run_id] = record
         how = "reused" if record["reused"] else f"{record['wall_seconds'] / 60:.1f} min"
         speed = record.get("images_per_second")
@@ -534,6 +593,7 @@ __all__ = [
     "Plan",
     "RunSpec",
     "choose_epochs",
+    "cifar10_c_errors",
     "describe_device",
     "environment",
     "execute_run",

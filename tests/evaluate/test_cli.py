@@ -167,6 +167,21 @@ def test_eval_checks_the_baseline_before_evaluating(checkpoints, tmp_path, capsy
     assert f"baseline checkpoint {str(run)!r} is a directory, not a checkpoint file; did you mean" in err
 
 
+def test_eval_refuses_a_baseline_with_another_class_count(checkpoints, tmp_path, capsys, cifar_tree):
+    # CE and mCE (the proxy's, ImageNet-C's, CIFAR-10-C's) compare the two models on the same classes: a baseline
+    # trained on other classes is refused before any pass, for every comparison, not only the natural sets'
+    for split in ("train", "test"):
+        (tmp_path / "two" / split).mkdir(parents=True)
+        for name in ("airplane", "cat"):
+            (tmp_path / "two" / split / name).symlink_to((cifar_tree / split / name).resolve())
+    overrides = tiny_overrides(data=str(tmp_path / "two"), output=str(tmp_path / "run"), epochs=1, warmup_epochs=0)
+    two = train(load_config(None, [*overrides, "mjp=false"])).checkpoint
+    capsys.readouterr()  # the training's own output
+    arguments = ["--checkpoint", str(checkpoints["mjp"]), "--corruptions", "contrast", "--severities", "1"]
+    err = _eval_error(capsys, *arguments, "--no-plots", "--output", str(tmp_path / "eval"), "--baseline", str(two))
+    assert "--baseline: the baseline has 2 classes, the model 3: the comparisons score both on the same classes" in err
+
+
 def test_eval_refuses_data_with_another_class_count(checkpoints, tmp_path, capsys, cifar_tree):
     for split in ("val",):
         for name in ("a", "b"):

@@ -43,3 +43,23 @@ def test_similarity_of_a_position_with_itself_is_one(tmp_path):
         assert shown[index // 3, index % 3] == pytest.approx(1.0)
     written = plot_position_embeddings(embeddings, (2, 3), tmp_path)
     assert {path.name for path in written} >= {"position_pca_2d.png", "position_pca_3d.png", "position_similarity.png"}
+
+
+def test_corruption_severity_figure_draws_each_family_with_the_baseline_dashed(tmp_path):
+    from mjp_fast.evaluate.common_corruptions import corruption_table
+    from mjp_fast.evaluate.plots import corruption_severity_figure, plot_corruption_severity
+
+    errors = {"gaussian_noise": [10, 20, 30, 40, 50], "fog": [5, 6, 7, 8, 9], "spatter": [1, 2, 3, 4, 5]}
+    baseline = {name: [value + 10 for value in values] for name, values in errors.items()}
+    table = corruption_table(errors, baseline=baseline)
+    figure = corruption_severity_figure(table, title="ImageNet-C:", labels=("MJP", "baseline"))
+    assert [axis.get_title() for axis in figure.axes] == ["noise", "weather", "extra"]
+    assert figure.get_suptitle() == "ImageNet-C: error against severity (solid: MJP, dashed: baseline)"
+    model_line, baseline_line = figure.axes[0].get_lines()
+    assert list(model_line.get_xdata()) == [1, 2, 3, 4, 5] and list(model_line.get_ydata()) == [10, 20, 30, 40, 50]
+    assert list(baseline_line.get_ydata()) == [20, 30, 40, 50, 60] and baseline_line.get_linestyle() == "--"
+    assert model_line.get_color() == baseline_line.get_color() and model_line.get_linestyle() == "-"
+    alone = corruption_severity_figure(corruption_table({"fog": [5, 6, 7, 8, 9]}))
+    assert len(alone.axes[0].get_lines()) == 1 and "dashed" not in alone.get_suptitle()
+    path = plot_corruption_severity(table, tmp_path / "sub" / "severity.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
