@@ -284,16 +284,15 @@ class _HitRecorder(nn.Module):
         return torch.cat(self.batches).numpy() if self.batches else np.zeros(0, dtype=bool)
 
 
-def per_image_hits(model: nn.Module, config: TrainConfig, device: torch.device) -> tuple[np.ndarray, dict[str, Any]]:
-    """Each test image's top-1 hit (bool ``[n]``, in the test set's order) and the pass's metrics."""
-    _, val_set, _ = build_datasets(config, need_train=False)
-    set_transform(val_set, eval_transform(int(config.img_size), config.interpolation, float(config.crop_pct)))
+def _clean_pass(
+    model: nn.Module, config: TrainConfig, device: torch.device, dataset: Any, criterion: nn.Module | None = None
+) -> dict[str, Any]:
+    """One pass over ``dataset`` (its transform set) with no jigsaw: the run's evaluation batch size, loader
+    workers, normalization and autocast. Returns :func:`evaluate_model`'s metrics."""
     workers = config.workers if config.workers is not None else default_workers(1)
-    loader = eval_loader(
-        val_set, config.eval_batch_size or 2 * config.batch_size, workers, pin_memory=device.type == "cuda"
-    )
-    recorder = _HitRecorder()
-    result = evaluate_model(
+    batch_size = config.eval_batch_size or 2 * config.batch_size
+    loader = eval_loader(dataset, batch_size, workers, pin_memory=device.type == "cuda")
+    return evaluate_model(
         model,
         loader,
         device=device,
@@ -302,8 +301,16 @@ def per_image_hits(model: nn.Module, config: TrainConfig, device: torch.device) 
         ratio=0.0,
         jigsaw="none",
         amp_dtype=amp_dtype(config, device),
-        criterion=recorder,
+        criterion=criterion,
     )
+
+
+def per_image_hits(model: nn.Module, config: TrainConfig, device: torch.device) -> tuple[np.ndarray, dict[str, Any]]:
+    """Each test image's top-1 hit (bool ``[n]``, in the test set's order) and the pass's metrics."""
+    _, val_set, _ = build_datasets(config, need_train=False)
+    set_transform(val_set, eval_transform(int(config.img_size), config.interpolation, float(config.crop_pct)))
+    recorder = _HitRecorder()
+    result = _clean_pass(model, config, device, val_set, criterion=recorder)
     return recorder.hits(), result
 
 
@@ -314,27 +321,10 @@ def cifar10_c_errors(model: nn.Module, config: TrainConfig, device: torch.device
     _, _, classes = build_datasets(config, need_train=False)
     sets = open_cifar10_c(root, classes)
     transform = eval_transform(int(config.img_size), config.interpolation, float(config.crop_pct))
-    workers = config.workers if config.workers is not None else default_workers(1)
 
     def evaluate(description: str, dataset: Any) -> float:
         set_transform(dataset, transform)
-        loader = eval_loader(
-            fixed_subset(dataset, config.max_val_samples),
-            config.eval_batch_size or 2 * config.batch_size,
-            workers,
-            pin_memory=device.type == "cuda",
-        )
-        result = evaluate_model(
-            model,
-            loader,
-            device=device,
-            mean=torch.tensor(config.mean),
-            std=torch.tensor(config.std),
-            ratio=0.0,
-            jigsaw="none",
-            amp_dtype=amp_dtype(config, device),
-        )
-        return result["top1"]
+        return _clean_pass(model, config, device, fixed_subset(dataset, config.max_val_samples))["top1"]
 
     return {"dir": str(root), "error": measure_errors(sets, evaluate)}
 
