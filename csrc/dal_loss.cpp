@@ -31,11 +31,13 @@
 #include <ATen/ops/dot.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/full.h>
+#include <ATen/ops/gt.h>
 #include <ATen/ops/linalg_vector_norm.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/sub.h>
 #include <ATen/ops/sum.h>
 #include <ATen/ops/threshold_backward.h>
+#include <ATen/ops/where.h>
 #include <ATen/ops/zeros.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>
@@ -179,6 +181,30 @@ at::Tensor table_gradient(const at::Tensor& pos, int64_t skip_rows, const at::Te
   return grad;
 }
 
+// `rows` ([N, D], the regressed rows in the computation dtype) with the rows of weight 0 (positions every sample
+// masks, out of the loss) read as zeros: their values, even inf or NaN, then reach neither the loss nor, as
+// 0 * inf in a GEMM, the gradients. Two operations on the device, no host sync (the CUDA path; the CPU kernel skips
+// those rows in its loops instead).
+at::Tensor kept_rows(const at::Tensor& rows, const at::Tensor& weights) {
+  return at::where(weights.unsqueeze(1).gt(0), rows, 0);
+}
+
+// As kept_rows for the CPU kernel's GEMMs through ATen: `rows` itself unless a row of weight 0 holds a non-finite
+// value (scanning only those rows: no copy in the usual case), else a copy with those rows zeroed.
+at::Tensor finite_kept_rows(const at::Tensor& rows, const at::Tensor& weights) {
+  const int64_t positions = rows.size(0), dim = rows.size(1);
+  bool clean = true;
+  AT_DISPATCH_FLOATING_TYPES(rows.scalar_type(), "mjp_dal_kept_rows_cpu", [&] {
+    const scalar_t* data = rows.data_ptr<scalar_t>();
+    const scalar_t* weight_data = weights.data_ptr<scalar_t>();
+    for (int64_t n = 0; n < positions && clean; ++n) {
+      if (weight_data[n] != 0) continue;
+      for (int64_t k = 0; k < dim; ++k) clean &= std::isfinite(static_cast<double>(data[n * dim + k]));
+    }
+  });
+  return clean ? rows : kept_rows(rows, weights);
+}
+
 // The DAL kernels compute in float32 as specified, also when called under torch.autocast (whose keys would otherwise
 // send their matrix products to bfloat16 or float16), and are never recorded by autograd (the Python layer owns the
 // graph).
@@ -257,7 +283,18 @@ BackwardOutputs dal_loss_backward(const at::Tensor& grad, const at::Tensor& pos,
 }
 
 ForwardOutputs DalForward::composite() const {
-  const auto pos_c = as_dtype(regressed_rows(pos, skip_rows, positions), dtype);
+  // The weights first: a position that every sample masks (weight 0) is out of the loss, so its row of the table is
+  // read as zeros (a non-finite value there must not reach the loss nor, as 0 * inf, the gradients).
+  at::Tensor weights;
+  auto pos_c = as_dtype(regressed_rows(pos, skip_rows, positions), dtype);
+  if (present(mask)) {
+    // u[n] = samples keeping n unmasked; summed and normalised on the device (no host sync).
+    weights = at::sum(mask->logical_not(), {0}, /*keepdim=*/false, dtype);
+    weights.div_(weights.sum().clamp_min_(1));
+    pos_c = kept_rows(pos_c, weights);
+  } else {
+    weights = at::full({positions}, 1.0 / static_cast<double>(std::max<int64_t>(positions, 1)), pos_c.options());
+  }
   at::Tensor hidden, features;  // features: what the last Linear maps ([N, H] hidden, or pos for a linear regressor)
   if (present(w1)) {
     const auto w1_t = as_dtype(*w1, dtype).t();
@@ -270,14 +307,6 @@ ForwardOutputs DalForward::composite() const {
   }
   const auto w2_t = as_dtype(w2, dtype).t();
   const auto pred = present(b2) ? at::addmm(as_dtype(*b2, dtype), features, w2_t) : at::mm(features, w2_t);
-  at::Tensor weights;
-  if (present(mask)) {
-    // u[n] = samples keeping n unmasked; summed and normalised on the device (no host sync).
-    weights = at::sum(mask->logical_not(), {0}, /*keepdim=*/false, dtype);
-    weights.div_(weights.sum().clamp_min_(1));
-  } else {
-    weights = at::full({positions}, 1.0 / static_cast<double>(std::max<int64_t>(positions, 1)), pos_c.options());
-  }
   // |pred - coords|_1 per position, then weighted and summed.
   const auto errors = at::linalg_vector_norm(at::sub(pred, as_dtype(coords, dtype)), 1, {1});
   auto loss = at::dot(errors, weights);
@@ -296,14 +325,14 @@ BackwardOutputs DalBackward::composite() const {
   const auto grad_b2 = has_b2 ? as_dtype(d_pred.sum(0), w2.scalar_type()) : no_gradient(w2);
   const auto d_pred_t = d_pred.t();
   if (!present(w1)) {
-    const auto pos_c = as_dtype(regressed_rows(pos, skip_rows, positions), dtype);
+    const auto pos_c = kept_rows(as_dtype(regressed_rows(pos, skip_rows, positions), dtype), weights);
     return {table_gradient(pos, skip_rows, d_pred, w2_c, dtype), no_gradient(pos), no_gradient(pos),
             as_dtype(at::mm(d_pred_t, pos_c), w2.scalar_type()), grad_b2};
   }
   const auto grad_w2 = as_dtype(at::mm(d_pred_t, hidden), w2.scalar_type());
   const auto d_hidden = at::threshold_backward(at::mm(d_pred, w2_c), hidden, 0);  // relu's backward
   const auto grad_b1 = has_b1 ? as_dtype(d_hidden.sum(0), w1->scalar_type()) : no_gradient(*w1);
-  const auto pos_c = as_dtype(regressed_rows(pos, skip_rows, positions), dtype);
+  const auto pos_c = kept_rows(as_dtype(regressed_rows(pos, skip_rows, positions), dtype), weights);
   const auto grad_w1 = as_dtype(at::mm(d_hidden.t(), pos_c), w1->scalar_type());
   const auto grad_pos = table_gradient(pos, skip_rows, d_hidden, as_dtype(*w1, dtype), dtype);
   return {grad_pos, grad_w1, grad_b1, grad_w2, grad_b2};
@@ -332,11 +361,15 @@ void gemm_nt(const T* a, const T* b, T* out, int64_t m, int64_t j_count, int64_t
   }
 }
 
-// out[i, j] = sum_m a[m, i] * b[m, j] (a^T b): a [M, I], b [M, J] row-major, out [I, J] with row stride ldo.
+// out[i, j] = sum_m a[m, i] * b[m, j] (a^T b): a [M, I], b [M, J] row-major, out [I, J] with row stride ldo. The
+// rows m with weights[m] == 0 (out of the loss, a's rows zero) are skipped: b's values there, even inf or NaN, do
+// not reach out.
 template <typename T>
-void gemm_tn(const T* a, const T* b, T* out, int64_t m_count, int64_t i_count, int64_t j_count, int64_t ldo) {
+void gemm_tn(const T* a, const T* b, T* out, int64_t m_count, int64_t i_count, int64_t j_count, int64_t ldo,
+             const T* weights) {
   for (int64_t i = 0; i < i_count; ++i) std::fill(out + i * ldo, out + i * ldo + j_count, T(0));
   for (int64_t m = 0; m < m_count; ++m) {
+    if (weights[m] == 0) continue;
     for (int64_t i = 0; i < i_count; ++i) {
       const T scale = a[m * i_count + i];
       for (int64_t j = 0; j < j_count; ++j) out[i * ldo + j] += scale * b[m * j_count + j];
@@ -385,27 +418,7 @@ ForwardOutputs DalForward::cpu_loops() const {
   auto weights = at::empty({positions}, options);
   auto loss = at::empty({}, options);
   AT_DISPATCH_FLOATING_TYPES(dtype, "mjp_dal_loss_forward_cpu", [&] {
-    scalar_t* hidden_data = hidden.data_ptr<scalar_t>();
-    if (present(w1)) {
-      const scalar_t* bias = b1_c.defined() ? b1_c.data_ptr<scalar_t>() : nullptr;
-      for (int64_t n = 0; n < positions; ++n) {
-        scalar_t* row = hidden_data + n * width;
-        for (int64_t h = 0; h < width; ++h) row[h] = std::max(row[h] + (bias ? bias[h] : scalar_t(0)), scalar_t(0));
-      }
-    }
-    const scalar_t* feature_data = features.data_ptr<scalar_t>();
-    const scalar_t* w2_data = w2_c.data_ptr<scalar_t>();
-    const scalar_t* coords_data = coords_c.data_ptr<scalar_t>();
-    scalar_t* pred_data = pred.data_ptr<scalar_t>();
     scalar_t* weight_data = weights.data_ptr<scalar_t>();
-    for (int64_t n = 0; n < positions; ++n) {
-      const scalar_t* row = feature_data + n * width;
-      for (int64_t j = 0; j < 2; ++j) {
-        scalar_t sum = b2_c.defined() ? b2_c.data_ptr<scalar_t>()[j] : scalar_t(0);
-        for (int64_t k = 0; k < width; ++k) sum += row[k] * w2_data[j * width + k];
-        pred_data[n * 2 + j] = sum;
-      }
-    }
     // weights[n] = samples keeping n unmasked / all unmasked tokens of the batch (at least 1).
     if (mask_c.defined()) {
       const bool* mask_data = mask_c.data_ptr<bool>();
@@ -422,8 +435,37 @@ ForwardOutputs DalForward::cpu_loops() const {
       std::fill(weight_data, weight_data + positions,
                 static_cast<scalar_t>(1.0 / static_cast<double>(std::max<int64_t>(positions, 1))));
     }
+    // A position of weight 0 (every sample masks it) is out of the loss: its row is neither used nor kept (hidden
+    // and pred zero), so that its values, even inf or NaN, reach neither the loss nor the gradients.
+    scalar_t* hidden_data = hidden.data_ptr<scalar_t>();
+    if (present(w1)) {
+      const scalar_t* bias = b1_c.defined() ? b1_c.data_ptr<scalar_t>() : nullptr;
+      for (int64_t n = 0; n < positions; ++n) {
+        scalar_t* row = hidden_data + n * width;
+        if (weight_data[n] == 0) {
+          std::fill(row, row + width, scalar_t(0));
+          continue;
+        }
+        // relu as torch's: NaN stays NaN (std::max(NaN, 0) returns its first argument).
+        for (int64_t h = 0; h < width; ++h) row[h] = std::max(row[h] + (bias ? bias[h] : scalar_t(0)), scalar_t(0));
+      }
+    }
+    const scalar_t* feature_data = features.data_ptr<scalar_t>();
+    const scalar_t* w2_data = w2_c.data_ptr<scalar_t>();
+    const scalar_t* coords_data = coords_c.data_ptr<scalar_t>();
+    scalar_t* pred_data = pred.data_ptr<scalar_t>();
+    for (int64_t n = 0; n < positions; ++n) {
+      const scalar_t* row = feature_data + n * width;
+      const bool kept = weight_data[n] != 0;
+      for (int64_t j = 0; j < 2; ++j) {
+        scalar_t sum = b2_c.defined() ? b2_c.data_ptr<scalar_t>()[j] : scalar_t(0);
+        for (int64_t k = 0; kept && k < width; ++k) sum += row[k] * w2_data[j * width + k];
+        pred_data[n * 2 + j] = sum;
+      }
+    }
     scalar_t sum = 0;
     for (int64_t n = 0; n < positions; ++n) {
+      if (weight_data[n] == 0) continue;
       const scalar_t error = std::abs(pred_data[n * 2] - coords_data[n * 2]) +
                              std::abs(pred_data[n * 2 + 1] - coords_data[n * 2 + 1]);
       sum += weight_data[n] * error;
@@ -468,6 +510,10 @@ BackwardOutputs DalBackward::cpu_loops() const {
       const scalar_t g0 = d_pred_data[n * 2], g1 = d_pred_data[n * 2 + 1];
       const scalar_t* row = feature_data + n * width;
       scalar_t* d_row = d_feature_data + n * width;
+      if (weight_data[n] == 0) {  // out of the loss: no gradient through it, whatever its row holds
+        std::fill(d_row, d_row + width, scalar_t(0));
+        continue;
+      }
       grad_b2_data[0] += g0;
       grad_b2_data[1] += g1;
       for (int64_t k = 0; k < width; ++k) {
@@ -496,7 +542,7 @@ BackwardOutputs DalBackward::cpu_loops() const {
   const auto w1_c = as_dtype(*w1, dtype).contiguous();
   const int64_t dim = w1_c.size(1);
   if (positions * width * dim > kLoopGemmLimit) {
-    const auto grad_w1 = as_dtype(at::mm(d_features.t(), pos_c), w1->scalar_type());
+    const auto grad_w1 = as_dtype(at::mm(d_features.t(), finite_kept_rows(pos_c, weights_c)), w1->scalar_type());
     const auto grad_pos = table_gradient(pos, skip_rows, d_features, w1_c, dtype);
     return {grad_pos, grad_w1, grad_b1_out, as_dtype(grad_w2, w2.scalar_type()), grad_b2_out};
   }
@@ -506,7 +552,8 @@ BackwardOutputs DalBackward::cpu_loops() const {
   auto grad_table = direct ? at::empty(pos.sizes(), pos.options()) : at::empty({positions, dim}, options);
   AT_DISPATCH_FLOATING_TYPES(dtype, "mjp_dal_small_gemms_cpu", [&] {
     const scalar_t* d_data = d_features.data_ptr<scalar_t>();
-    gemm_tn(d_data, pos_c.data_ptr<scalar_t>(), grad_w1.data_ptr<scalar_t>(), positions, width, dim, dim);
+    gemm_tn(d_data, pos_c.data_ptr<scalar_t>(), grad_w1.data_ptr<scalar_t>(), positions, width, dim, dim,
+            weights_c.data_ptr<scalar_t>());
     scalar_t* table = grad_table.data_ptr<scalar_t>();
     if (direct) {
       std::fill(table, table + skip_rows * dim, scalar_t(0));  // the prefix rows are not regressed

@@ -32,7 +32,6 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstring>
 #include <type_traits>
 #include <utility>
@@ -56,7 +55,9 @@ constexpr int64_t kWeightGradChunkBytes = 1024 * 1024;
 constexpr int64_t kConvolutionWeightGradMacs = int64_t(1) << 22;
 
 int64_t rows_per_chunk(const PatchGeometry& g, int64_t bytes) {
-  return std::clamp<int64_t>(bytes / (g.patch_size * static_cast<int64_t>(sizeof(float))), 8, 1 << 20);
+  // Zero channels make K = 0 (an im2col row holds nothing): the chunk is then sized by the output rows of D.
+  const int64_t width = g.patch_size > 0 ? g.patch_size : std::max<int64_t>(g.dim, 1);
+  return std::clamp<int64_t>(bytes / (width * static_cast<int64_t>(sizeof(float))), 8, 1 << 20);
 }
 
 template <typename scalar_t>
@@ -67,7 +68,8 @@ struct ImageStrides {
   int64_t batch, channel, height;
 };
 
-// Grid position whose patch im2col row `row` (= b * N + n) shows, or -1 when perm holds an out-of-range entry.
+// Grid position whose patch im2col row `row` (= b * N + n) shows, or -1 when perm holds an out-of-range entry: such a
+// token shows a zero patch and sends no gradient back (the contract of validate=False, mjp_fast/_validate.py).
 inline int64_t source_position(const int64_t* perm, int64_t row, int64_t n, int64_t num_positions) {
   if (perm == nullptr) return n;
   const int64_t m = perm[row];
@@ -85,20 +87,17 @@ inline void copy_convert(const From* source, int64_t count, To* destination) {
 }
 
 // columns[r - row_begin, (c, py, px)] = images[b, c, row * P + py, col * P + px] for im2col rows r in
-// [row_begin, row_end), with (row, col) the grid position perm[r]. Returns false if some perm entry was out of
-// range (its row is left as zeros).
+// [row_begin, row_end), with (row, col) the grid position perm[r]; the row of an out-of-range perm entry is zeros.
 template <typename scalar_t>
-bool gather_rows(const PatchGeometry& g, const scalar_t* images, ImageStrides strides, const int64_t* perm,
+void gather_rows(const PatchGeometry& g, const scalar_t* images, ImageStrides strides, const int64_t* perm,
                  int64_t row_begin, int64_t row_end, acc_t<scalar_t>* columns) {
   const int64_t P = g.patch, K = g.patch_size, N = g.positions;
-  bool valid = true;
   for (int64_t row = row_begin; row < row_end; ++row) {
     const int64_t b = row / N, n = row - b * N;
     acc_t<scalar_t>* out = columns + (row - row_begin) * K;
     const int64_t m = source_position(perm, row, n, N);
     if (m < 0) {
       std::fill(out, out + K, acc_t<scalar_t>(0));
-      valid = false;
       continue;
     }
     const int64_t grid_row = m / g.cols, grid_col = m - grid_row * g.cols;
@@ -111,35 +110,48 @@ bool gather_rows(const PatchGeometry& g, const scalar_t* images, ImageStrides st
       }
     }
   }
-  return valid;
 }
 
-// The inverse move: grad_images[b, c, row * P + py, col * P + px] = columns[r - row_begin, (c, py, px)].
-// perm is a permutation per sample, so each pixel is written at most once: no atomics, no races.
+// The inverse move, added: grad_images[b, c, row * P + py, col * P + px] += columns[r - row_begin, (c, py, px)]
+// (grad_images starts at zero). When perm is a permutation per sample each pixel is written once, so rows in other
+// threads never meet; otherwise the caller runs this on one thread (a patch several tokens show sums their gradients).
 template <typename scalar_t>
-bool scatter_rows(const PatchGeometry& g, const acc_t<scalar_t>* columns, const int64_t* perm, int64_t row_begin,
+void scatter_rows(const PatchGeometry& g, const acc_t<scalar_t>* columns, const int64_t* perm, int64_t row_begin,
                   int64_t row_end, ImageStrides strides, scalar_t* grad_images) {
+  using acc = acc_t<scalar_t>;
   const int64_t P = g.patch, K = g.patch_size, N = g.positions;
-  bool valid = true;
   for (int64_t row = row_begin; row < row_end; ++row) {
     const int64_t b = row / N, n = row - b * N;
     const int64_t m = source_position(perm, row, n, N);
-    if (m < 0) {
-      valid = false;
-      continue;
-    }
+    if (m < 0) continue;
     const int64_t grid_row = m / g.cols, grid_col = m - grid_row * g.cols;
     scalar_t* patch = grad_images + b * strides.batch + grid_row * P * strides.height + grid_col * P;
-    const acc_t<scalar_t>* in = columns + (row - row_begin) * K;
+    const acc* in = columns + (row - row_begin) * K;
     for (int64_t c = 0; c < g.channels; ++c) {
       scalar_t* plane = patch + c * strides.channel;
       for (int64_t py = 0; py < P; ++py) {
-        copy_convert(in, P, plane + py * strides.height);
+        scalar_t* out = plane + py * strides.height;
+        for (int64_t px = 0; px < P; ++px) out[px] = static_cast<scalar_t>(static_cast<acc>(out[px]) + in[px]);
         in += P;
       }
     }
   }
-  return valid;
+}
+
+// Whether every perm[b] is a permutation of 0..N-1 (null: the identity). A host loop over B * N entries: the CPU
+// has no device to wait for.
+bool is_permutation(const int64_t* perm, int64_t batch, int64_t num_positions) {
+  if (perm == nullptr) return true;
+  std::vector<uint8_t> seen(num_positions);
+  for (int64_t b = 0; b < batch; ++b) {
+    std::fill(seen.begin(), seen.end(), uint8_t(0));
+    for (int64_t n = 0; n < num_positions; ++n) {
+      const int64_t m = perm[b * num_positions + n];
+      if (m < 0 || m >= num_positions || seen[m]) return false;
+      seen[m] = 1;
+    }
+  }
+  return true;
 }
 
 // out[b, P + n, :] = projected[r - row_begin, :] + bias + (unk if mask[r] else pos[n]) for the im2col rows
@@ -258,10 +270,6 @@ void write_prefix_rows(const PatchGeometry& g, const scalar_t* prefix, const sca
   });
 }
 
-void check_perm(bool valid, const PatchGeometry& g) {
-  TORCH_CHECK(valid, "patch_embed: perm holds an entry outside [0, ", g.positions, ")");
-}
-
 }  // namespace
 
 at::Tensor patch_embed_forward_cpu(const PatchGeometry& g, const at::Tensor& images, const at::Tensor& weight,
@@ -277,7 +285,6 @@ at::Tensor patch_embed_forward_cpu(const PatchGeometry& g, const at::Tensor& ima
   const bool tokens_are_acc = images.scalar_type() == acc_dtype && g.prefix_rows == 0;
   const int64_t chunk = rows_per_chunk(g, kChunkBytes);
   const int64_t num_chunks = (total_rows + chunk - 1) / chunk;
-  std::atomic<bool> valid{true};
   MJP_DISPATCH_FLOATING_TYPES(images.scalar_type(), "mjp_patch_embed_forward", [&] {
     using acc = acc_t<scalar_t>;
     const scalar_t* image_data = images.data_ptr<scalar_t>();
@@ -289,10 +296,8 @@ at::Tensor patch_embed_forward_cpu(const PatchGeometry& g, const at::Tensor& ima
       for (int64_t c = chunk_begin; c < chunk_end; ++c) {
         const int64_t row_begin = c * chunk, row_end = std::min(total_rows, row_begin + chunk);
         const int64_t rows = row_end - row_begin;
-        if (!gather_rows(g, image_data, image_strides(images), optional_data<int64_t>(perm), row_begin, row_end,
-                         columns.data_ptr<acc>())) {
-          valid.store(false, std::memory_order_relaxed);
-        }
+        gather_rows(g, image_data, image_strides(images), optional_data<int64_t>(perm), row_begin, row_end,
+                    columns.data_ptr<acc>());
         auto out = tokens_are_acc ? tokens.narrow(0, row_begin, rows) : projected.narrow(0, 0, rows);
         at::mm_out(out, columns.narrow(0, 0, rows), weight_t);
         add_embeddings_rows<scalar_t>(g, out.data_ptr<acc>(), row_begin, row_end, optional_data<scalar_t>(bias),
@@ -301,7 +306,6 @@ at::Tensor patch_embed_forward_cpu(const PatchGeometry& g, const at::Tensor& ima
       }
     });
   });
-  check_perm(valid.load(), g);
   return tokens.view({g.batch, g.rows_per_sample(), g.dim});
 }
 
@@ -327,6 +331,8 @@ std::vector<std::optional<at::Tensor>> patch_embed_backward_cpu(
     // float32: the convolution's own weight gradient (oneDNN) on the images as they are. P(XW) = (PX)W, so moving
     // each token's gradient row back to the patch it was cut from (the inverse of perm: a copy of [B, N, D]) gives
     // the gradient of the unjigsawed embedding, a stride-P convolution, whose weight gradient needs no im2col.
+    // Each patch's row is the sum of the rows of the tokens that show it: the same thing for a permutation, and the
+    // exact gradient for any other perm (a patch no token shows gets zeros; an out-of-range entry adds nothing).
     const int64_t N = g.positions;
     const auto patch_grads = grad_3d.narrow(1, g.prefix_rows, N);
     at::Tensor unmoved = patch_grads;
@@ -334,20 +340,21 @@ std::vector<std::optional<at::Tensor>> patch_embed_backward_cpu(
       unmoved = at::empty({g.batch, N, g.dim}, grad_out.options());
       const float* grad_data = grad_3d.data_ptr<float>();
       float* out_data = unmoved.data_ptr<float>();
-      const int64_t sample_stride = g.rows_per_sample() * g.dim;
-      std::atomic<bool> valid{true};
-      at::parallel_for(0, g.batch * N, std::max<int64_t>(1, 32768 / g.dim), [&](int64_t begin, int64_t end) {
-        for (int64_t row = begin; row < end; ++row) {
-          const int64_t b = row / N, n = row - b * N, source = perm_data[row];
-          if (source < 0 || source >= N) {
-            valid.store(false, std::memory_order_relaxed);
-            continue;
+      const int64_t sample_stride = g.rows_per_sample() * g.dim, D = g.dim;
+      // One sample per task: its rows are zeroed, then added to, by that task alone.
+      at::parallel_for(0, g.batch, std::max<int64_t>(1, 32768 / (N * D + 1)), [&](int64_t b_begin, int64_t b_end) {
+        for (int64_t b = b_begin; b < b_end; ++b) {
+          float* sample = out_data + b * N * D;
+          std::fill(sample, sample + N * D, 0.0f);
+          for (int64_t n = 0; n < N; ++n) {
+            const int64_t source = perm_data[b * N + n];
+            if (source < 0 || source >= N) continue;
+            const float* __restrict__ in = grad_data + b * sample_stride + (g.prefix_rows + n) * D;
+            float* __restrict__ out = sample + source * D;
+            for (int64_t d = 0; d < D; ++d) out[d] += in[d];
           }
-          std::memcpy(out_data + (b * N + source) * g.dim, grad_data + b * sample_stride + (g.prefix_rows + n) * g.dim,
-                      g.dim * sizeof(float));
         }
       });
-      check_perm(valid.load(), g);
     }
     const auto grad_map = unmoved.view({g.batch, g.rows, g.cols, g.dim}).permute({0, 3, 1, 2});  // [B, D, gh, gw]
     const std::vector<int64_t> stride{g.patch, g.patch}, padding{0, 0}, dilation{1, 1}, output_padding{0, 0};
@@ -362,7 +369,6 @@ std::vector<std::optional<at::Tensor>> patch_embed_backward_cpu(
     const int64_t num_chunks = (total_rows + chunk - 1) / chunk;
     const int64_t groups = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_chunks));
     std::vector<at::Tensor> partials(groups);
-    std::atomic<bool> valid{true};
     MJP_DISPATCH_FLOATING_TYPES(dtype, "mjp_patch_embed_backward_weight", [&] {
       using acc = acc_t<scalar_t>;
       const scalar_t* image_data = images.data_ptr<scalar_t>();
@@ -374,10 +380,7 @@ std::vector<std::optional<at::Tensor>> patch_embed_backward_cpu(
           const int64_t first = group * num_chunks / groups, last = (group + 1) * num_chunks / groups;
           for (int64_t c = first; c < last; ++c) {
             const int64_t row_begin = c * chunk, row_end = std::min(total_rows, row_begin + chunk);
-            if (!gather_rows(g, image_data, image_strides(images), perm_data, row_begin, row_end,
-                             columns.data_ptr<acc>())) {
-              valid.store(false, std::memory_order_relaxed);
-            }
+            gather_rows(g, image_data, image_strides(images), perm_data, row_begin, row_end, columns.data_ptr<acc>());
             const auto grad_rows = acc_rows(g, grad_3d, row_begin, row_end, grad_buffer);
             partial.addmm_(grad_rows.t(), columns.narrow(0, 0, row_end - row_begin));
           }
@@ -385,7 +388,6 @@ std::vector<std::optional<at::Tensor>> patch_embed_backward_cpu(
         }
       });
     });
-    check_perm(valid.load(), g);
     auto grad_weight = partials[0];
     for (int64_t group = 1; group < groups; ++group) grad_weight.add_(partials[group]);
     grads[1] = grad_weight.to(dtype).view({g.dim, g.channels, g.patch, g.patch});
@@ -398,25 +400,23 @@ std::vector<std::optional<at::Tensor>> patch_embed_backward_cpu(
     const ImageStrides strides{g.channels * height * width, height * width, width};
     const int64_t chunk = rows_per_chunk(g, kChunkBytes);
     const int64_t num_chunks = (total_rows + chunk - 1) / chunk;
-    std::atomic<bool> valid{true};
+    // Chunks in parallel write disjoint pixels only when each perm[b] is a permutation; otherwise one thread adds
+    // them all (a perm that is not one comes only with validate=False: correct, not fast).
+    const int64_t grain = is_permutation(perm_data, g.batch, g.positions) ? 1 : std::max<int64_t>(num_chunks, 1);
     MJP_DISPATCH_FLOATING_TYPES(dtype, "mjp_patch_embed_backward_images", [&] {
       using acc = acc_t<scalar_t>;
       scalar_t* grad_image_data = grad_images.data_ptr<scalar_t>();
-      at::parallel_for(0, num_chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
+      at::parallel_for(0, num_chunks, grain, [&](int64_t chunk_begin, int64_t chunk_end) {
         auto columns = at::empty({chunk, g.patch_size}, acc_options);
         auto grad_buffer = grad_is_acc ? at::Tensor() : at::empty({chunk, g.dim}, acc_options);
         for (int64_t c = chunk_begin; c < chunk_end; ++c) {
           const int64_t row_begin = c * chunk, row_end = std::min(total_rows, row_begin + chunk);
           auto out = columns.narrow(0, 0, row_end - row_begin);
           at::mm_out(out, acc_rows(g, grad_3d, row_begin, row_end, grad_buffer), weight_flat);
-          if (!scatter_rows<scalar_t>(g, out.data_ptr<acc>(), perm_data, row_begin, row_end, strides,
-                                      grad_image_data)) {
-            valid.store(false, std::memory_order_relaxed);
-          }
+          scatter_rows<scalar_t>(g, out.data_ptr<acc>(), perm_data, row_begin, row_end, strides, grad_image_data);
         }
       });
     });
-    check_perm(valid.load(), g);
     grads[0] = grad_images;
   }
   if (need_prefix && g.prefix_rows == 0) grads[5] = at::empty({0}, grad_out.options());

@@ -23,6 +23,11 @@
 // from (perm[b] is a permutation: each destination row is written once, no atomics) and summed into pos_embed's or
 // unk_embed's share; the prefix rows are summed over b in order. Every sum runs in a fixed order whatever the thread
 // count: the results are bitwise reproducible.
+//
+// A perm that is not a valid jigsaw's (only with validate=False: mjp_fast/_validate.py says what it promises): an
+// entry outside [0, N) moves a zero token (its row is the position term alone) and sends no gradient back; when some
+// perm[b] is not a permutation, the tokens' gradient is the exact one of the gather (a token row gets the sum of the
+// gradients of the rows that show it, zeros if none), made by a second, serial pass.
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/bit_cast.h>
@@ -211,25 +216,22 @@ struct ForwardData {
   int64_t positions, dim, prefix_rows;
 };
 
-// Token rows [row_begin, row_end) of [B * N, D], into out's patch rows. Returns false if a perm entry was out of
-// range (its row is zeroed).
+// Token rows [row_begin, row_end) of [B * N, D], into out's patch rows. An out-of-range perm entry moves a zero
+// token: its row is the position term alone.
 template <typename token_t, typename out_t>
-MJP_ALWAYS_INLINE bool forward_rows(const ForwardData<token_t, out_t>& data, int64_t row_begin, int64_t row_end) {
+MJP_ALWAYS_INLINE void forward_rows(const ForwardData<token_t, out_t>& data, int64_t row_begin, int64_t row_end) {
   const int64_t positions = data.positions, dim = data.dim, prefix_rows = data.prefix_rows;
-  bool valid = true;
   for (int64_t row = row_begin; row < row_end; ++row) {
     const int64_t b = row / positions, n = row - b * positions;
     const int64_t source = data.perm[row];
     out_t* destination = data.out + (row + (b + 1) * prefix_rows) * dim;  // out[b, P + n]
+    const out_t* term = data.mask[row] ? data.unk : data.pos + n * dim;
     if (source < 0 || source >= positions) {
-      std::fill(destination, destination + dim, out_t(0));
-      valid = false;
+      copy_row(term, dim, destination);
       continue;
     }
-    const out_t* term = data.mask[row] ? data.unk : data.pos + n * dim;
     add_row<acc_of<token_t, out_t>>(data.tokens + (b * positions + source) * dim, term, dim, destination);
   }
-  return valid;
 }
 
 // out[0, t] = prefix[t] + (pos[t] if t < prefix_positions) for t < prefix_rows, in acc_t, rounded once. pos: the
@@ -260,9 +262,9 @@ struct BackwardData {
   int64_t batch, positions, dim, prefix_rows;
 };
 
-// For positions [n_begin, n_end): grad_tokens[b, perm[b, n]] = grad[b, P + n] for every b, grad_pos[n] = the sum
-// over the unmasked b, unk_partial[n] = the sum over the masked b (in acc_t, summed over n afterwards). pos_sum: [D]
-// scratch.
+// For positions [n_begin, n_end): grad_tokens[b, perm[b, n]] = grad[b, P + n] for every b (grad_tokens null: not
+// here, see move_back_exact), grad_pos[n] = the sum over the unmasked b, unk_partial[n] = the sum over the masked b
+// (in acc_t, summed over n afterwards). pos_sum: [D] scratch.
 template <typename grad_t, typename acc_t>
 MJP_ALWAYS_INLINE void backward_positions(const BackwardData<grad_t, acc_t>& data, int64_t n_begin, int64_t n_end,
                                           acc_t* pos_sum) {
@@ -274,7 +276,9 @@ MJP_ALWAYS_INLINE void backward_positions(const BackwardData<grad_t, acc_t>& dat
     for (int64_t b = 0; b < data.batch; ++b) {
       const int64_t row = b * positions + n;
       const grad_t* in = data.grad + (b * rows_per_sample + data.prefix_rows + n) * dim;
-      store_as(in, dim, data.tokens_dtype, data.grad_tokens, (b * positions + data.perm[row]) * dim);
+      if (data.grad_tokens != nullptr) {
+        store_as(in, dim, data.tokens_dtype, data.grad_tokens, (b * positions + data.perm[row]) * dim);
+      }
       accumulate_row(in, dim, data.mask[row] ? unk_sum : pos_sum);
     }
     store_as(pos_sum, dim, data.pos_dtype, data.grad_pos, n * dim);
@@ -283,8 +287,8 @@ MJP_ALWAYS_INLINE void backward_positions(const BackwardData<grad_t, acc_t>& dat
 
 // The two builds of the drivers, and the run-time choice.
 template <typename token_t, typename out_t>
-bool forward_rows_baseline(const ForwardData<token_t, out_t>& data, int64_t row_begin, int64_t row_end) {
-  return forward_rows(data, row_begin, row_end);
+void forward_rows_baseline(const ForwardData<token_t, out_t>& data, int64_t row_begin, int64_t row_end) {
+  forward_rows(data, row_begin, row_end);
 }
 template <typename grad_t, typename acc_t>
 void backward_positions_baseline(const BackwardData<grad_t, acc_t>& data, int64_t n_begin, int64_t n_end,
@@ -293,9 +297,9 @@ void backward_positions_baseline(const BackwardData<grad_t, acc_t>& data, int64_
 }
 #ifdef MJP_AVX2_CLONES
 template <typename token_t, typename out_t>
-__attribute__((target("avx2,fma"))) bool forward_rows_avx2(const ForwardData<token_t, out_t>& data, int64_t row_begin,
+__attribute__((target("avx2,fma"))) void forward_rows_avx2(const ForwardData<token_t, out_t>& data, int64_t row_begin,
                                                            int64_t row_end) {
-  return forward_rows(data, row_begin, row_end);
+  forward_rows(data, row_begin, row_end);
 }
 template <typename grad_t, typename acc_t>
 __attribute__((target("avx2,fma"))) void backward_positions_avx2(const BackwardData<grad_t, acc_t>& data,
@@ -333,6 +337,27 @@ bool perm_is_permutation(const int64_t* perm, int64_t batch, int64_t positions) 
   return valid.load();
 }
 
+// The tokens' gradient when some perm[b] is not a permutation: grad_tokens[b, m] = the sum over the n with
+// perm[b, n] = m of grad[b, P + n], in acc_t (zeros where no n shows m; out-of-range entries add nothing). One task
+// per sample, each sample's rows in order: deterministic.
+template <typename grad_t, typename acc_t>
+void move_back_exact(const grad_t* grad, const int64_t* perm, int64_t batch, int64_t positions, int64_t dim,
+                     int64_t prefix_rows, at::ScalarType tokens_dtype, void* grad_tokens) {
+  at::parallel_for(0, batch, 1, [&](int64_t b_begin, int64_t b_end) {
+    std::vector<acc_t> sums(positions * dim);
+    for (int64_t b = b_begin; b < b_end; ++b) {
+      std::fill(sums.begin(), sums.end(), acc_t(0));
+      for (int64_t n = 0; n < positions; ++n) {
+        const int64_t source = perm[b * positions + n];
+        if (source < 0 || source >= positions) continue;
+        accumulate_row(grad + (b * (prefix_rows + positions) + prefix_rows + n) * dim, dim,
+                       sums.data() + source * dim);
+      }
+      store_as(sums.data(), positions * dim, tokens_dtype, grad_tokens, b * positions * dim);
+    }
+  });
+}
+
 at::Tensor pos_embed_forward_cpu(const at::Tensor& tokens, const at::Tensor& perm, const at::Tensor& mask,
                                  const at::Tensor& pos_embed, const at::Tensor& unk_embed,
                                  const std::optional<at::Tensor>& prefix, int64_t prefix_positions) {
@@ -351,7 +376,6 @@ at::Tensor pos_embed_forward_cpu(const at::Tensor& tokens, const at::Tensor& per
   const auto unk_c = unk_embed.is_contiguous() ? unk_embed : unk_embed.contiguous();
   const auto prefix_c = prefix_rows == 0 || prefix->is_contiguous() ? prefix : prefix->contiguous();
   auto out = at::empty({batch, rows_per_sample, dim}, pos_embed.options());
-  std::atomic<bool> valid{true};
   MJP_DISPATCH_FLOATING_TYPES(pos_embed.scalar_type(), "mjp_pos_embed_forward", [&] {
     using out_t = scalar_t;
     out_t* out_data = out.data_ptr<out_t>();
@@ -380,11 +404,10 @@ at::Tensor pos_embed_forward_cpu(const at::Tensor& tokens, const at::Tensor& per
       if (use_avx2()) rows = forward_rows_avx2<token_t, out_t>;
 #endif
       at::parallel_for(0, batch * positions, grain(dim), [&](int64_t row_begin, int64_t row_end) {
-        if (!rows(data, row_begin, row_end)) valid.store(false, std::memory_order_relaxed);
+        rows(data, row_begin, row_end);
       });
     });
   });
-  TORCH_CHECK(valid.load(), op, ": perm holds an entry outside [0, ", positions, ")");
   return out;
 }
 
@@ -402,8 +425,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> pos_embed_backward_cp
   const auto perm_c = perm.is_contiguous() ? perm : perm.contiguous();
   const auto mask_c = mask.is_contiguous() ? mask : mask.contiguous();
   const int64_t* perm_data = perm_c.data_ptr<int64_t>();
-  TORCH_CHECK(perm_is_permutation(perm_data, batch, positions), op,
-              ": every perm[b] must be a permutation of 0..", positions - 1);
+  // The one-pass scatter below writes every row of grad_tokens once only for a permutation (a host loop over B * N
+  // entries: no device to wait for on the CPU).
+  const bool permutation = perm_is_permutation(perm_data, batch, positions);
   const auto options = grad_out.options();
   auto grad_tokens = at::empty({batch, positions, dim}, options.dtype(tokens_dtype));
   auto grad_pos = at::empty(pos_shape, options.dtype(pos_dtype));
@@ -424,7 +448,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> pos_embed_backward_cp
                                              mask_c.data_ptr<bool>(),
                                              tokens_dtype,
                                              pos_dtype,
-                                             grad_tokens.data_ptr(),
+                                             permutation ? grad_tokens.data_ptr() : nullptr,
                                              static_cast<char*>(grad_pos.data_ptr()) +
                                                  prefix_positions * dim * grad_pos.element_size(),
                                              unk_partial.data(),
@@ -432,6 +456,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> pos_embed_backward_cp
                                              positions,
                                              dim,
                                              prefix_rows};
+      if (!permutation) {
+        move_back_exact<grad_t, acc_t>(grad_data, perm_data, batch, positions, dim, prefix_rows, tokens_dtype,
+                                       grad_tokens.data_ptr());
+      }
       auto* run_positions = backward_positions_baseline<grad_t, acc_t>;
 #ifdef MJP_AVX2_CLONES
       if (use_avx2()) run_positions = backward_positions_avx2<grad_t, acc_t>;

@@ -1,7 +1,37 @@
-"""Argument checks shared by the public operations.
+"""Argument checks shared by the public operations, and what ``validate=False`` promises.
 
 Every check raises ``TypeError`` (wrong kind of value) or ``ValueError`` (right kind, wrong value) whose message
 names the argument, what was expected and what was given.
+
+``validate=False``
+------------------
+:func:`~mjp_fast.mjp_patch_embed`, :func:`~mjp_fast.mjp_pos_embed`, :func:`~mjp_fast.jigsaw_images` and
+:func:`~mjp_fast.ops.rope_identity.rope_identity` take ``validate``. Its default, True, also checks the *values* of
+the jigsaw: ``perm[b]`` permutes exactly the masked positions of sample ``b``. On a GPU that check reads the device
+from the host (a sync), so the modules turn it off for the jigsaws they sample themselves. ``validate=False``
+skips exactly those value checks; everything read from tensor metadata (types, ranks, shapes, dtypes, devices) is
+still checked, as it costs no sync (``rope_identity``, which reads no index, skips all its checks: a per-step
+path of the timm models). What it promises, on every backend (``torch``, ``cpu``, ``cuda``, ``triton``):
+
+- **No host sync.** Nothing waits for the device; the kernels guard their own indices, in the launches they
+  make anyway (one exception: under ``torch.compile`` the Triton ``mjp_pos_embed`` backward zero-fills the
+  tokens' gradient before its pass, one memset, since the compiled operator has no room for the forward's record
+  of which rows were moved).
+- **Only the call's memory.** No kernel reads or writes outside its tensors, and a sample reads only its own rows:
+  whatever ``perm`` holds, there is no out-of-bounds access, no other sample's data, and no uninitialised memory in
+  any output or gradient.
+- **A perm entry outside** ``[0, N)`` (negative, ``N``, ``10**9``) **moves nothing**: the token shows a zero patch
+  (a zero token in ``mjp_pos_embed``), so its output is the bias and the position term alone, and it sends no
+  gradient to the images (tokens). ``jigsaw_images`` writes a zero patch there.
+- **A perm that is in range but is not a valid jigsaw's** (a position repeated or left out, an unmasked position
+  moved) **gives the formula**: ``out[b, n] = x[b, perm[b, n]] + (unk_embed if mask[b, n] else pos_embed[n])``.
+  The gradients of ``weight``, ``bias``, ``pos_embed``, ``unk_embed`` and the prefix are the formula's, exactly.
+  The gradient of the images (tokens) is the gather's, a patch getting the sum of the gradients of the tokens that
+  show it (zeros if none), on ``torch`` and ``cpu``. ``cuda`` and ``triton`` move it back with one store per token
+  and no atomics (what keeps a valid jigsaw's backward free): there a patch that several tokens show gets one
+  token's gradient, which one unspecified; a patch no token shows still gets zeros.
+
+A valid jigsaw (what :func:`~mjp_fast.sample_jigsaw` returns) gives the same results with either setting.
 """
 
 from __future__ import annotations

@@ -45,6 +45,10 @@ def check_dal_kind(dal: str | None) -> str | None:
 
 def check_dal_reduction(dal_reduction: str) -> float:
     """The DAL loss's factor for ``dal_reduction`` (``"mean"``: 0.5, ``"sum"``: 1; see :func:`mjp_fast.dal_loss`)."""
+    if not isinstance(dal_reduction, str):  # a list would reach the dict lookup as "unhashable type"
+        raise TypeError(
+            f"dal_reduction must be a str, one of {', '.join(DAL_REDUCTIONS)}; got {type(dal_reduction).__name__}"
+        )
     if dal_reduction not in DAL_REDUCTIONS:
         raise ValueError(f"dal_reduction must be one of {', '.join(DAL_REDUCTIONS)}, got {dal_reduction!r}")
     return DAL_REDUCTIONS[dal_reduction]

@@ -161,6 +161,8 @@ def test_dal_reduction_sum_is_twice_the_mean():
     torch.testing.assert_close(total.dal_loss(), 2 * mean.dal_loss())
     with pytest.raises(ValueError, match="dal_reduction"):
         make_module(dal_reduction="median")
+    with pytest.raises(TypeError, match="dal_reduction must be a str"):  # issue 25: was "unhashable type: 'list'"
+        make_module(dal_reduction=["mean"])
     with pytest.raises(TypeError, match="unk"):
         make_module(unk=None)
 

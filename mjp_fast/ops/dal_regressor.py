@@ -69,13 +69,26 @@ class DALRegressor(nn.Module):
         return None
 
     def forward(self, pos_embed: torch.Tensor) -> torch.Tensor:
-        """``[N, D]`` -> ``[N, 2]``."""
+        """``[N, D]`` -> ``[N, 2]``.
+
+        A table in another dtype than the regressor's (a float16 table, a float32 regressor) is mapped in their
+        promoted dtype, at least float32, as the fused DAL kernels compute; the result is in that dtype (``pca``:
+        in the table's dtype). ``pca`` gives NaN (no error) for a table with a non-finite value: the projection is
+        made of every row.
+        """
         if pos_embed.shape[-1] != self.dim:
             raise ValueError(f"pos_embed must end in D = {self.dim}, got shape {list(pos_embed.shape)}")
         if self.kind != "pca":
-            return self.net(pos_embed)
-        centered = pos_embed.float() - pos_embed.float().mean(0, keepdim=True)
-        _, _, right = torch.linalg.svd(centered, full_matrices=False)
+            first = self.net[0] if self.kind == "nonlinear" else self.net
+            if pos_embed.dtype == first.weight.dtype:
+                return self.net(pos_embed)
+            return self._mixed_forward(pos_embed, _promoted(pos_embed.dtype, first.weight.dtype))
+        dtype = _promoted(pos_embed.dtype, self.net.weight.dtype)
+        centered = pos_embed.to(dtype) - pos_embed.to(dtype).mean(0, keepdim=True)
+        # A non-finite table makes linalg.svd raise (on the CPU) or return garbage: decompose a finite stand-in (no
+        # host sync to decide) and give NaN instead, as the per-position regressors do.
+        finite = torch.isfinite(centered).all()
+        _, _, right = torch.linalg.svd(torch.where(finite, centered, 0), full_matrices=False)
         directions = right[:2]
         if directions.shape[0] < 2:  # fewer than two positions or dimensions: pad with a zero direction
             directions = torch.cat((directions, directions.new_zeros(2 - directions.shape[0], self.dim)))
@@ -83,7 +96,24 @@ class DALRegressor(nn.Module):
         # affine map sees the same axes from step to step, whatever rotation the embedding space takes.
         projection = centered @ directions.t()
         projection = projection * torch.where(projection[:1] > 0, -1.0, 1.0)
-        return self.net(projection).to(pos_embed.dtype)
+        projection = torch.where(finite, projection, torch.nan)
+        return self._mixed_forward(projection, dtype).to(pos_embed.dtype)
+
+    def _mixed_forward(self, features: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``self.net`` on ``features`` with its parameters cast to ``dtype`` (differentiably)."""
+        features = features.to(dtype)
+        layers = [m for m in self.net.modules() if isinstance(m, nn.Linear)]
+        for index, layer in enumerate(layers):
+            bias = layer.bias.to(dtype) if layer.bias is not None else None
+            features = nn.functional.linear(features, layer.weight.to(dtype), bias)
+            if index < len(layers) - 1:
+                features = torch.relu(features)
+        return features
+
+
+def _promoted(table: torch.dtype, weights: torch.dtype) -> torch.dtype:
+    """The dtype a table and the regressor's weights compute in: their promotion, at least float32."""
+    return torch.promote_types(torch.promote_types(table, weights), torch.float32)
 
 
 def fused_layers(regressor: object) -> FusedLayers | None:

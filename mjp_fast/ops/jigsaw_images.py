@@ -71,7 +71,9 @@ def jigsaw_images(
         images: ``[B, C, H, W]`` of any dtype (uint8 pictures too); ``H`` and ``W`` multiples of ``patch_size``.
         jigsaw: ``Jigsaw(mask [B, N], perm [B, N])`` for the grid ``(H / patch_size, W / patch_size)``.
         patch_size: P.
-        validate: check that ``jigsaw.perm`` permutes exactly the masked positions (a host sync on a GPU).
+        validate: check that ``jigsaw.perm`` permutes exactly the masked positions (a host sync on a GPU). Without
+            the check, an out-of-range entry gives a zero patch and the gradient is the gather's, never another
+            sample's pixels: :mod:`mjp_fast._validate` says what ``validate=False`` guarantees.
 
     Returns:
         ``[B, C, H, W]``: patch ``n`` of the result is patch ``perm[b, n]`` of the input. Differentiable.

@@ -28,7 +28,13 @@ import torch.nn.functional as F
 
 from mjp_fast import backend as backend_module
 from mjp_fast._validate import check_float_dtype, check_position_table, check_same_device, check_tensor
-from mjp_fast.ops.pos_embed import check_unk_embed, mjp_pos_embed_torch, position_term, prepend_prefix
+from mjp_fast.ops.pos_embed import (
+    check_unk_embed,
+    mjp_pos_embed_torch,
+    plain_positions,
+    position_term,
+    prepend_prefix,
+)
 from mjp_fast.sampler.jigsaw import Jigsaw, check_jigsaw
 
 
@@ -147,9 +153,18 @@ def _mjp_patch_embed_torch(
 ) -> torch.Tensor:  # fmt: skip
     # Embedding first and shuffling tokens after is exact (each token is one linear map of one patch) and
     # moves D values per token instead of C*P*P.
-    tokens = F.conv2d(images, weight, bias, stride=geometry.patch_size).flatten(2).transpose(1, 2)
+    if images.shape[1] == 0:
+        # No channels: every patch is empty, each token is the bias alone (conv2d refuses C = 0). The zero product
+        # keeps images and weight in the graph, with their (empty) gradients.
+        batch, _, height, width = images.shape
+        num_positions = (height // geometry.patch_size) * (width // geometry.patch_size)
+        tokens = (images.sum() * weight.sum()).expand(batch, num_positions, weight.shape[0])
+        if bias is not None:
+            tokens = tokens + bias
+    else:
+        tokens = F.conv2d(images, weight, bias, stride=geometry.patch_size).flatten(2).transpose(1, 2)
     if jigsaw is None:
-        return tokens + pos_embed
+        return plain_positions(tokens, pos_embed, unk_embed)
     return mjp_pos_embed_torch(tokens, pos_embed, unk_embed, jigsaw)
 
 
@@ -281,7 +296,8 @@ def patch_embed_step(
     if backend == "torch":
         dim = weight.shape[0]
         geometry = PatchGeometry(images.shape[0], images.shape[1], weight.shape[-1], 0, 0, dim)
-        patch_rows = pos_embed[..., prefix_positions:, :].reshape(-1, dim).to(dtype)
+        num_positions = pos_embed.shape[-2] - prefix_positions
+        patch_rows = pos_embed[..., prefix_positions:, :].reshape(num_positions, dim).to(dtype)
         tokens = _mjp_patch_embed_torch(images, weight, bias, patch_rows, unk_embed, jigsaw, geometry).to(out_dtype)
         return prepend_prefix(tokens, pos_embed, prefix, prefix_positions)
     if backend == "triton":
@@ -332,12 +348,15 @@ def mjp_patch_embed(
         weight: the Conv2d weight ``[D, C, P, P]`` (timm's ``patch_embed.proj.weight``).
         bias: ``[D]`` or None.
         pos_embed: ``[N, D]`` or ``[1, N, D]``, the patch positions only (no class token), ``N = (H/P)(W/P)``.
-        unk_embed: ``[D]``, the unknown position embedding (may be None without a jigsaw).
+        unk_embed: ``[D]``, the unknown position embedding (may be None without a jigsaw; given without one, its
+            gradient is zeros on every backend, never None: see :func:`~mjp_fast.ops.pos_embed.plain_positions`).
         jigsaw: from :func:`sample_jigsaw`, or None for the plain embedding.
         backend: ``torch``, ``cpu``, ``cuda`` or ``triton``; default ``MJP_FAST_BACKEND``, else the fastest for
             the device.
         validate: check that ``jigsaw.perm`` permutes exactly the masked positions. This costs a host sync on a
-            GPU; :class:`mjp_fast.MJPPatchEmbed` turns it off for the jigsaws it samples itself.
+            GPU; :class:`mjp_fast.MJPPatchEmbed` turns it off for the jigsaws it samples itself. What
+            ``validate=False`` still guarantees for a jigsaw that is not valid (memory safety, defined results, the
+            same on every backend) is written once, in :mod:`mjp_fast._validate`.
 
     Returns:
         tokens ``[B, N, D]`` in the dtype of ``images``.

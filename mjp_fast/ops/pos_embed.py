@@ -10,8 +10,8 @@ backward materialises the ``where`` gradient twice at ``[B, N, D]`` and reduces 
 
 - the forward looks the position term up row by row in ``[pos_embed; unk_embed]`` (the same values as the
   oracle's ``where``, so the sum is exact);
-- the backward's inverse move of the gradient is the tokens' gradient (each ``perm[b]`` is a permutation, so
-  the inverse move is a gather, not a scatter-add);
+- the backward moves the gradient back (:func:`~mjp_fast.ops.permute.move_rows_back`, the gather's exact gradient
+  for any ``perm``: see :mod:`mjp_fast._validate` for what ``validate=False`` promises);
 - one batched matmul ``[N, 2, B] @ [N, B, D]`` (over a transposed copy of the gradient) gives, per position,
   the gradient summed over the samples where it is unmasked (``pos_embed``'s) and where it is masked (summed
   over positions: ``unk_embed``'s). The matmul accumulates both sums as the oracle's reductions do, so half
@@ -31,8 +31,9 @@ import torch.nn.functional as F
 from mjp_fast import backend as backend_module
 from mjp_fast._eager_cache import eager_cache
 from mjp_fast._validate import check_float_dtype, check_position_table, check_same_device, check_tensor
+from mjp_fast.ops.aux_loss import keep_in_graph
 from mjp_fast.ops.dal_regressor import fused_layers
-from mjp_fast.ops.permute import move_rows
+from mjp_fast.ops.permute import move_rows, move_rows_back
 from mjp_fast.sampler.jigsaw import Jigsaw, check_jigsaw
 
 
@@ -45,7 +46,7 @@ def check_unk_embed(unk_embed: object, dim: int, jigsaw: object) -> torch.Tensor
             )
         return None
     unk_embed = check_tensor("unk_embed", unk_embed)
-    if unk_embed.numel() != dim or unk_embed.shape[-1] != dim:
+    if unk_embed.dim() == 0 or unk_embed.numel() != dim or unk_embed.shape[-1] != dim:
         raise ValueError(f"unk_embed must be [D] = [{dim}] (or [1, 1, D]), got shape {list(unk_embed.shape)}")
     return unk_embed.reshape(dim)
 
@@ -56,6 +57,19 @@ def position_term(pos_embed: torch.Tensor, unk_embed: torch.Tensor | None, jigsa
     if jigsaw is None:
         return pos_embed
     return torch.where(jigsaw.mask[..., None], unk_embed.to(pos_embed.dtype), pos_embed)
+
+
+def plain_positions(tokens: torch.Tensor, pos_embed: torch.Tensor, unk_embed: torch.Tensor | None) -> torch.Tensor:
+    """``tokens + pos_embed`` (no jigsaw), with a zero gradient for a given ``unk_embed`` that requires one.
+
+    Without a jigsaw nothing uses ``unk_embed``, and its gradient is zeros on every backend and in the modules, never
+    None: the kernels take it as an input and give zeros, and a parameter with no gradient would need DDP's
+    ``find_unused_parameters`` and let the optimizer skip it in the steps where the jigsaw is off (eval, ``prob=0``).
+    """
+    out = tokens + pos_embed
+    if unk_embed is not None and unk_embed.requires_grad and torch.is_grad_enabled():
+        out = keep_in_graph(out, unk_embed)
+    return out
 
 
 def check_pos_embed_args(
@@ -121,8 +135,7 @@ class _MJPPosEmbed(torch.autograd.Function):
         grad = grad.contiguous()
         grad_tokens = grad_pos = grad_unk = None
         if need_tokens:
-            inverse = torch.argsort(perm, dim=1)  # perm[b] is a permutation: its inverse undoes the move
-            grad_tokens = move_rows(grad, inverse).to(tokens_dtype)
+            grad_tokens = move_rows_back(grad, perm).to(tokens_dtype)
         if need_pos or need_unk:
             # weights[n, 0, b] = not masked, weights[n, 1, b] = masked: sums[n] = [pos_embed's, unk's share].
             # The matmul wants the batch of each position contiguous: one transposed copy of the gradient.
@@ -176,7 +189,6 @@ class _PosEmbedTriton(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, tokens, perm, mask, pos_embed, unk_embed, prefix, prefix_positions):  # type: ignore[override]
-        ctx.save_for_backward(perm, mask)
         prefix_shape = list(prefix.shape) if prefix is not None else [0]
         prefix_count = prefix.numel() // tokens.shape[2] if prefix is not None else 0
         ctx.layout = (prefix_count, prefix_positions, list(pos_embed.shape), prefix_shape)
@@ -184,17 +196,22 @@ class _PosEmbedTriton(torch.autograd.Function):
         ctx.dtypes = (tokens.dtype, pos_embed.dtype, unk_embed.dtype, prefix_dtype)
         arguments = (tokens, perm, mask, pos_embed, unk_embed, prefix, prefix_positions)
         if torch.compiler.is_compiling():
+            ctx.save_for_backward(perm, mask)
             return torch.ops.mjp_fast.pos_embed_triton(*arguments)
-        return _triton_kernels.pos_embed_forward_launch(*arguments)
+        # The forward's witness of where each token came from lets the backward zero, in its own pass, the gradient
+        # rows no token came from (only a perm that is not a permutation has any): no fill, no launch of its own.
+        witness = torch.empty(perm.shape, dtype=torch.int32, device=perm.device)
+        ctx.save_for_backward(perm, mask, witness)
+        return _triton_kernels.pos_embed_forward_launch(*arguments, witness=witness)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        perm, mask = ctx.saved_tensors
+        perm, mask, *witness = ctx.saved_tensors
         arguments = (grad.contiguous(), perm, mask, *ctx.layout, *ctx.dtypes)
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or not witness:
             grads = torch.ops.mjp_fast.pos_embed_triton_backward(*arguments)
         else:
-            grads = _triton_kernels.pos_embed_backward_launch(*arguments)
+            grads = _triton_kernels.pos_embed_backward_launch(*arguments, witness=witness[0])
         grad_tokens, grad_pos, grad_unk, grad_prefix = grads
         return grad_tokens, None, None, grad_pos, grad_unk, grad_prefix if ctx.layout[0] else None, None
 
@@ -260,7 +277,7 @@ def mjp_position_step(
     dim = tokens.shape[2]
     dtype = _promoted(tokens.dtype, pos_embed.dtype)  # as timm's own add (autocast: bfloat16 + float32 table)
     if not has_kernels(backend, dtype):
-        patch_rows = pos_embed[..., prefix_positions:, :].reshape(-1, dim)
+        patch_rows = pos_embed[..., prefix_positions:, :].reshape(tokens.shape[1], dim)  # not -1: D may be 0
         moved = mjp_pos_embed_torch(tokens, patch_rows, unk_embed, jigsaw)
         return prepend_prefix(moved, pos_embed, prefix, prefix_positions)
     operator = _extension_operator() if backend == "cpu" else _PosEmbedTriton.apply
@@ -352,7 +369,8 @@ def mjp_pos_embed(
         pos_embed: ``[N, D]`` or ``[1, N, D]``, patch positions only (no class token). Its dtype may differ from
             the tokens' (a float32 table under autocast): the result has the promoted dtype, as ``tokens +
             pos_embed`` would.
-        unk_embed: ``[D]``, the unknown position embedding (may be None without a jigsaw).
+        unk_embed: ``[D]``, the unknown position embedding (may be None without a jigsaw; given without one, its
+            gradient is zeros, on every backend: see :func:`plain_positions`).
         jigsaw: from :func:`sample_jigsaw`, or None.
         backend: ``triton`` runs the Triton kernels and ``cpu`` the compiled extension's (one pass forward, one
             backward, each); ``torch`` the autograd node of torch operations above. ``cuda`` is refused: the
@@ -360,7 +378,9 @@ def mjp_pos_embed(
             the device (``triton`` on a GPU, ``cpu`` on the CPU); where that resolves to ``cuda`` (a GPU without
             Triton, or ``MJP_FAST_BACKEND=cuda`` for the other operations' sake) the torch node runs.
         validate: check that ``jigsaw.perm`` permutes exactly the masked positions (a host sync on a GPU; the
-            timm models skip it for the jigsaws they sample themselves).
+            timm models skip it for the jigsaws they sample themselves). What ``validate=False`` still guarantees
+            for a jigsaw that is not valid (memory safety, defined results) is written once, in
+            :mod:`mjp_fast._validate`.
 
     Returns:
         ``[B, N, D]``.
@@ -379,7 +399,7 @@ def mjp_pos_embed(
     tokens, pos_embed, unk_embed, jigsaw = check_pos_embed_args(tokens, pos_embed, unk_embed, jigsaw, validate=validate)
     chosen = backend_module.resolve_backend(backend, tokens.device)
     if jigsaw is None:
-        return tokens + pos_embed
+        return plain_positions(tokens, pos_embed, unk_embed)
     dtype = torch.promote_types(tokens.dtype, pos_embed.dtype)
     if chosen == "triton" and dtype == torch.float64:
         raise TypeError("tokens: the triton backend supports float32, float16 and bfloat16, got float64")

@@ -76,7 +76,9 @@ def rope_identity(rope: torch.Tensor, mask: torch.Tensor, *, validate: bool = Tr
             ``dinov3``, ``mrope``), ``[H, N, E]``, or a mixed rope's ``[depth, H, N, E]``. float32, float16, bfloat16 or
             float64.
         mask: bool ``[B, N]``, True at the shuffled positions (a jigsaw's mask).
-        validate: check the arguments (the timm models skip it for their own tables and jigsaws).
+        validate: check the arguments (the timm models skip it for their own tables and jigsaws). Without the
+            checks nothing is read through an index (one ``torch.where``), so no argument can make it touch memory
+            that is not the call's; shapes that do not broadcast raise torch's error. See :mod:`mjp_fast._validate`.
 
     Returns:
         ``[B, 1, N, E]``, ``[B, H, N, E]`` or ``[depth, B, H, N, E]`` (the batched shapes of timm's ``Eva`` after

@@ -18,7 +18,6 @@ import torch
 from mjp_fast import backend as backend_module
 from mjp_fast._validate import (
     check_fraction,
-    check_grid_size,
     check_int,
     check_positive_float,
     to_device,
@@ -27,6 +26,7 @@ from mjp_fast._validate import (
 from mjp_fast.sampler.jigsaw import Jigsaw, empty_jigsaw
 from mjp_fast.sampler.reference import (
     MAX_GRID_POSITIONS,
+    check_sampler_grid,
     prob_threshold,
     sample_from_tables,
     sampler_tables,
@@ -35,6 +35,9 @@ from mjp_fast.sampler.reference import (
 )
 
 _UINT64 = 2**64 - 1
+# The Triton kernel holds a sample's grid in one block of BLOCK_N = next_power_of_2(N) lanes; Triton refuses blocks of
+# more elements than this (triton.language.core.TRITON_MAX_TENSOR_NUMEL).
+TRITON_MAX_POSITIONS = 1 << 20
 
 # ----------------------------------------------------------------------------------------------------------------
 # The kernels as torch.library operators (opaque to torch.compile, no graph break): one schema for both
@@ -208,6 +211,11 @@ def make_sampler_plan(
     :func:`sampler_params`, shared and cached).
     """
     rows, cols = grid_size
+    if backend == "triton" and rows * cols > TRITON_MAX_POSITIONS:
+        raise ValueError(
+            f"grid_size: the triton sampler takes at most {TRITON_MAX_POSITIONS} positions (one block per sample), "
+            f"got {rows}x{cols}; the cpu and cuda backends take up to {MAX_GRID_POSITIONS}"
+        )
     h_thresholds, w_thresholds = tables if tables is not None else sampler_tables(rows, cols, min_aspect, device)
     return SamplerPlan(
         backend=backend,
@@ -227,20 +235,52 @@ def make_sampler_plan(
 def _as_offset_tensor(offset: int | torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
     if isinstance(offset, torch.Tensor):
         return offset.reshape(1).to(device=device, dtype=torch.int64)
-    return torch.tensor([offset], dtype=torch.int64, device=device)
+    # A stream position mod 2**64, as the kernels take it, in an int64's bits.
+    return torch.tensor([seed_bits(offset & _UINT64)], dtype=torch.int64, device=device)
+
+
+def check_device(device: torch.device) -> torch.device:
+    """``device``, if tensors can be made there (``cuda`` without a GPU, a CUDA index past the last GPU: a
+    ValueError naming ``device`` instead of torch's RuntimeError). Probed once per usable device."""
+    if not torch.compiler.is_compiling():
+        _probe_device(device)
+    return device
+
+
+@functools.lru_cache(maxsize=64)  # a failed probe raises, so only usable devices are remembered
+def _probe_device(device: torch.device) -> None:
+    try:
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError, NotImplementedError) as error:
+        message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ValueError(f"device: no tensor can be made on {device} here ({message})") from None
 
 
 def _check_offset(offset: object, batch_size: int, device: torch.device) -> int | torch.Tensor:
+    """An int in ``[0, 2**63)`` with ``offset + batch_size <= 2**63``, or a one-element integer tensor on ``device``:
+    on the CPU its value is checked the same way (reading it costs no sync); on a GPU it is not (a check would
+    sync), and every backend takes it mod 2**64, so they agree whatever it holds."""
     if isinstance(offset, torch.Tensor):
-        if offset.numel() != 1 or offset.dtype.is_floating_point or offset.dtype == torch.bool:
+        if (
+            offset.numel() != 1
+            or offset.dtype.is_floating_point
+            or offset.dtype.is_complex
+            or offset.dtype == torch.bool
+        ):
             raise TypeError(
                 f"offset must be an int or a one-element integer tensor, got {offset.dtype} {list(offset.shape)}"
             )
         if with_index(offset.device) != device:
             raise ValueError(f"offset is on {offset.device} but the jigsaw is made on {device}")
-        # Its value stays on the device (checking it would cost a host sync); the kernels read an int64.
+        if offset.device.type == "cpu" and not torch.compiler.is_compiling():
+            _check_offset_range(int(offset.reshape(())), batch_size)
         return offset if offset.dtype == torch.int64 else offset.to(torch.int64)
-    offset = check_int("offset", offset, minimum=0)
+    return _check_offset_range(check_int("offset", offset), batch_size)
+
+
+def _check_offset_range(offset: int, batch_size: int) -> int:
+    if not 0 <= offset < 2**63:
+        raise ValueError(f"offset must be in [0, 2**63), got {offset}")
     if offset + batch_size > 2**63:
         raise ValueError(f"offset + batch_size must be <= 2**63, got offset={offset}, batch_size={batch_size}")
     return offset
@@ -274,17 +314,20 @@ def sample_jigsaw(
     Args:
         batch_size: B >= 0.
         grid_size: the patch grid, an int (square) or ``(rows, cols)``; ``N = rows * cols``, position
-            ``n = row * cols + col``.
+            ``n = row * cols + col``. At most ``2**14`` rows and columns (the sampler's tables hold 8 KiB per row
+            and per column) and ``2**30`` positions; the ``triton`` backend takes at most ``2**20`` positions.
         ratio: in [0, 1]; each mask aims at ``floor(ratio * N)`` positions and, as BEiT's, may end short of it.
         seed: an int in ``[0, 2**64)``.
-        offset: the stream index of sample 0: an int >= 0, or a one-element int64 tensor on ``device`` (what
-            :class:`mjp_fast.MJPPatchEmbed` passes: no recompilation under torch.compile, and on the ``triton``
-            and ``cuda`` backends no host sync).
+        offset: the stream index of sample 0: an int in ``[0, 2**63)`` with ``offset + batch_size <= 2**63``, or a
+            one-element integer tensor on ``device`` (what :class:`mjp_fast.MJPPatchEmbed` passes: no recompilation
+            under torch.compile, and on the ``triton`` and ``cuda`` backends no host sync). A CPU tensor's value is
+            checked as an int's; a GPU tensor's is not (that would sync): every backend takes it mod 2**64.
         shared: one jigsaw (that of stream ``offset``) for the whole batch, as the paper's code does.
         prob: each sample is jigsawed with this probability, else its mask is all False.
         min_block: the smallest rectangle area BEiT tries (the paper's code: 8).
         min_aspect: rectangles' aspect ratios are log-uniform in ``[min_aspect, 1 / min_aspect]``.
-        device: where the result lives (default CPU).
+        device: where the result lives (default CPU). ``"meta"`` gives the shapes and dtypes only; a device where
+            no tensor can be made (``"cuda"`` without a GPU) is a ValueError.
         backend: ``torch``, ``cpu``, ``cuda`` or ``triton``; default ``MJP_FAST_BACKEND``, else the fastest for
             ``device``.
 
@@ -292,9 +335,7 @@ def sample_jigsaw(
         ``Jigsaw(mask, perm)``: mask bool ``[B, N]``, perm int64 ``[B, N]``.
     """
     batch_size = check_int("batch_size", batch_size, minimum=0)
-    rows, cols = check_grid_size(grid_size)
-    if rows * cols > MAX_GRID_POSITIONS:
-        raise ValueError(f"grid_size has {rows * cols} positions; at most {MAX_GRID_POSITIONS} are supported")
+    rows, cols = check_sampler_grid(grid_size)
     ratio = check_fraction("ratio", ratio)
     seed = check_int("seed", seed, minimum=0, maximum=2**64 - 1)
     if not isinstance(shared, bool):
@@ -305,6 +346,7 @@ def sample_jigsaw(
     device = to_device(device)
     offset = _check_offset(offset, batch_size, device)
     chosen = backend_module.resolve_backend(backend, device)
+    check_device(device)
     return make_sampler_plan(
         (rows, cols),
         ratio,

@@ -15,11 +15,38 @@ import torch
 from torch import nn
 
 from mjp_fast._distributed import rank_and_world
-from mjp_fast._validate import check_fraction, check_grid_size, check_int, check_positive_float, with_index
+from mjp_fast._validate import check_fraction, check_int, check_positive_float, to_device
 from mjp_fast.backend import resolve_once
-from mjp_fast.sampler.dispatch import SamplerPlan, make_sampler_plan, sampler_params
+from mjp_fast.sampler.dispatch import SamplerPlan, check_device, make_sampler_plan, sampler_params
 from mjp_fast.sampler.jigsaw import Jigsaw
-from mjp_fast.sampler.reference import sampler_tables
+from mjp_fast.sampler.reference import MAX_GRID_POSITIONS, check_sampler_grid, sampler_tables
+
+
+def _check_shared(shared: object) -> bool:
+    if not isinstance(shared, bool):
+        raise TypeError(f"shared must be a bool, got {type(shared).__name__}")
+    return shared
+
+
+# The settings a loop may assign (prob per epoch), each checked on assignment as sample_jigsaw checks it: a step then
+# checks nothing, and a mistake is refused where it is made, by name.
+_SETTING_CHECKS = {
+    "ratio": lambda value: check_fraction("ratio", value),
+    "prob": lambda value: check_fraction("prob", value),
+    "seed": lambda value: check_int("seed", value, minimum=0, maximum=2**64 - 1),
+    "min_block": lambda value: check_int("min_block", value, minimum=1, maximum=MAX_GRID_POSITIONS),
+    "min_aspect": lambda value: check_positive_float("min_aspect", value),
+    "shared": _check_shared,
+}
+
+
+def _check_batch(batch: object) -> None:
+    """``batch``: an int >= 0 (a SymInt under torch.compile goes unchecked: comparing it would add a guard)."""
+    if type(batch) is int and batch >= 0:
+        return
+    if torch.compiler.is_compiling() and isinstance(batch, torch.SymInt):
+        return
+    check_int("batch", batch, minimum=0)
 
 
 class JigsawSampler(nn.Module):
@@ -53,15 +80,16 @@ class JigsawSampler(nn.Module):
         backend: str | None = None,
     ) -> None:
         super().__init__()
-        self.grid_size = check_grid_size(grid_size)
-        self.ratio = check_fraction("ratio", ratio)
-        self.prob = check_fraction("prob", prob)
-        self.seed = check_int("seed", seed, minimum=0, maximum=2**64 - 1)
-        self.min_block = check_int("min_block", min_block, minimum=1)
-        self.min_aspect = check_positive_float("min_aspect", min_aspect)
-        if not isinstance(shared, bool):
-            raise TypeError(f"shared must be a bool, got {type(shared).__name__}")
-        self.shared = shared
+        self.grid_size = check_sampler_grid(grid_size)
+        # Checked by __setattr__, as any later assignment.
+        self.ratio, self.prob, self.seed, self.min_block, self.min_aspect, self.shared = (
+            ratio,
+            prob,
+            seed,
+            min_block,
+            min_aspect,
+            shared,
+        )
         self.backend = backend
         # Training samples drawn so far on this rank. A tensor on the module's device, so the sampler reads it
         # without a host sync and torch.compile does not recompile per step; a buffer, so it is checkpointed.
@@ -77,6 +105,10 @@ class JigsawSampler(nn.Module):
         self._params_key = (self.seed, self.prob)
         self._eval_settings: dict[str, Any] | None = None
         self._eval_counter: torch.Tensor | None = None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        check = _SETTING_CHECKS.get(name)
+        super().__setattr__(name, value if check is None else check(value))
 
     @property
     def samples_seen(self) -> int:
@@ -110,11 +142,16 @@ class JigsawSampler(nn.Module):
         counter advances on the device: no host sync on the triton and cuda backends; on the CPU, one call of the
         extension does both. (The backend is resolved once per device, :meth:`backend_for`: set ``MJP_FAST_BACKEND``
         before the first step.)
+
+        ``batch`` (an int >= 0), ``device`` and ``grid_size`` are checked as :func:`mjp_fast.sample_jigsaw` checks
+        them (the device and grid once per plan, not per step); the settings (``ratio``, ``prob``, ``seed``,
+        ``min_block``, ``min_aspect``, ``shared``) when assigned. ``device="meta"`` gives the shapes only.
         """
+        _check_batch(batch)
         if not self.active:
             return None
         if not self.training:
-            return self._sample_eval(batch, with_index(torch.device(device)), grid_size)
+            return self._sample_eval(batch, check_device(to_device(device)), grid_size)
         if torch.compiler.is_compiling():
             # Traced once into the graph: nothing to keep (storing it would change the module's state, on which the
             # compiled graph's guards depend: a recompile on the next step).
@@ -135,8 +172,9 @@ class JigsawSampler(nn.Module):
         """The plan for ``device`` and ``grid_size``. Training (no ``settings``): the module's ratio, prob and seed,
         whose Triton parameters live in the ``params`` buffer; :meth:`jigsaw_eval`: its ``settings``'. The module's
         tables serve its own grid on their device; another grid or device gets the shared cached ones."""
-        device = with_index(torch.device(device))  # "cuda" and "cuda:0" must compare equal below
-        grid = self.grid_size if grid_size is None else tuple(grid_size)
+        # "cuda" and "cuda:0" must compare equal below; a device where no tensor can be made is a ValueError
+        device = check_device(to_device(device))
+        grid = self.grid_size if grid_size is None else check_sampler_grid(grid_size)
         tables = params = None  # None: make_sampler_plan's shared cached ones
         if grid == self.grid_size and self.h_thresholds.device == device:
             if self.min_aspect != self._tables_min_aspect:  # refreshed in place, as params below

@@ -13,14 +13,17 @@ import math
 import numpy as np
 import torch
 
-from mjp_fast._validate import to_device
-from mjp_fast.sampler.jigsaw import Jigsaw
+from mjp_fast._validate import check_grid_size, to_device
+from mjp_fast.sampler.jigsaw import Jigsaw, empty_jigsaw
 
 ASPECT_BINS = 1024
 ASPECT_BIN_SHIFT = 22  # 32 - log2(ASPECT_BINS): the aspect bin is the top 10 bits of a uint32
 ATTEMPTS_PER_ROUND = 10  # BEiT's number of tries per rectangle
 TAG_MASK, TAG_PERM, TAG_COIN = 0, 1, 2
 MAX_GRID_POSITIONS = 1 << 30  # keeps every Q32 area and threshold inside int64
+# The threshold tables hold 1024 int64 per row and per column of the grid (8 KiB each): at most 2**14 per side keeps
+# them under 128 MiB each, where N = 2**30 alone would allow a (1, 2**30) grid and 8 TiB of tables.
+MAX_GRID_SIDE = 1 << 14
 
 _UINT32 = 0xFFFFFFFF
 _PHILOX_KEY_A, _PHILOX_KEY_B = 0x9E3779B9, 0xBB67AE85
@@ -95,6 +98,17 @@ def _threshold_tables_on_device(rows: int, cols: int, min_aspect: float, device:
     return torch.from_numpy(h_host).to(device), torch.from_numpy(w_host).to(device)
 
 
+def check_sampler_grid(grid_size: object, name: str = "grid_size") -> tuple[int, int]:
+    """``grid_size`` as :func:`mjp_fast._validate.check_grid_size`, within the sampler's limits: at most
+    :data:`MAX_GRID_SIDE` rows and columns and :data:`MAX_GRID_POSITIONS` positions."""
+    rows, cols = check_grid_size(grid_size, name)
+    if max(rows, cols) > MAX_GRID_SIDE:
+        raise ValueError(f"{name} must have at most {MAX_GRID_SIDE} rows and columns, got {(rows, cols)}")
+    if rows * cols > MAX_GRID_POSITIONS:
+        raise ValueError(f"{name} has {rows * cols} positions; at most {MAX_GRID_POSITIONS} are supported")
+    return rows, cols
+
+
 def target_count(ratio: float, num_positions: int) -> int:
     """How many cells a mask aims at: ``floor(ratio * N)``."""
     return math.floor(ratio * num_positions)
@@ -131,21 +145,25 @@ def sample_from_tables(
         target, prob_threshold: from :func:`target_count` and :func:`prob_threshold`.
         seed: in ``[0, 2**64)``, or its signed int64 bits (:func:`seed_bits`).
         h_thresholds, w_thresholds: :func:`sampler_tables` on the device the jigsaw is made on.
-        offset: the stream index of sample 0, an int or a one-element int64 tensor.
+        offset: the stream index of sample 0, an int or a one-element int64 tensor; taken mod 2**64 (an int64's
+            bits as unsigned), as every kernel does.
 
     Returns:
-        ``Jigsaw(mask [B, N] bool, perm [B, N] int64)`` on the tables' device.
+        ``Jigsaw(mask [B, N] bool, perm [B, N] int64)`` on the tables' device (on the meta device: shapes only).
     """
     device = h_thresholds.device
-    seed &= 0xFFFFFFFFFFFFFFFF
     num_positions = rows * cols
+    if device.type == "meta":  # shapes and dtypes only (what a FakeTensor trace or a meta-device model needs)
+        return Jigsaw(*empty_jigsaw(batch_size, num_positions, device))
+    seed &= 0xFFFFFFFFFFFFFFFF
     if isinstance(offset, torch.Tensor):
         stream = offset.reshape(1).to(device=device, dtype=torch.int64).expand(batch_size).clone()
     else:
-        stream = torch.full((batch_size,), offset, dtype=torch.int64, device=device)
+        stream = torch.full((batch_size,), seed_bits(offset & 0xFFFFFFFFFFFFFFFF), dtype=torch.int64, device=device)
     if not shared:
         stream += torch.arange(batch_size, dtype=torch.int64, device=device)
-    counter_1, counter_2 = stream & _UINT32, stream >> 32
+    # int64 arithmetic wraps as the kernels' uint64: the high word is masked, since >> shifts the sign in.
+    counter_1, counter_2 = stream & _UINT32, (stream >> 32) & _UINT32
 
     coin = philox_ref(seed, 0, counter_1, counter_2, TAG_COIN)[0]
     active = coin < prob_threshold

@@ -30,10 +30,12 @@ from mjp_fast.timm.vit import MJPVisionTransformer, hybrid_pixel_block, jigsaw_p
 
 
 def _grid(model: nn.Module, patch_size: int) -> tuple[int, int]:
+    """The initial token grid of a pixel-space model at ``patch_size`` (an int >= 1, checked by convert): its
+    pretrained config's input size (else 224) in patches, at least 1x1 (the sampler follows the grid of the images
+    it gets, which may be larger than the config's)."""
     img_size = getattr(getattr(model, "pretrained_cfg", {}) or {}, "get", lambda *_: None)("input_size")
-    if img_size is not None:
-        return img_size[-2] // patch_size, img_size[-1] // patch_size
-    return 224 // patch_size, 224 // patch_size
+    height, width = (img_size[-2], img_size[-1]) if img_size is not None else (224, 224)
+    return max(1, height // patch_size), max(1, width // patch_size)
 
 
 def _model_name(model: nn.Module) -> str:
@@ -91,8 +93,8 @@ def convert(
             ``create_model`` drops None-valued keywords, so ``mjp_dal="none"`` is how to say it there), or
             ``"auto"`` (default): ``"nonlinear"`` where the model has an absolute position table, else none. A model
             without a table asked for DAL warns once (naming the model) and trains without it.
-        patch_size: the jigsaw's patch size for pixel-space models (default: the model's patch embedding's, else
-            16); ViTs use their own (a hybrid ViT: its image size over its token grid).
+        patch_size: the jigsaw's patch size for pixel-space models, an int >= 1 (default: the model's patch
+            embedding's, else 16); ViTs use their own (a hybrid ViT: its image size over its token grid).
         dal_normalize: regress coordinates scaled to [0, 1] instead of raw integers.
         unk: masked positions get the learned unknown embedding ``mjp.unk_embed`` (MJP, default). False: the
             patches of the masked positions are still permuted among themselves, but every position keeps its own
@@ -126,6 +128,11 @@ def convert(
     if fused_patch_embed is not None and not isinstance(fused_patch_embed, bool):
         raise TypeError(f"fused_patch_embed must be a bool or None, got {type(fused_patch_embed).__name__}")
     check_backend(backend)
+    if patch_size is not None:
+        if isinstance(patch_size, bool) or not isinstance(patch_size, int):
+            raise TypeError(f"patch_size must be an int or None, got {type(patch_size).__name__} {patch_size!r}")
+        if patch_size < 1:
+            raise ValueError(f"patch_size must be >= 1, got {patch_size}")
     asked_dal = not (isinstance(dal, str) and dal == "auto")
     dal_kind = check_dal_kind(dal) if asked_dal else "nonlinear"  # "auto": where the model has a table to regress
     check_unk(unk)

@@ -270,10 +270,12 @@ def _position_partials_kernel(
     D,
     samples_per_chunk,
     prefix_count,  # P (HAS_PREFIX); last, so that without a prefix the kernel compiles as before prefix rows
+    witness_ptr,  # int32 [B, N] (ZERO_UNSHOWN): the forward's witness[b, perm[b, n]] = n
     HAS_MASK: tl.constexpr,
     SCATTER: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_PREFIX: tl.constexpr,
+    ZERO_UNSHOWN: tl.constexpr,
     BLOCK_B: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -281,7 +283,12 @@ def _position_partials_kernel(
     # Program (position block, channel block, batch chunk) sums grad over its chunk's samples into float32
     # partials that only it writes: no atomics, and the reduction kernel adds the chunks in a fixed order.
     # SCATTER (mjp_pos_embed's backward): also grad_tokens[b, perm[b, n]] = grad[b, P + n], the inverse move, from
-    # the same loads. perm[b] permutes the positions, so every row of grad_tokens is written exactly once.
+    # the same loads. perm[b] permutes the positions, so every row of grad_tokens is written exactly once. Any other
+    # perm (validate=False, mjp_fast/_validate.py): an entry outside [0, N) stores nothing (masked, its address
+    # clamped into the sample's rows), and with ZERO_UNSHOWN each program also writes zeros to its own rows m that no
+    # entry names, found from the forward's witness: m is named iff witness[b, m] = w is in range and perm[b, w] = m
+    # (the witness is uninitialised where m is not named, and then cannot pass the test). No other program writes a
+    # row that no entry names, so no store races with these.
     # A prefix row (t < P) is a position that is never masked and never moved: it only adds to its own sum.
     chunk = tl.program_id(2)
     positions = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -316,13 +323,31 @@ def _position_partials_kernel(
             patch_ok = row_ok
             patch_tile_ok = ok
         if SCATTER:
+            if HAS_PREFIX:
+                patch_count = num_patches
+            else:
+                patch_count = num_positions
+            sample_rows = patch_rows - patches[None, :]  # b * N: the sample's first row of perm
             source = tl.load(perm_ptr + patch_rows, mask=patch_ok, other=0)
-            target = patch_rows - patches[None, :] + source
+            source_ok = (source >= 0) & (source < patch_count)
+            target = sample_rows + tl.where(source_ok, source, 0)
             tl.store(
                 grad_tokens_ptr + target[:, :, None] * D + channels[None, None, :],
                 grad.to(grad_tokens_ptr.dtype.element_ty),
-                mask=patch_tile_ok,
+                mask=patch_tile_ok & source_ok[:, :, None],
             )
+            if ZERO_UNSHOWN:
+                named_by = tl.load(witness_ptr + patch_rows, mask=patch_ok, other=0).to(tl.int64)
+                named_ok = (named_by >= 0) & (named_by < patch_count)
+                back = tl.load(
+                    perm_ptr + sample_rows + tl.where(named_ok, named_by, 0), mask=patch_ok & named_ok, other=-1
+                )
+                unshown = patch_ok & ~(named_ok & (back == patches[None, :]))
+                tl.store(
+                    grad_tokens_ptr + patch_rows[:, :, None] * D + channels[None, None, :],
+                    tl.zeros((BLOCK_B, BLOCK_N, BLOCK_D), dtype=grad_tokens_ptr.dtype.element_ty),
+                    mask=unshown[:, :, None] & channel_ok[None, None, :],
+                )
         grad = grad.to(tl.float32)
         if HAS_MASK:
             masked = tl.load(mask_ptr + patch_rows, mask=patch_ok, other=0).to(tl.int1)[:, :, None]
@@ -627,6 +652,7 @@ def launch_position_gradient(
     prefix_shape: Sequence[int] | None = None,
     plan: PositionGradientPlan | None = None,
     traced: bool = False,
+    witness: torch.Tensor | None = None,
 ) -> PositionGradients:
     """The gradients that one pass over ``grad`` gives: two kernel launches, outputs made with ``torch.empty``.
 
@@ -646,6 +672,10 @@ def launch_position_gradient(
         prefix_shape: the prefix's shape (``P * D`` elements); default ``[P, D]``.
         plan: from :func:`position_gradient_plan` for these sizes; default the device's.
         traced: launch through ``torch.library.wrap_triton`` (inside a torch operator).
+        witness: int32 ``[B, N]``, what the forward wrote (``witness[b, perm[b, n]] = n``), for the inverse move:
+            the rows of ``grad_tokens`` that no entry of ``perm`` names get zeros in the same pass. None:
+            ``grad_tokens`` starts from zeros (a fill more). Only a perm that is not a permutation (validate=False)
+            leaves such rows; either way none is left uninitialised.
 
     Returns:
         ``grad_tokens [B, N, D]`` (or None); ``grad_pos`` (``pos_shape``: rows ``t < Q`` the prefix rows summed
@@ -660,6 +690,8 @@ def launch_position_gradient(
     gradients = _empty_position_gradients(
         grad, pos_shape, tokens_dtype, pos_dtype, unk_dtype, bias_dtype, prefix_count, prefix_dtype, prefix_shape
     )
+    if scatter and witness is None and gradients[0].numel():
+        gradients[0].zero_()
     if grad.shape[2] == 0:  # D = 0: nothing to add up
         return gradients
     if plan is None:
@@ -674,7 +706,7 @@ def launch_position_gradient(
         )
     else:
         _check_plan(plan, grad, prefix_count)
-    _launch_position_kernels(plan, grad, mask, perm, gradients, prefix_count, prefix_positions, traced)
+    _launch_position_kernels(plan, grad, mask, perm, gradients, prefix_count, prefix_positions, traced, witness)
     return gradients
 
 
@@ -749,6 +781,7 @@ def _launch_position_kernels(
     prefix_count: int,
     prefix_positions: int,
     traced: bool,
+    witness: torch.Tensor | None = None,
 ) -> None:
     """The two launches: float32 partial sums per batch chunk (and the inverse move into ``grad_tokens``), then
     their fixed-order sum into ``gradients`` (from :func:`_empty_position_gradients`). An absent tensor's argument
@@ -769,10 +802,12 @@ def _launch_position_kernels(
         dim,
         plan.samples_per_chunk,
         prefix_count,
+        witness if scatter and witness is not None else grad,
         HAS_MASK=has_mask,
         SCATTER=scatter,
         HAS_BIAS=has_bias,
         HAS_PREFIX=prefix_count > 0,
+        ZERO_UNSHOWN=scatter and witness is not None,
         BLOCK_B=plan.block_b,
         BLOCK_N=plan.block_n,
         BLOCK_D=plan.block_d,

@@ -113,7 +113,10 @@ def _forward_partial_kernel(
                 acc = tl.dot(pos, w1, acc, input_precision=PRECISION)
             if HAS_B1:
                 acc += tl.load(b1_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-            features = tl.maximum(acc, 0.0)
+            # relu as torch's: a NaN stays NaN (tl.maximum's default returns the other operand)
+            features = tl.maximum(acc, 0.0, propagate_nan=tl.PropagateNan.ALL)
+            # Zero past H: an inf in pos times w1's zero padding is NaN there, and the next dot would spread it.
+            features = tl.where(col_ok[None, :], features, 0.0)
             tl.store(
                 hidden_ptr + wide_rows[:, None] * K + cols[None, :], features, mask=row_ok[:, None] & col_ok[None, :]
             )
@@ -202,7 +205,8 @@ def _forward_finish_kernel(
         error = tl.abs(pred_row - tl.load(coords_ptr + rows * 2, mask=ok, other=0.0)) + tl.abs(
             pred_col - tl.load(coords_ptr + rows * 2 + 1, mask=ok, other=0.0)
         )
-        loss += tl.where(ok, weights * error, 0.0)
+        # A position of weight 0 (every sample masks it) is out of the loss: its error, even inf or NaN, is not added.
+        loss += tl.where(ok & (kept > 0), weights * error, 0.0)
     tl.store(loss_ptr, (tl.cast(scale, tl.float32) * tl.sum(loss, axis=0)).to(loss_ptr.dtype.element_ty))
 
 
@@ -277,15 +281,18 @@ def _backward_kernel(
                 rows = start + tl.arange(0, BLOCK_N)
                 row_ok = rows < N
                 d_pred = _grad_prediction(grad_ptr, pred_ptr, coords_ptr, weights_ptr, rows, N, scale, COORD_PAD)
+                # Rows of weight 0 are out of the loss: read as zeros, their values (even inf or NaN) stay out of the
+                # weights' gradients (their d_pred is zero, and 0 * inf would be NaN).
+                kept = row_ok & (tl.load(weights_ptr + rows, mask=row_ok, other=0.0) > 0)
                 hidden = tl.load(
                     hidden_ptr + rows.to(tl.int64)[:, None] * H + cols[None, :],
-                    mask=row_ok[:, None] & col_ok[None, :],
+                    mask=kept[:, None] & col_ok[None, :],
                     other=0.0,
                 )
                 d_hidden = tl.where(hidden > 0, tl.dot(d_pred, w2, input_precision="ieee"), 0.0)
                 pos = tl.load(
                     positions_ptr + rows.to(tl.int64)[:, None] * D + channels[None, :],
-                    mask=row_ok[:, None] & channel_ok[None, :],
+                    mask=kept[:, None] & channel_ok[None, :],
                     other=0.0,
                 ).to(tl.float32)
                 grad_w1 = tl.dot(tl.trans(d_hidden), pos, grad_w1, input_precision="ieee")
@@ -311,9 +318,10 @@ def _backward_kernel(
             for start in range(0, N, BLOCK_N):
                 rows = start + tl.arange(0, BLOCK_N)
                 d_pred = _grad_prediction(grad_ptr, pred_ptr, coords_ptr, weights_ptr, rows, N, scale, COORD_PAD)
+                kept = (rows < N) & (tl.load(weights_ptr + rows, mask=rows < N, other=0.0) > 0)  # as above
                 pos = tl.load(
                     positions_ptr + rows.to(tl.int64)[:, None] * D + channels[None, :],
-                    mask=(rows[:, None] < N) & channel_ok[None, :],
+                    mask=kept[:, None] & channel_ok[None, :],
                     other=0.0,
                 ).to(tl.float32)
                 grad_w2 = tl.dot(tl.trans(d_pred), pos, grad_w2, input_precision="ieee")

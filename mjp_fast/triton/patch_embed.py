@@ -87,12 +87,17 @@ def _patch_addresses(
     HAS_PERM: tl.constexpr,
 ):
     """Addresses ``[BLOCK_M, BLOCK_K]`` of the pixels of the (permuted) patches of ``tokens`` (flat (sample, patch
-    position) indices, of ``B * N``)."""
+    position) indices, of ``B * N``), and where they are valid. A perm entry outside ``[0, N)`` (only with
+    ``validate=False``) shows no patch: its pixels are masked off (a zero patch, no gradient), its address clamped
+    to the sample's own first patch, so no load or store leaves the images (see ``mjp_fast/_validate.py``)."""
     token_ok = tokens < total_tokens
     sample = tokens // num_positions
     position = tokens % num_positions
     if HAS_PERM:
         source = tl.load(perm_ptr + tokens, mask=token_ok, other=0)
+        source_ok = (source >= 0) & (source < num_positions)
+        token_ok = token_ok & source_ok
+        source = tl.where(source_ok, source, 0)
     else:
         source = position
     source_row = source // cols
@@ -349,7 +354,8 @@ def _grad_images_kernel(
             other=0.0,
         )
         acc = _dot(grad, w_tile, acc, PRECISION, UPCAST)
-    # The token shows the patch at perm: its gradient goes back there. A permutation: no collisions.
+    # The token shows the patch at perm: its gradient goes back there. A permutation: no collisions (any other perm:
+    # one of the tokens that show a patch wins, see mjp_fast/_validate.py).
     address, valid = _patch_addresses(
         grad_images_ptr, perm_ptr, tokens, k_index, num_positions, cols, PATCH, stride_b, stride_c, stride_h,
         stride_w, total_tokens, K, HAS_PERM,
@@ -541,7 +547,10 @@ def _grad_images_launch(
     patch (one launch; zeros without a patch). ``grad_out`` ``[B, P + N, D]`` and ``weight`` contiguous."""
     num_positions, cols, k, dim = _patch_sizes(images, weight)
     total = images.shape[0] * num_positions
-    grad_images = torch.empty(images.shape, dtype=images.dtype, device=images.device)
+    # With a perm, zeros first: a perm that is not a permutation (validate=False) may leave a patch that no token
+    # shows. (The image gradient is off the training path: images need no gradient there.)
+    make = torch.zeros if perm is not None else torch.empty
+    grad_images = make(images.shape, dtype=images.dtype, device=images.device)
     if total:
 
         def grid(meta):
@@ -566,7 +575,7 @@ def _grad_images_launch(
             PRECISION=dot_precision(images.dtype),
             UPCAST=dot_upcast(grad_out.dtype, weight.dtype),
         )
-    else:
+    elif perm is None:
         grad_images.zero_()  # no patch: nothing to launch
     return grad_images
 
@@ -588,7 +597,8 @@ def _grad_weight_launch(
     # Enough splits of the token axis to fill the GPU about four times over, in whole tiles of tokens.
     programs_wanted = 1 if interpreting() else 4 * multiprocessors(images.device)
     splits = max(1, min(triton.cdiv(total, block_m), programs_wanted // max(tiles, 1)))
-    tokens_per_split = triton.cdiv(triton.cdiv(total, splits), block_m) * block_m
+    # At least one tile of tokens per split: an empty batch (B = 0) has no tokens at all.
+    tokens_per_split = max(block_m, triton.cdiv(triton.cdiv(total, splits), block_m) * block_m)
     splits = max(1, triton.cdiv(total, tokens_per_split))
     partial = torch.empty(splits, dim, k, dtype=torch.float32, device=images.device)
     if total:

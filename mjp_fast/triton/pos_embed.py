@@ -60,19 +60,29 @@ def _forward_patch_rows(
     D,
     prefix_count,
     prefix_positions,
+    witness_ptr,
     HAS_PREFIX: tl.constexpr,
+    HAS_WITNESS: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """``out[b, P + n] = tokens[b, perm[b, n]] + (unk if mask[b, n] else pos[Q + n])`` for a block of patch rows."""
+    """``out[b, P + n] = tokens[b, perm[b, n]] + (unk if mask[b, n] else pos[Q + n])`` for a block of patch rows.
+
+    A perm entry outside ``[0, N)`` (only with ``validate=False``) moves a zero token: the load is masked off and its
+    address clamped into the sample's own rows (``mjp_fast/_validate.py``). HAS_WITNESS: also ``witness[b, perm[b,
+    n]] = n`` (int32), which the backward reads to find the rows no token was moved from."""
     rows = program.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)  # flat (sample, position) rows of B * N
     channels = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     row_ok = rows < total
     ok = row_ok[:, None] & (channels[None, :] < D)
     position = rows % num_positions
-    source = rows - position + tl.load(perm_ptr + rows, mask=row_ok, other=0)
+    entry = tl.load(perm_ptr + rows, mask=row_ok, other=0)
+    entry_ok = (entry >= 0) & (entry < num_positions)
+    source = rows - position + tl.where(entry_ok, entry, 0)
+    if HAS_WITNESS:
+        tl.store(witness_ptr + source, position.to(tl.int32), mask=row_ok & entry_ok & (tl.program_id(1) == 0))
     masked = tl.load(mask_ptr + rows, mask=row_ok, other=0).to(tl.int1)
-    moved = tl.load(tokens_ptr + source[:, None] * D + channels[None, :], mask=ok, other=0.0)
+    moved = tl.load(tokens_ptr + source[:, None] * D + channels[None, :], mask=ok & entry_ok[:, None], other=0.0)
     if HAS_PREFIX:
         table_rows = position + prefix_positions  # Q + n
         out_rows = rows + (rows // num_positions + 1) * prefix_count  # b * (P + N) + P + n
@@ -101,7 +111,9 @@ def _forward_kernel(
     total_prefix,  # B * P: the prefix rows (HAS_PREFIX)
     prefix_count,  # P (HAS_PREFIX)
     prefix_positions,  # Q: 0 or P (HAS_PREFIX)
+    witness_ptr,  # int32 [B, N] (HAS_WITNESS): witness[b, perm[b, n]] = n, written
     HAS_PREFIX: tl.constexpr,
+    HAS_WITNESS: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -113,7 +125,7 @@ def _forward_kernel(
         if tl.program_id(0) < patch_programs:
             _forward_patch_rows(
                 tokens_ptr, perm_ptr, mask_ptr, pos_ptr, unk_ptr, out_ptr, tl.program_id(0), total, num_positions, D,
-                prefix_count, prefix_positions, HAS_PREFIX, BLOCK_R, BLOCK_D,
+                prefix_count, prefix_positions, witness_ptr, HAS_PREFIX, HAS_WITNESS, BLOCK_R, BLOCK_D,
             )  # fmt: skip
         else:
             prefix_rows_tile(
@@ -124,7 +136,7 @@ def _forward_kernel(
     else:
         _forward_patch_rows(
             tokens_ptr, perm_ptr, mask_ptr, pos_ptr, unk_ptr, out_ptr, tl.program_id(0), total, num_positions, D,
-            prefix_count, prefix_positions, HAS_PREFIX, BLOCK_R, BLOCK_D,
+            prefix_count, prefix_positions, witness_ptr, HAS_PREFIX, HAS_WITNESS, BLOCK_R, BLOCK_D,
         )  # fmt: skip
 
 
@@ -143,6 +155,7 @@ def pos_embed_forward_launch(
     prefix_positions: int = 0,
     *,
     traced: bool = False,
+    witness: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``out [B, P + N, D]`` in the dtype of ``pos_embed``: the prefix rows, then the moved tokens.
 
@@ -159,6 +172,10 @@ def pos_embed_forward_launch(
             None when ``P = 0``.
         prefix_positions: ``Q``, 0 or ``P``: the leading rows of ``pos_embed`` that belong to the prefix tokens.
         traced: launch through ``torch.library.wrap_triton`` (inside the torch operator).
+        witness: int32 ``[B, N]`` (uninitialised), or None: the launch also writes ``witness[b, perm[b, n]] = n``
+            for :func:`pos_embed_backward_launch`, which then finds, in its one pass, the rows of the tokens'
+            gradient that no token was moved from (only a perm that is not a permutation, ``validate=False``, has
+            any) and writes zeros there without a fill of its own.
 
     One kernel launch; the output is the only allocation.
     """
@@ -186,7 +203,9 @@ def pos_embed_forward_launch(
         total_prefix,
         prefix_count,
         prefix_positions,
+        witness if witness is not None else perm,  # never written without a witness
         HAS_PREFIX=prefix_count > 0,
+        HAS_WITNESS=witness is not None,
         BLOCK_R=block_r,
         BLOCK_D=block_d,
     )
@@ -208,6 +227,7 @@ def pos_embed_backward_launch(
     *,
     traced: bool = False,
     plan: PositionGradientPlan | None = None,
+    witness: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
     """``[grad_tokens, grad_pos, grad_unk, grad_prefix]``, each in the shape and dtype of its input.
 
@@ -219,6 +239,8 @@ def pos_embed_backward_launch(
         tokens_dtype, pos_dtype, unk_dtype, prefix_dtype: the dtypes of the gradients.
         traced: launch through ``torch.library.wrap_triton`` (inside the torch operator).
         plan: from :func:`position_gradient_plan` for these sizes; default the device's.
+        witness: what :func:`pos_embed_forward_launch` wrote for this perm, or None (the tokens' gradient then
+            starts from zeros, one fill more).
 
     Returns:
         ``grad_tokens [B, N, D]`` (the inverse move of the patch rows), ``grad_pos`` (``pos_shape``), ``grad_unk
@@ -239,6 +261,7 @@ def pos_embed_backward_launch(
         prefix_shape=prefix_shape,
         plan=plan,
         traced=traced,
+        witness=witness,
     )
     return [grad_tokens, grad_pos, grad_unk, grad_prefix]
 

@@ -54,14 +54,14 @@ def run_isolated(source: str, *, timeout: float = 600.0) -> Isolated:
     return Isolated(done.returncode, done.stdout, done.stderr)
 
 
-def run_pytest_isolated(*args: str, timeout: float = 900.0) -> Isolated:
+def run_pytest_isolated(*args: str, timeout: float = 900.0, env: dict[str, str] | None = None) -> Isolated:
     """Runs ``python -m pytest -q -p no:cacheprovider ARGS`` in a child process (one process for a whole module of
     property tests, so the start-up is paid once) and returns what happened; a crash in any test ends the child
-    with a signal, which the caller reports."""
+    with a signal, which the caller reports. ``env``: variables set in the child besides the test process's."""
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", *args],
         cwd=ROOT,
-        env=child_environment(),
+        env={**child_environment(), **(env or {})},
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -381,7 +381,7 @@ def test_pos_embed_rejects_bad_arguments():
         {**with_prefix, "pos_embed": pos_embed},  # ... and with Q = 2, Q + N
         {**with_prefix, "prefix": torch.randn(1, 2, 4)},
     ]
-    for bad in [*shape_and_dtype_cases, dict(perm=out_of_range), dict(perm=negative)]:
+    for bad in shape_and_dtype_cases:
         with pytest.raises(RuntimeError):
             ops.pos_embed_extension(**{**good, **bad})
     to_meta = lambda value: value.to("meta") if isinstance(value, torch.Tensor) else value  # noqa: E731
@@ -390,6 +390,7 @@ def test_pos_embed_rejects_bad_arguments():
             ops.pos_embed_extension(**{name: to_meta(value) for name, value in {**good, **bad}.items()})
 
     dtypes = dict(tokens_dtype=torch.float32, pos_dtype=torch.float32, unk_dtype=torch.float32)
+    good_forward = good
     good = dict(
         grad_out=grad,
         perm=perm,
@@ -418,9 +419,6 @@ def test_pos_embed_rejects_bad_arguments():
     bad_cases = [
         dict(grad_out=grad[0]),
         dict(grad_out=grad.int()),
-        dict(perm=out_of_range),
-        dict(perm=negative),
-        dict(perm=duplicate),
         dict(perm=perm[:, :-1]),
         dict(mask=mask.float()),
         dict(tokens_dtype=torch.int32),
@@ -441,6 +439,18 @@ def test_pos_embed_rejects_bad_arguments():
     for bad in bad_cases:
         with pytest.raises(RuntimeError):
             ops.pos_embed_extension_backward(**{**good, **bad})
+    # The values of perm are not checked by the operator (mjp_fast/_validate.py): an entry outside [0, N) moves a
+    # zero token and takes no gradient; a perm that is not a permutation gets the gather's exact gradient.
+    for values in (out_of_range, negative, duplicate):
+        out = ops.pos_embed_extension(**{**good_forward, "perm": values})
+        valid = (values >= 0) & (values < perm.shape[1])
+        moved = tokens.gather(1, values.clamp(0, perm.shape[1] - 1)[..., None].expand_as(tokens)) * valid[..., None]
+        torch.testing.assert_close(out, moved + torch.where(mask[..., None], unk_embed, pos_embed))
+        grad_tokens = ops.pos_embed_extension_backward(**{**good, "perm": values})[0]
+        expected = torch.zeros_like(grad).index_put_(
+            (torch.arange(2)[:, None].expand_as(values)[valid], values[valid]), grad[valid], accumulate=True
+        )
+        torch.testing.assert_close(grad_tokens, expected)
 
 
 @pytest.mark.parametrize("kind", ["random", "all"])
