@@ -161,8 +161,14 @@ def _mjp_patch_embed_torch(
         tokens = (images.sum() * weight.sum()).expand(batch, num_positions, weight.shape[0])
         if bias is not None:
             tokens = tokens + bias
-    else:
+    elif jigsaw is None:
         tokens = F.conv2d(images, weight, bias, stride=geometry.patch_size).flatten(2).transpose(1, 2)
+    else:
+        # The bias rides on the position terms, not on the moved tokens: a perm entry outside [0, N) (validate=False)
+        # moves a zero token, and the token of a zero patch is the bias (mjp_fast/_validate.py), as the kernels give.
+        tokens = F.conv2d(images, weight, None, stride=geometry.patch_size).flatten(2).transpose(1, 2)
+        if bias is not None:
+            pos_embed, unk_embed = pos_embed + bias, unk_embed + bias
     if jigsaw is None:
         return plain_positions(tokens, pos_embed, unk_embed)
     return mjp_pos_embed_torch(tokens, pos_embed, unk_embed, jigsaw)

@@ -67,14 +67,8 @@ class MJPState(MJPCore):
         """Whether the model's forward must call this module: the sampler jigsaws (training, or inside
         ``mjp_eval``), or it trains with a DAL regressor or ``unk_embed`` (the DAL loss is attached to the tokens
         every training forward, and ``unk_embed`` kept in their graph, also while the jigsaw is off: ``prob`` 0 during
-        warm-up, ratio 0; and in eval while autograd records, so that ``unk_embed``'s gradient is zeros there too, as
-        :class:`~mjp_fast.MJPPatchEmbed` and the ops give it, never None; an eval under ``torch.no_grad`` skips it)."""
-        if self.sampler.active:
-            return True
-        if self.training:
-            return self.dal_regressor is not None or self.unk_embed is not None
-        unk = self.unk_embed
-        return unk is not None and unk.requires_grad and torch.is_grad_enabled()
+        warm-up, ratio 0)."""
+        return self.sampler.active or (self.training and (self.dal_regressor is not None or self.unk_embed is not None))
 
     def get_dal_weight(self) -> float:
         """The ``dal_weight`` buffer's value (a read back: a host sync on a GPU)."""
@@ -172,10 +166,9 @@ class MJPState(MJPCore):
             dal = (regressor, dal_table, dal_grid, sampled.mask)
             out, loss = self._moved_tokens(x, pos_table, unk_embed, jigsaw, prefix, prefix_positions, *dal)
         unk = self.unk_embed
-        if jigsaw is None and unk is not None and unk.requires_grad:
-            # The jigsaw is off (warm-up, prob 0, eval), so nothing uses unk_embed: its gradient is zero, given
-            # through the output, so that every parameter gets one from the output (DDP needs no
-            # find_unused_parameters), in eval as in training and as MJPPatchEmbed and the ops give it.
+        if jigsaw is None and unk is not None and training and unk.requires_grad:
+            # The jigsaw is off, so nothing uses unk_embed: its gradient is zero, given through the output, so that
+            # every parameter gets one from the output (DDP needs no find_unused_parameters).
             out = keep_in_graph(out, unk)
         if regressor is None:
             return out
