@@ -200,7 +200,9 @@ def _variants() -> list[tuple[str, object, dict[str, str], dict[str, object], di
         # class token (256 x (1 + 196) x 384): mjp_pos_embed's backward (inverse move, grad_prefix, no bias) and
         # the patch embedding's (bias, no move).
         position_variants = []
-        for scatter in (False, True):
+        # ZERO_UNSHOWN: the eager mjp_pos_embed backward, which reads the forward's witness (int32); without it (the
+        # patch embedding's, or the compiled operator's) the argument is grad's pointer, never read.
+        for scatter, zero_unshown in ((False, False), (True, False), (True, True)):
             plan = common.position_gradient_plan(
                 256, 197, 384, torch_dtype, 132, False, scatter=scatter, has_bias=not scatter, prefix_count=1,
                 prefix_positions=1,
@@ -212,12 +214,14 @@ def _variants() -> list[tuple[str, object, dict[str, str], dict[str, object], di
                 "grad_tokens_ptr": f"*{dtype}",
                 "partial_ptr": "*fp32",
                 **dict.fromkeys(("batch", "num_positions", "prefix_count", "D", "samples_per_chunk"), "i32"),
+                "witness_ptr": "*i32" if zero_unshown else f"*{dtype}",
                 "HAS_PREFIX": "i1",
             }
             partial_flags = {
                 "HAS_MASK": True,
                 "SCATTER": scatter,
                 "HAS_BIAS": not scatter,
+                "ZERO_UNSHOWN": zero_unshown,
                 "BLOCK_B": plan.block_b,
                 "BLOCK_N": plan.block_n,
                 "BLOCK_D": plan.block_d,
@@ -232,7 +236,7 @@ def _variants() -> list[tuple[str, object, dict[str, str], dict[str, object], di
                 kinds, values = with_prefix(case, partials)
                 position_variants.append(
                     (
-                        f"grad_position partials {dtype} scatter={scatter} {prefix}",
+                        f"grad_position partials {dtype} scatter={scatter} witness={zero_unshown} {prefix}",
                         common._position_partials_kernel,
                         {**partials, **kinds, **dict.fromkeys(partial_flags, "constexpr")},
                         {**partial_flags, **values},
@@ -271,28 +275,32 @@ def _variants() -> list[tuple[str, object, dict[str, str], dict[str, object], di
                             options,
                         )
                     )
-        pos_forward = {
-            "tokens_ptr": f"*{dtype}",
-            "perm_ptr": "*i64",
-            "mask_ptr": "*i1",
-            "pos_ptr": f"*{dtype}",
-            "unk_ptr": f"*{dtype}",
-            "prefix_ptr": f"*{dtype}",
-            "out_ptr": f"*{dtype}",
-            **dict.fromkeys(("total", "total_prefix", "num_positions", "prefix_count", "prefix_positions", "D"), "i32"),
-            "HAS_PREFIX": "i1",
-        }
-        for prefix, case in prefix_cases:
-            kinds, values = with_prefix(case, pos_forward)
-            variants.append(
-                (
-                    f"pos_embed forward {dtype} {prefix}",
-                    pos_embed._forward_kernel,
-                    {**pos_forward, **kinds, "BLOCK_R": "constexpr", "BLOCK_D": "constexpr"},
-                    {**pos_embed_tiles, **values},
-                    {},
+        for witness in (True, False):  # eager (writes the witness) and the compiled operator (perm's pointer)
+            pos_forward = {
+                "tokens_ptr": f"*{dtype}",
+                "perm_ptr": "*i64",
+                "mask_ptr": "*i1",
+                "pos_ptr": f"*{dtype}",
+                "unk_ptr": f"*{dtype}",
+                "prefix_ptr": f"*{dtype}",
+                "out_ptr": f"*{dtype}",
+                **dict.fromkeys(
+                    ("total", "total_prefix", "num_positions", "prefix_count", "prefix_positions", "D"), "i32"
+                ),
+                "witness_ptr": "*i32" if witness else "*i64",
+                "HAS_PREFIX": "i1",
+            }
+            for prefix, case in prefix_cases:
+                kinds, values = with_prefix(case, pos_forward)
+                variants.append(
+                    (
+                        f"pos_embed forward {dtype} witness={witness} {prefix}",
+                        pos_embed._forward_kernel,
+                        {**pos_forward, **kinds, **dict.fromkeys(("HAS_WITNESS", "BLOCK_R", "BLOCK_D"), "constexpr")},
+                        {**pos_embed_tiles, **values, "HAS_WITNESS": witness},
+                        {},
+                    )
                 )
-            )
     variants.extend(_dal_loss_variants(dal_loss))
     return variants
 

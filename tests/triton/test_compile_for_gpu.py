@@ -34,7 +34,9 @@ def test_every_triton_kernel_compiles_for_hopper():
         for prefix in ("P=1", "P=0", "P=5"):
             assert re.search(rf"ok   sm_90 {kernel} bf16[^\n]* {prefix}: cubin", result.stdout), (kernel, prefix)
     for prefix in ("P=1", "P=0", "P=5"):
-        assert f"ok   sm_90 grad_position partials bf16 scatter=True {prefix}:" in result.stdout
+        for witness in (True, False):  # the eager backward reads the forward's witness; the compiled one does not
+            assert f"ok   sm_90 grad_position partials bf16 scatter=True witness={witness} {prefix}:" in result.stdout
+            assert f"ok   sm_90 pos_embed forward bf16 witness={witness} {prefix}:" in result.stdout
         assert f"ok   sm_90 grad_position reduce fp32 bias=True {prefix}:" in result.stdout
     # _dot with mixed operand dtypes (bfloat16 x float32) compiles its float32 branch alone
     assert result.stdout.count("(upcast): cubin") == 3

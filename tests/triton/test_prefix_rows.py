@@ -287,10 +287,11 @@ def test_pos_embed_with_prefix_is_one_launch_forward_two_backward(monkeypatch):
     position_launches = _record_launches(monkeypatch, common)
     tokens, pos, unk, prefix = torch.randn(2, 6, 8), torch.randn(1, 7, 8), torch.randn(8), torch.randn(1, 1, 8)
     mask, perm = torch.zeros(2, 6, dtype=torch.bool), torch.arange(6).repeat(2, 1)
+    witness = torch.empty(2, 6, dtype=torch.int32)  # as the eager autograd node passes it
     with _TorchOps() as recorded:
-        pos_kernels.pos_embed_forward_launch(tokens, perm, mask, pos, unk, prefix, 1)
+        pos_kernels.pos_embed_forward_launch(tokens, perm, mask, pos, unk, prefix, 1, witness=witness)
         pos_kernels.pos_embed_backward_launch(
-            torch.randn(2, 7, 8), perm, mask, 1, 1, [1, 7, 8], [1, 1, 8], *[torch.float32] * 4
+            torch.randn(2, 7, 8), perm, mask, 1, 1, [1, 7, 8], [1, 1, 8], *[torch.float32] * 4, witness=witness
         )
     assert [kernel for kernel, _, _ in pos_launches] == [pos_kernels._forward_kernel]
     assert pos_launches[0][1] == (2, 1)  # 12 patch rows, then 2 prefix rows: one program each in the interpreter
