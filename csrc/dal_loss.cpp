@@ -16,9 +16,10 @@
 // their own operations): pred, hidden and weights come out in that dtype (they are what the backward needs), the
 // gradients in the dtype of their tensors; a gradient that does not apply (no w1, no bias) is an empty [0] tensor.
 // Beyond the regressor's GEMMs the work is tiny, so the cost is the number of operations:
-// - CPU kernels: the GEMMs over the D-wide rows through ATen (one forward, two backward: BLAS at any size), the rest
-//   (bias and ReLU, the [N, 2] layer, the weights, the L1 and their gradients: O(N * H) work) in plain loops, in a
-//   fixed order (bitwise reproducible). At small sizes a training step's DAL is then a few microseconds of host time.
+// - CPU kernels: the GEMMs over the D-wide rows (one forward, two backward) as loops on the calling thread up to
+//   kLoopGemmLimit multiply-adds, through ATen's BLAS above; the rest (bias and ReLU, the [N, 2] layer, the weights,
+//   the L1 and their gradients: O(N * H) work) in plain loops, in a fixed order (bitwise reproducible). At small
+//   sizes a training step's DAL is then a few microseconds of host time, and never waits for another thread.
 // - CompositeExplicitAutograd kernels (CUDA and any other device): the fewest ATen operations that compute it, 12
 //   forward and 14 backward (a view or two more for a table with skipped rows) instead of the ~40 of the
 //   nn.Sequential regressor and the weighted L1 under autograd.
@@ -345,47 +346,58 @@ T sign_of(T value) {
   return static_cast<T>((value > T(0)) - (value < T(0)));
 }
 
-// Below this many multiply-adds (N * H * D) a GEMM runs as a plain loop: there the call into ATen (dispatch, an
-// output allocation, BLAS's set-up) costs more than the arithmetic. 2**16: a 16x16 grid at D = H = 16.
-constexpr int64_t kLoopGemmLimit = int64_t(1) << 16;
+// Below this many multiply-adds (N * H * D) a GEMM runs as a loop on the calling thread, not through ATen: there
+// the call (dispatch, an output allocation, BLAS's set-up) costs more than the arithmetic, and BLAS would split a
+// GEMM of microseconds over the intra-op threads, whose fork and join cost more than it saves. On a machine whose
+// cores are shared, each such parallel region waits for a descheduled thread: measured on 2 busy cores, the
+// [196, 64] x [64, 64] GEMMs of the cpu preset's DAL loss (a 14x14 grid, D = H = 64) took 16 ms each through
+// ATen and 21 us on one thread, so the DAL loss cost 48 ms of a 2 s step. 2**21: a 14x14 grid at D = H = 100,
+// well under a millisecond on one core; DeiT-Tiny's 196 x 192 x 192 stays with ATen.
+constexpr int64_t kLoopGemmLimit = int64_t(1) << 21;
 
-// out[i, j] (+)= sum_k a[i, k] * b[j, k]: a [M, K] and b [J, K] row-major, out [M, J] with row stride ldo.
+// The loops keep their innermost index on a contiguous output row (no reduction into one scalar), so that the
+// compiler vectorizes them without reassociating a sum.
+
+// out[i, j] = sum_k a[i, k] * b[k, j] (a b): a [M, K], b [K, J] row-major, out [M, J] with row stride ldo.
 template <typename T>
-void gemm_nt(const T* a, const T* b, T* out, int64_t m, int64_t j_count, int64_t k_count, int64_t ldo) {
+void gemm_nn(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ out, int64_t m, int64_t k_count,
+             int64_t j_count, int64_t ldo) {
   for (int64_t i = 0; i < m; ++i) {
-    for (int64_t j = 0; j < j_count; ++j) {
-      T sum = 0;
-      for (int64_t k = 0; k < k_count; ++k) sum += a[i * k_count + k] * b[j * k_count + k];
-      out[i * ldo + j] = sum;
+    T* __restrict__ row = out + i * ldo;
+    std::fill(row, row + j_count, T(0));
+    for (int64_t k = 0; k < k_count; ++k) {
+      const T scale = a[i * k_count + k];
+      const T* __restrict__ b_row = b + k * j_count;
+      for (int64_t j = 0; j < j_count; ++j) row[j] += scale * b_row[j];
     }
   }
+}
+
+// out[i, j] = sum_k a[i, k] * b[j, k] (a b^T): a [M, K] and b [J, K] row-major, out [M, J] with row stride ldo.
+// b (a weight, small) is transposed once into a buffer, and the product runs as gemm_nn.
+template <typename T>
+void gemm_nt(const T* a, const T* b, T* out, int64_t m, int64_t j_count, int64_t k_count, int64_t ldo) {
+  std::vector<T> b_t(static_cast<size_t>(k_count * j_count));
+  for (int64_t j = 0; j < j_count; ++j) {
+    for (int64_t k = 0; k < k_count; ++k) b_t[k * j_count + j] = b[j * k_count + k];
+  }
+  gemm_nn(a, b_t.data(), out, m, k_count, j_count, ldo);
 }
 
 // out[i, j] = sum_m a[m, i] * b[m, j] (a^T b): a [M, I], b [M, J] row-major, out [I, J] with row stride ldo. The
 // rows m with weights[m] == 0 (out of the loss, a's rows zero) are skipped: b's values there, even inf or NaN, do
 // not reach out.
 template <typename T>
-void gemm_tn(const T* a, const T* b, T* out, int64_t m_count, int64_t i_count, int64_t j_count, int64_t ldo,
-             const T* weights) {
+void gemm_tn(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ out, int64_t m_count,
+             int64_t i_count, int64_t j_count, int64_t ldo, const T* weights) {
   for (int64_t i = 0; i < i_count; ++i) std::fill(out + i * ldo, out + i * ldo + j_count, T(0));
   for (int64_t m = 0; m < m_count; ++m) {
     if (weights[m] == 0) continue;
+    const T* __restrict__ b_row = b + m * j_count;
     for (int64_t i = 0; i < i_count; ++i) {
       const T scale = a[m * i_count + i];
-      for (int64_t j = 0; j < j_count; ++j) out[i * ldo + j] += scale * b[m * j_count + j];
-    }
-  }
-}
-
-// out[i, j] = sum_k a[i, k] * b[k, j] (a b): a [M, K], b [K, J] row-major, out [M, J] with row stride ldo.
-template <typename T>
-void gemm_nn(const T* a, const T* b, T* out, int64_t m, int64_t k_count, int64_t j_count, int64_t ldo) {
-  for (int64_t i = 0; i < m; ++i) {
-    T* row = out + i * ldo;
-    std::fill(row, row + j_count, T(0));
-    for (int64_t k = 0; k < k_count; ++k) {
-      const T scale = a[i * k_count + k];
-      for (int64_t j = 0; j < j_count; ++j) row[j] += scale * b[k * j_count + j];
+      T* __restrict__ out_row = out + i * ldo;
+      for (int64_t j = 0; j < j_count; ++j) out_row[j] += scale * b_row[j];
     }
   }
 }

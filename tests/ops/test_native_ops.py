@@ -531,8 +531,8 @@ class DalCase:
         return pos, skip_rows, *params, self.coords, self.mask
 
 
-# rows, cols, D, H. The CPU kernels run their GEMMs as loops up to N * H * D = 2**16 and through ATen above: the
-# last shape takes the second path.
+# rows, cols, D, H. The CPU kernels run their GEMMs as loops up to N * H * D = 2**21 (kLoopGemmLimit in
+# csrc/dal_loss.cpp) and through ATen above: the last shape takes the second path.
 DAL_SHAPES = [
     (1, 1, 1, 1),
     (1, 1, 5, 3),
@@ -540,6 +540,7 @@ DAL_SHAPES = [
     (4, 4, 16, 16),
     (7, 3, 1, 4),
     (14, 14, 48, 24),
+    (16, 16, 96, 96),
 ]
 MASK_KINDS = [None, "none", "all", "random"]
 DAL_DTYPES = [  # (pos, regressor parameters)
@@ -598,7 +599,7 @@ def _check_dal(case, pos_dtype, param_dtype, scale, device="cpu", skip_rows=0, t
 @pytest.mark.parametrize("dtypes", DAL_DTYPES, ids=lambda p: f"{str(p[0])[6:]}-{str(p[1])[6:]}")
 @pytest.mark.parametrize("mask_kind", [None, "random"], ids=str)
 @pytest.mark.parametrize("kind", ["nonlinear", "linear"])
-@pytest.mark.parametrize("shape", [(1, 1, 5, 3), (3, 5, 7, 11), (14, 14, 48, 24)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("shape", [(1, 1, 5, 3), (3, 5, 7, 11), (16, 16, 96, 96)], ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize(("skip_rows", "table"), [(0, "3d"), (2, "2d"), (2, "3d")], ids=str)
 def test_dal_loss_on_the_whole_table(skip_rows, table, shape, kind, mask_kind, dtypes):
     # The model's table [1, skip_rows + N, D] (or flat): the prefix rows are not regressed, their gradient is zero.
