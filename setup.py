@@ -133,6 +133,15 @@ def _extension_build() -> tuple[list, dict]:
         """torch's BuildExtension (ninja) that, unless MJP_FAST_REQUIRE_EXTENSION=1, turns a failed compile of the
         optional extension into a warning, so the pure-Python package still installs."""
 
+        def finalize_options(self) -> None:
+            super().finalize_options()
+            if getattr(self, "editable_mode", False):
+                # pip's editable install builds in a fresh temporary folder each time, so every reinstall (the
+                # README's test command after its install command) compiled everything again, about 90 s here. In
+                # one folder of the checkout ninja rebuilds only what changed: it keeps each object's command line
+                # and header dependencies, so a changed source, header, flag, torch or architecture list rebuilds.
+                self.build_temp = str(ROOT / "build" / f"editable-{sys.implementation.cache_tag}")
+
         def run(self) -> None:
             try:
                 super().run()

@@ -96,6 +96,32 @@ print("ok", mjp_fast.available_backends())
     assert result.stdout.startswith("ok")
 
 
+def test_where_triton_cannot_run_its_kernels_are_not_imported():
+    """No GPU and no interpreter: the triton backend cannot run, so the operations do not import its kernels (nor
+    register their operators, which imports torch's inductor), and an explicit backend="triton" says why."""
+    script = """
+import sys, torch, mjp_fast
+assert not torch.cuda.is_available()
+loaded = sorted(name for name in sys.modules if name.startswith(("mjp_fast.triton", "mjp_fast.sampler.triton")))
+assert not loaded, loaded
+assert "triton" not in mjp_fast.available_backends(), mjp_fast.available_backends()
+try:
+    mjp_fast.sample_jigsaw(2, 4, 0.5, seed=0, backend="triton")
+except ValueError as error:
+    assert "TRITON_INTERPRET" in str(error), error
+else:
+    raise AssertionError("backend='triton' ran without a GPU or the interpreter")
+tokens = mjp_fast.mjp_pos_embed(torch.randn(2, 16, 8), torch.randn(16, 8), torch.zeros(8),
+                                mjp_fast.sample_jigsaw(2, 4, 0.5, seed=0))
+assert tokens.shape == (2, 16, 8)
+print("ok")
+"""
+    env = {**os.environ, "TRITON_INTERPRET": "0", "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.startswith("ok")
+
+
 def _tiny_vit(**kwargs):
     import timm
 

@@ -114,7 +114,7 @@ def cached_grid_coordinates(rows: int, cols: int, normalize: bool, device: str) 
 # autograd node here)
 # ----------------------------------------------------------------------------------------------------------------
 
-if backend_module.triton_importable():
+if backend_module.triton_usable():
     from mjp_fast.triton import dal_loss as _triton_kernels
 
 

@@ -185,7 +185,7 @@ def _mjp_patch_embed_torch(
 # (unk if mask[b, n] else pos[Q + n])``. Gradients come back in the shapes of their inputs.
 
 
-if backend_module.triton_importable():
+if backend_module.triton_usable():
     from mjp_fast.triton import patch_embed as _triton_patch_embed
 
 
@@ -270,7 +270,7 @@ if backend_module.extension() is not None:
         "mjp_fast::patch_embed_extension", _backward, setup_context=partial(_setup_context, kernels="extension")
     )
 
-if backend_module.triton_importable():
+if backend_module.triton_usable():
     triton_forward = _triton_patch_embed.patch_embed_forward_triton
     torch.library.register_autograd(triton_forward, _backward, setup_context=partial(_setup_context, kernels="triton"))
 

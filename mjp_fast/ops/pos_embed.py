@@ -163,7 +163,7 @@ def mjp_pos_embed_torch(
 # ----------------------------------------------------------------------------------------------------------------
 
 
-if backend_module.triton_importable():
+if backend_module.triton_usable():
     from mjp_fast.triton import pos_embed as _triton_kernels
 
 

@@ -77,7 +77,7 @@ _extension_operator.register_fake(_fake)
 _LAUNCHES = {"cpu": run_extension, "cuda": run_extension}
 _OPERATORS = {"cpu": _extension_operator, "cuda": _extension_operator}
 
-if backend_module.triton_importable():
+if backend_module.triton_usable():
     from mjp_fast.sampler import triton_kernel as _triton_kernel
     from mjp_fast.triton import operator as _triton_operator
 

@@ -1,6 +1,6 @@
 """``mjp train``: its arguments, and the one-line errors and exit codes of a run.
 
-    mjp train                                    # the embedded default: digits, baseline vs MJP, about 45 s on 2 CPUs
+    mjp train                                    # the embedded default: digits, baseline vs MJP, about 75 s on 2 CPUs
     mjp train --config deit_s.yaml --data /data/imagenet --output runs/deit_s_mjp
     mjp train --output runs/deit_s_mjp --resume   # continue a run where its last checkpoint left it
     torchrun --nproc_per_node=8 -m mjp_fast.cli train --config deit_s.yaml --data /data/imagenet
@@ -40,7 +40,7 @@ after mixup; DAL weight 0.01 cosine-decayed to 0.005.
 
 With no arguments at all it runs the embedded default (the 'digits' preset): scikit-learn's digits, no download, a
 small ViT, a baseline and an MJP model trained one after the other, and their top-1, consistency and position
-regression printed side by side (about 45 s on 2 CPU cores).
+regression printed side by side (about 75 s on 2 CPU cores).
 
 Configuration: the defaults below, then --config (a YAML file of key: value; a bundled recipe by name: deit_s,
 deit_ti, vit_s for ImageNet-1K as in the paper, cifar10 for 32-pixel CIFAR-10; or the preset digits; an existing

@@ -42,6 +42,22 @@ def test_augmentations_depend_on_epoch_and_position_not_on_workers(cifar_tree):
     assert not torch.equal(_batches(config, train, epoch=2)[0][0], in_process[0][0])
 
 
+@pytest.mark.parametrize("auto_augment", [None, "rand-m9-mstd0.5-inc1"])
+def test_a_zero_colour_jitter_adds_no_transform(auto_augment):
+    """timm adds a ColorJitter for a strength of 0 that changes nothing but costs time per image (a third of the
+    digits preset's) and draws from torch's generator: the training transform leaves it out."""
+    from torchvision.transforms import ColorJitter
+
+    def jitters(strength):
+        config = load_config("digits", [f"color_jitter={strength}"], auto_augment=auto_augment)
+        transform = train_transform(config, 16, (0.5,) * 3, (0.5,) * 3)
+        return [step for step in transform.transforms if isinstance(step, ColorJitter)]
+
+    assert jitters(0.0) == []
+    # RandAugment turns timm's colour jitter off whatever its strength; without it a strength gives one ColorJitter
+    assert len(jitters(0.4)) == (0 if auto_augment else 1)
+
+
 def test_split_resolution(cifar_tree, tmp_path):
     assert resolve_split(cifar_tree, "auto", validation=True).name == "test"
     with pytest.raises(ConfigError, match="has no .*/val or .*/validation or .*/test folder"):
