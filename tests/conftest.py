@@ -56,3 +56,9 @@ def cifar_tree(tmp_path_factory):
     """A small ImageFolder tree of links to real CIFAR-10 (tests.train.helpers.make_cifar_tree), made once for the
     training, evaluation and reproduce tests."""
     return make_cifar_tree(tmp_path_factory.mktemp("cifar"))
+
+
+def pytest_collection_modifyitems(config, items):
+    """The tests marked slow run first: pytest-xdist deals the tests out in this order, so a slow test that came
+    last (they sit in late folders: timm/, train/) kept one worker busy for a minute after the other had finished."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: the rest keep their order

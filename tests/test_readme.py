@@ -65,6 +65,7 @@ def _run_mjp(arguments: list[str], timeout: float) -> subprocess.CompletedProces
     )
 
 
+@pytest.mark.slow
 def test_readme_cifar_example_trains_with_the_default_augmentations(tmp_path):
     """The README's CIFAR-10 line, as written, with the recipe's default augmentations (RandAugment, mixup, cutmix,
     random erasing, repeated augmentation) and default loader workers; only shortened to one epoch of a subset."""
@@ -242,6 +243,7 @@ def test_readme_bundled_recipe_lines_resolve(tmp_path):
         assert printed["model"] == "deit_small_patch16_224" and printed["mjp_ratio"] == 0.03
 
 
+@pytest.mark.slow
 def test_readme_eval_line_on_a_comparison_run(tmp_path):
     """``mjp eval --checkpoint runs/x/mjp/last.pt --corruptions all --baseline runs/x/baseline/last.pt`` on the
     checkpoints of a short embedded-default comparison: its JSON goes to the run's folder, as the README says."""

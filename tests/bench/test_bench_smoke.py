@@ -285,6 +285,7 @@ CASE_ROW_KEYS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_mjp_bench_smoke_runs_every_case_into_one_json(tmp_path, capsys):
     from bench import render

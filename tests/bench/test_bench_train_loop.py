@@ -198,6 +198,7 @@ def test_timm_train_py_parses_the_command_as_meant(tmp_path, monkeypatch):
     assert args.sched_on_updates and args.epochs == 1 and args.warmup_epochs == 0
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_smoke_runs_mjp_and_says_where_timm_train_py_comes_from(monkeypatch):
     monkeypatch.delenv(case.TIMM_TRAIN_PY_ENV, raising=False)

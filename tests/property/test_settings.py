@@ -3,6 +3,7 @@
 import subprocess
 import sys
 
+import pytest
 from hypothesis import settings
 
 from tests.harness.isolated import ROOT, child_environment
@@ -14,6 +15,7 @@ def test_ci_is_the_default_profile_small_and_deterministic():
     assert ci.max_examples == CI_EXAMPLES == 20 and ci.derandomize and ci.deadline is None
 
 
+@pytest.mark.slow
 def test_the_fuzz_profile_is_chosen_on_the_command_line_with_its_budget(tmp_path):
     # The README's command: --hypothesis-profile fuzz, 1,000 random examples (MJP_FAST_FUZZ_EXAMPLES changes it).
     # The probe lives outside tests/, so the test set-up that registers the profiles is loaded as a plugin.

@@ -29,6 +29,7 @@ def test_a_bad_folder_is_one_line_before_any_training(cifar_sample, tmp_path, ca
     )
 
 
+@pytest.mark.slow
 def test_runs_are_measured_and_the_report_compares_them_with_row_a(cifar_sample, cifar10_c, tmp_path, capsys):
     runs = tmp_path / "runs"
     arguments = ["reproduce", "--preset", "smoke", "--data", str(cifar_sample), "--output", str(runs)]

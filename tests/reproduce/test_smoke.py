@@ -10,6 +10,7 @@ from mjp_fast.cli import main
 from mjp_fast.reproduce.claims import VERDICTS
 
 
+@pytest.mark.slow
 def test_smoke_preset_end_to_end(cifar_sample, tmp_path, capsys):
     runs = tmp_path / "runs"
     arguments = ["reproduce", "--preset", "smoke", "--data", str(cifar_sample), "--output", str(runs)]

@@ -111,6 +111,7 @@ def test_one_by_one_grid_and_ratio_edges():
     assert full.mask.sum(1).float().mean() > 0.5 * 196
 
 
+@pytest.mark.slow
 def test_samples_are_functions_of_seed_and_stream_index(backend_device):
     backend, device = backend_device
     whole = mjp_fast.sample_jigsaw(12, (6, 9), 0.4, seed=42, offset=100, device=device, backend=backend)

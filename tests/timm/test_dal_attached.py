@@ -401,6 +401,7 @@ def test_features_only_wrappers_train_dal_from_their_features():
 COMPILED = [name for name in BACKENDS if name in ("cpu", "triton")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
 @pytest.mark.parametrize("backend", COMPILED)
 def test_compiled_models_attach_the_same_loss(backend, fused):

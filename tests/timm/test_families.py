@@ -143,6 +143,7 @@ def test_the_sweep_lists_the_families_and_renders_a_table():
         "vit_relpos_small_patch16_224",
     ],
 )
+@pytest.mark.slow
 def test_mjp_train_and_eval_run_an_epoch_of_the_embedded_default(model_name, tmp_path):
     # As a user types it: the embedded default (digits, 8 px, patch 2) with another family's model, then mjp eval.
     output = tmp_path / "run"

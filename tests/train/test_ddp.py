@@ -74,6 +74,7 @@ def _run_torchrun(arguments: list[str], folder: Path) -> tuple[int, str, str]:
     return process.returncode, stdout, stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(REPEATS * RUN_TIMEOUT_SECONDS + 60)
 def test_compare_under_torchrun_finishes_both_runs_every_time(tmp_path):
     for attempt in range(REPEATS):

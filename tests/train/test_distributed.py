@@ -4,10 +4,13 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from mjp_fast.train.checkpoint import load_checkpoint
 from tests.train.helpers import REPO_ROOT, tiny_overrides
 
 
+@pytest.mark.slow
 def test_two_processes_under_torchrun(cifar_tree, tmp_path):
     output = tmp_path / "ddp"
     command = [
