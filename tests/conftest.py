@@ -59,6 +59,7 @@ def cifar_tree(tmp_path_factory):
 
 
 def pytest_collection_modifyitems(config, items):
-    """The tests marked slow run first: pytest-xdist deals the tests out in this order, so a slow test that came
-    last (they sit in late folders: timm/, train/) kept one worker busy for a minute after the other had finished."""
+    """The tests marked slow run first. pytest-xdist deals the tests out in this order, and most slow tests sit in
+    late folders (timm/, train/): dealt last, one of them could keep a worker busy for up to a minute after the
+    other worker had finished."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: the rest keep their order

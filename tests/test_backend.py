@@ -97,8 +97,8 @@ print("ok", mjp_fast.available_backends())
 
 
 def test_where_triton_cannot_run_its_kernels_are_not_imported():
-    """No GPU and no interpreter: the triton backend cannot run, so the operations do not import its kernels (nor
-    register their operators, which imports torch's inductor), and an explicit backend="triton" says why."""
+    """No GPU and no interpreter: the triton backend cannot run, so the operations neither import its kernels nor
+    register their operators, and an explicit backend="triton" says why."""
     script = """
 import sys, torch, mjp_fast
 assert not torch.cuda.is_available()

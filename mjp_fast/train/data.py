@@ -346,7 +346,7 @@ def train_transform(config: TrainConfig, img_size: int, mean: tuple, std: tuple,
         scale=tuple(config.scale),
         hflip=config.hflip,
         # a zero jitter is no jitter: timm would still add a ColorJitter that changes nothing, yet draws from torch's
-        # generator and takes a third of the digits preset's per-image time
+        # generator and took about 30% of the digits preset's per-image time
         color_jitter=config.color_jitter or None,
         auto_augment=config.auto_augment,
         interpolation=config.interpolation,

@@ -44,8 +44,8 @@ def test_augmentations_depend_on_epoch_and_position_not_on_workers(cifar_tree):
 
 @pytest.mark.parametrize("auto_augment", [None, "rand-m9-mstd0.5-inc1"])
 def test_a_zero_colour_jitter_adds_no_transform(auto_augment):
-    """timm adds a ColorJitter for a strength of 0 that changes nothing but costs time per image (a third of the
-    digits preset's) and draws from torch's generator: the training transform leaves it out."""
+    """timm adds a ColorJitter for a strength of 0 that changes nothing but costs time per image (about 30% of
+    the digits preset's) and draws from torch's generator: the training transform leaves it out."""
     from torchvision.transforms import ColorJitter
 
     def jitters(strength):
