@@ -22,8 +22,8 @@ def setup_script(monkeypatch):
     monkeypatch.delenv("MJP_FAST_SKIP_EXTENSION", raising=False)
     monkeypatch.setattr(setuptools, "setup", lambda **keywords: captured.update(keywords))
     monkeypatch.chdir(ROOT)
-    runpy.run_path(str(ROOT / "setup.py"), run_name="__main__")
     try:
+        runpy.run_path(str(ROOT / "setup.py"), run_name="__main__")
         if not captured.get("cmdclass"):
             pytest.skip("setup.py builds no extension here (torch not importable)")
         yield captured

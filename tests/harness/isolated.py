@@ -41,12 +41,13 @@ def child_environment() -> dict[str, str]:
     return env
 
 
-def run_isolated(source: str, *, timeout: float = 600.0) -> Isolated:
-    """Runs ``source`` (dedented) with ``python -c`` in the repository root and returns what happened."""
+def run_isolated(source: str, *, timeout: float = 600.0, env: dict[str, str] | None = None) -> Isolated:
+    """Runs ``source`` (dedented) with ``python -c`` in the repository root and returns what happened. ``env``:
+    variables set in the child besides the test process's."""
     done = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(source)],
         cwd=ROOT,
-        env=child_environment(),
+        env={**child_environment(), **(env or {})},
         capture_output=True,
         text=True,
         timeout=timeout,
