@@ -13,7 +13,7 @@ import triton.language as tl
 
 from mjp_fast.sampler import reference as _spec
 from mjp_fast.sampler.jigsaw import empty_jigsaw
-from mjp_fast.triton import launcher
+from mjp_fast.triton import launcher, next_power_of_2
 
 # The sampler's constants as the compiler takes globals inside a kernel: constexpr. (The interpreter also reads
 # plain Python ints; compiling for a GPU refuses them, as tests/triton/compile_for_gpu.py found.)
@@ -150,7 +150,7 @@ def sample_jigsaw_launch(
         mask, perm, h_thresholds, w_thresholds, counter, params, counter_scale, stream_shift, rows, cols, target,
         min_block,
         SHARED=shared,
-        BLOCK_N=triton.next_power_of_2(rows * cols),
-        BLOCK_G=triton.next_power_of_2(max(rows, cols)),
+        BLOCK_N=next_power_of_2(rows * cols),
+        BLOCK_G=next_power_of_2(max(rows, cols)),
     )  # fmt: skip
     return mask, perm

@@ -2,12 +2,13 @@
 
 One module per operation (``patch_embed``, ``pos_embed``, ``dal_loss``); what they share (the interpreter switch,
 launches and operators, tile settings, row-layout checks, the position gradient) is in ``common``, the one module
-they import from. :func:`interpreting`, :func:`launcher`, :func:`operator` and :func:`define_operator` are
-re-exported here for kernels outside this package (the sampler's).
+they import from. :func:`interpreting`, :func:`launcher`, :func:`operator`, :func:`define_operator` and the host
+arithmetic (:func:`cdiv`, :func:`next_power_of_2`) are re-exported here for kernels outside this package (the
+sampler's).
 """
 
 from __future__ import annotations
 
-from mjp_fast.triton.common import define_operator, interpreting, launcher, operator
+from mjp_fast.triton.common import cdiv, define_operator, interpreting, launcher, next_power_of_2, operator
 
-__all__ = ["define_operator", "interpreting", "launcher", "operator"]
+__all__ = ["cdiv", "define_operator", "interpreting", "launcher", "next_power_of_2", "operator"]

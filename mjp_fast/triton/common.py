@@ -146,9 +146,27 @@ def warp_count(gpu: int) -> int:
     return INTERPRETER_WARPS if INTERPRETING else gpu
 
 
+# Host-side arithmetic of the launchers. triton.cdiv and triton.next_power_of_2 are constexpr functions (in triton
+# 3.6, the GPU image's, and 3.8): a call from host code costs about 2 us here (it unwraps its arguments as
+# constexprs), and a step's launches make over a dozen of them. These are plain Python, with the same results (ints,
+# or torch.SymInts while a torch operator is traced).
+
+
+def cdiv(numerator: int, denominator: int) -> int:
+    """``ceil(numerator / denominator)`` for ``denominator > 0``, as ``triton.cdiv``."""
+    return (numerator + denominator - 1) // denominator
+
+
+def next_power_of_2(size: int) -> int:
+    """The smallest power of two ``>= size`` for ``size >= 1`` (0 for ``size <= 0``), as ``triton.next_power_of_2``."""
+    if isinstance(size, int):
+        return 1 << (size - 1).bit_length() if size > 0 else 0
+    return triton.next_power_of_2(size)  # a SymInt: triton's bit operations trace
+
+
 def power_of_two_tile(size: int, smallest: int, largest: int) -> int:
     """The power of two that covers ``size`` (Triton's tiles are powers of two), within ``[smallest, largest]``."""
-    return min(largest, max(smallest, triton.next_power_of_2(size)))
+    return min(largest, max(smallest, next_power_of_2(size)))
 
 
 @functools.cache

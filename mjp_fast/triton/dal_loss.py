@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from mjp_fast.triton.common import (
+    cdiv,
     define_operator,
     dot_precision,
     dot_upcast,
@@ -437,8 +438,8 @@ def _reduction_splits(position_blocks: int, reduced_tiles: int, device: torch.de
     tiles, enough for about :func:`_programs_wanted` programs with ``position_blocks`` blocks of positions; no split
     is empty."""
     splits = max(1, min(reduced_tiles, _programs_wanted(device) // max(position_blocks, 1)))
-    tiles_per_split = triton.cdiv(reduced_tiles, splits)
-    return max(1, triton.cdiv(reduced_tiles, tiles_per_split)), tiles_per_split
+    tiles_per_split = cdiv(reduced_tiles, splits)
+    return max(1, cdiv(reduced_tiles, tiles_per_split)), tiles_per_split
 
 
 def _forward_outputs(
@@ -507,8 +508,8 @@ def dal_forward_launch(
     loss, pred, hidden, weights = _forward_outputs(num_positions, hidden_dim, device)
 
     tiles = {name: tile_size(size) for name, size in FORWARD_TILES.items()}
-    position_blocks = triton.cdiv(num_positions, tiles["BLOCK_N"])
-    reduced_tiles = triton.cdiv(reduced, tiles["BLOCK_K"])
+    position_blocks = cdiv(num_positions, tiles["BLOCK_N"])
+    reduced_tiles = cdiv(reduced, tiles["BLOCK_K"])
     splits, tiles_per_split = _reduction_splits(position_blocks, reduced_tiles, device)
     partial_pred = torch.empty(splits, num_positions, 2, dtype=torch.float32, device=device)
     partial_kept = torch.empty(splits, num_positions, dtype=torch.int32, device=device) if mask is not None else None
@@ -532,7 +533,7 @@ def dal_forward_launch(
             reduced,
             batch,
             tiles_per_split,
-            triton.cdiv(batch, splits),
+            cdiv(batch, splits),
             NONLINEAR=nonlinear,
             HAS_B1=b1 is not None,
             HAS_MASK=mask is not None,
@@ -613,9 +614,9 @@ def dal_backward_launch(
     grad_b2 = torch.empty(2 if has_b2 else 0, dtype=w2.dtype, device=device)
 
     tiles = {name: tile_size(size) for name, size in BACKWARD_TILES.items()}
-    d_tiles = triton.cdiv(dim, tiles["BLOCK_D"])
-    weight_programs = d_tiles * (triton.cdiv(hidden_dim, tiles["BLOCK_H"]) if nonlinear else 1)
-    position_programs = triton.cdiv(skip_rows + num_positions, tiles["BLOCK_N"]) * d_tiles
+    d_tiles = cdiv(dim, tiles["BLOCK_D"])
+    weight_programs = d_tiles * (cdiv(hidden_dim, tiles["BLOCK_H"]) if nonlinear else 1)
+    position_programs = cdiv(skip_rows + num_positions, tiles["BLOCK_N"]) * d_tiles
     dummy = coords  # for absent tensors, as in the forward
     if weight_programs + position_programs:
         launcher(_backward_kernel, (weight_programs + position_programs,), traced)(

@@ -43,6 +43,7 @@ from mjp_fast.triton.common import (
     INTERPRETER_TILE,
     INTERPRETER_WARPS,
     MAX_CHANNEL_TILE,
+    cdiv,
     check_row_layout,
     define_operator,
     dot_precision,
@@ -51,6 +52,7 @@ from mjp_fast.triton.common import (
     launch_position_gradient,
     launcher,
     multiprocessors,
+    next_power_of_2,
     power_of_two_tile,
     prefix_rows,
     prefix_rows_tile,
@@ -149,7 +151,7 @@ def tuning_bucket(total_tokens: int | torch.SymInt) -> int | torch.SymInt:
     arithmetic of a power of two would only add nodes to the graph.
     """
     if isinstance(total_tokens, int):
-        return triton.next_power_of_2(max(total_tokens, 1))
+        return next_power_of_2(max(total_tokens, 1))
     return total_tokens
 
 
@@ -426,8 +428,8 @@ def patch_embed_forward_launch(
     dummy = pos_embed  # for absent inputs: read-only, never read
 
     def grid(meta):
-        rows = triton.cdiv(total, meta["BLOCK_M"]) + triton.cdiv(total_prefix, meta["BLOCK_M"])
-        return (rows, triton.cdiv(dim, meta["BLOCK_D"]))
+        rows = cdiv(total, meta["BLOCK_M"]) + cdiv(total_prefix, meta["BLOCK_M"])
+        return (rows, cdiv(dim, meta["BLOCK_D"]))
 
     launcher(_forward_kernel, grid, traced)(
         images,
@@ -554,7 +556,7 @@ def _grad_images_launch(
     if total:
 
         def grid(meta):
-            return (triton.cdiv(total, meta["BLOCK_M"]), triton.cdiv(k, meta["BLOCK_K"]))
+            return (cdiv(total, meta["BLOCK_M"]), cdiv(k, meta["BLOCK_K"]))
 
         launcher(_grad_images_kernel, grid, traced)(
             grad_out,
@@ -593,16 +595,16 @@ def _grad_weight_launch(
     num_positions, cols, k, dim = _patch_sizes(images, weight)
     total = images.shape[0] * num_positions
     block_m, block_d, block_k = _grad_weight_tiles(dim, k)
-    tiles = triton.cdiv(dim, block_d) * triton.cdiv(k, block_k)
+    tiles = cdiv(dim, block_d) * cdiv(k, block_k)
     # Enough splits of the token axis to fill the GPU about four times over, in whole tiles of tokens.
     programs_wanted = 1 if interpreting() else 4 * multiprocessors(images.device)
-    splits = max(1, min(triton.cdiv(total, block_m), programs_wanted // max(tiles, 1)))
+    splits = max(1, min(cdiv(total, block_m), programs_wanted // max(tiles, 1)))
     # At least one tile of tokens per split: an empty batch (B = 0) has no tokens at all.
-    tokens_per_split = max(block_m, triton.cdiv(triton.cdiv(total, splits), block_m) * block_m)
-    splits = max(1, triton.cdiv(total, tokens_per_split))
+    tokens_per_split = max(block_m, cdiv(cdiv(total, splits), block_m) * block_m)
+    splits = max(1, cdiv(total, tokens_per_split))
     partial = torch.empty(splits, dim, k, dtype=torch.float32, device=images.device)
     if total:
-        launcher(_grad_weight_kernel, (triton.cdiv(dim, block_d), triton.cdiv(k, block_k), splits), traced)(
+        launcher(_grad_weight_kernel, (cdiv(dim, block_d), cdiv(k, block_k), splits), traced)(
             grad_out,
             images,
             perm if perm is not None else grad_out,  # absent: never read

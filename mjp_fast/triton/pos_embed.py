@@ -34,6 +34,7 @@ from mjp_fast.triton.common import (
     MAX_CHANNEL_TILE,
     ROW_TILE,
     PositionGradientPlan,
+    cdiv,
     check_contiguous,
     check_row_layout,
     define_operator,
@@ -188,7 +189,7 @@ def pos_embed_forward_launch(
     if total + total_prefix == 0 or dim == 0:
         return out
     block_r, block_d = _forward_tiles(dim)
-    grid = (triton.cdiv(total, block_r) + triton.cdiv(total_prefix, block_r), triton.cdiv(dim, block_d))
+    grid = (cdiv(total, block_r) + cdiv(total_prefix, block_r), cdiv(dim, block_d))
     launcher(_forward_kernel, grid, traced)(
         tokens,
         perm,

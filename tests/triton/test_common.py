@@ -162,3 +162,31 @@ def test_operator_schemas_come_from_the_launchers():
     }
     for name, schema in expected.items():
         assert str(getattr(torch.ops.mjp_fast, name).default._schema) == f"mjp_fast::{name}{schema}"
+
+
+@pytest.mark.parametrize("value", [-5, -1, 0, 1, 2, 3, 4, 15, 16, 17, 255, 1000, 2**31 + 1, 2**45 - 3])
+def test_host_arithmetic_equals_tritons(value):
+    import triton
+
+    assert common.next_power_of_2(value) == triton.next_power_of_2(value)
+    for denominator in (1, 3, 16, 64):
+        assert common.cdiv(value, denominator) == triton.cdiv(value, denominator)
+
+
+def test_host_arithmetic_traces_symbolic_sizes():
+    # under torch.compile a triton_op's launcher runs on SymInts: both helpers must trace, not force a value
+    def grid(x):
+        return x.new_zeros(common.cdiv(x.shape[0], 16) + common.next_power_of_2(x.shape[0]))
+
+    compiled = torch.compile(grid, backend="eager", dynamic=True, fullgraph=True)
+    for size in (5, 37):
+        assert compiled(torch.empty(size)).shape[0] == (size + 15) // 16 + (1 << (size - 1).bit_length())
+
+
+def test_launchers_use_the_host_arithmetic():
+    # triton.cdiv and triton.next_power_of_2 are constexpr functions: about 2 us a call from host code
+    for path in [*TRITON_PACKAGE.glob("*.py"), PACKAGE / "sampler" / "triton_kernel.py"]:
+        source = path.read_text()
+        if path.name == "common.py":
+            source = source.replace("return triton.next_power_of_2(size)  # a SymInt", "")
+        assert "triton.cdiv(" not in source and "triton.next_power_of_2(" not in source, path.name
