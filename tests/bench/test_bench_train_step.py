@@ -28,6 +28,7 @@ TIMES = {
     1.0: [1.1, 2.0, 1.05],
 }
 ISOLATED_S = {0.5: 0.002, 1.0: 0.004}
+ISOLATED_GPU_S = {0.5: 50e-6, 1.0: 90e-6}  # the isolated work's GPU busy time (measured on a GPU only)
 
 
 class _Trainer:
@@ -57,7 +58,7 @@ def rows(monkeypatch):
     monkeypatch.setattr(case, "_models", lambda *_, **__: {variant: torch.nn.Identity() for variant in order})
     monkeypatch.setattr(case, "Trainer", _Trainer)
     monkeypatch.setattr(case, "StepTimer", ScriptedTimer)
-    monkeypatch.setattr(case, "_isolated", lambda *_, **__: ISOLATED_S)
+    monkeypatch.setattr(case, "_isolated", lambda *_, **__: (ISOLATED_S, ISOLATED_GPU_S))
     options = dict(batch=2, image_size=32, pairs=3, max_seconds=None, warmup=0, device="cpu", compile_model=False)
     rows = case.run_model("deit_tiny_patch16_224", smoke=True, **options)
     assert next(script, None) is None  # every scripted step was taken, once
@@ -94,3 +95,24 @@ def test_the_baselines_have_no_overhead_against_themselves(rows):
     fast = rows[case.FAST]  # against plain timm, but no MJP work to isolate
     assert fast["overhead_median_pct"] == pytest.approx(np.median([0.0, 0.0, 2.0]))
     assert fast["isolated_overhead_pct"] is None and fast["overhead_vs_fast_median_pct"] is None
+
+
+def test_the_gpu_work_aim_judges_the_busy_time_of_deit_small_at_batch_256(rows):
+    measured = [dict(row, model="deit_small_patch16_224", batch=256) for row in rows.values()]
+    aims = case._gpu_work_aims(measured, smoke=False, device="cuda", gpu="NVIDIA H200", dtype="bfloat16")
+    assert [(aim["measured"], aim["verdict"]) for aim in aims] == [
+        (pytest.approx(50.0), "PASS"),
+        (pytest.approx(90.0), "FAIL"),
+    ]
+    # elsewhere, or another configuration: not judged
+    for where in (dict(device="cpu", gpu=None), dict(device="cuda", gpu="NVIDIA A100")):
+        assert {aim["verdict"] for aim in case._gpu_work_aims(measured, smoke=False, dtype="bfloat16", **where)} == {
+            "NOT RUN"
+        }
+    other = case._gpu_work_aims(list(rows.values()), smoke=False, device="cuda", gpu="NVIDIA H200", dtype="bfloat16")
+    assert {aim["verdict"] for aim in other} == {"NOT RUN"}
+
+
+def test_the_row_keeps_the_gpu_busy_time(rows):
+    assert rows[0.5]["isolated_gpu_extra_s"] == ISOLATED_GPU_S[0.5] and rows[None]["isolated_gpu_extra_s"] is None
+    assert "GPU busy 90" in case.table([rows[1.0]])
