@@ -1,4 +1,5 @@
-"""torch.compile(fullgraph=True) traces MJPPatchEmbed without graph breaks, and the operators pass opcheck."""
+"""torch.compile(fullgraph=True) traces MJPPatchEmbed without graph breaks, the operators pass opcheck, and a
+compiled timm model trains DAL with the eager gradients."""
 
 import contextlib
 import copy
@@ -9,9 +10,17 @@ import torch
 import mjp_fast
 from mjp_fast.sampler.reference import sampler_tables
 
-from .conftest import backends_for
+from .conftest import GPU, backends_for
 
 COMPILED_BACKENDS = [name for name in backends_for("cpu") if name in ("cpu", "triton")]
+# (device, backend, compiler) of the DAL-gradient check: on the CPU aot_eager (tracing, functionalization and
+# autograd; Inductor on the CPU adds minutes), on a GPU Inductor too, which compiles the Triton kernels themselves.
+DAL_COMPILE_CASES = [("cpu", backend, "aot_eager") for backend in COMPILED_BACKENDS] + [
+    ("cuda", backend, compiler)
+    for backend in (backends_for("cuda") if GPU else [])
+    if backend != "torch"
+    for compiler in ("aot_eager", "inductor")
+]
 
 
 def _step(module, images):
@@ -79,3 +88,48 @@ def test_opcheck_sampler(backend):
     ]
     for arguments in samples:
         torch.library.opcheck(operator[backend].default, arguments, test_utils=("test_schema", "test_faketensor"))
+
+
+def _dal_gradients(net, model, images):
+    """One training step's gradients of the DAL regressor and the tables (the loop adds ``mjp_aux_loss()`` itself,
+    so both the attached loss and the explicit one take part), and the DAL loss the forward attached."""
+    out = net(images)
+    (out.float().square().mean() + 0.01 * model.mjp_aux_loss()).backward()
+    names = ("pos_embed", "mjp.unk_embed")
+    gradients = {
+        name: parameter.grad.clone()
+        for name, parameter in model.named_parameters()
+        if name.startswith("mjp.dal_regressor.") or name in names
+    }
+    return gradients, model.mjp.last_dal_loss
+
+
+@pytest.mark.parametrize(("device", "backend", "compiler"), DAL_COMPILE_CASES, ids="-".join)
+def test_a_compiled_model_trains_dal_with_the_eager_gradients(device, backend, compiler):
+    import timm
+
+    import mjp_fast.timm as mjp_timm
+
+    torch.manual_seed(0)
+    settings = dict(img_size=32, patch_size=8, embed_dim=64, depth=1, num_heads=2, num_classes=10)
+    vit = timm.create_model("vit_tiny_patch16_224", **settings).to(device)
+    model = mjp_timm.convert(vit, ratio=0.5, prob=1.0, min_block=2, backend=backend).train()
+    eager = copy.deepcopy(model)
+    images = torch.randn(4, 3, 32, 32, device=device)
+    got, got_loss = _dal_gradients(torch.compile(model, backend=compiler), model, images)
+    want, want_loss = _dal_gradients(eager, eager, images)
+    # DAL's gradients are small (0.01 of a loss near 1): each is held to its own scale, and the report says how
+    # the compiled one relates to the eager one (a ratio of 2: the loss counted twice; 0: its gradient lost).
+    report = [f"DAL loss: compiled {got_loss}, eager {want_loss}"]
+    mismatched = []
+    for name, expected in want.items():
+        actual, scale = got[name], expected.abs().max().item()
+        close = torch.allclose(actual, expected, rtol=1e-3, atol=1e-3 * scale + 1e-8)
+        ratio = actual.flatten() @ expected.flatten() / (expected.flatten() @ expected.flatten()).clamp_min(1e-30)
+        report.append(
+            f"{name}: {'ok' if close else 'MISMATCH'}, compiled/eager {ratio.item():.4g}, max |eager| {scale:.3g}, "
+            f"max |difference| {(actual - expected).abs().max().item():.3g}"
+        )
+        mismatched += [] if close else [name]
+    assert got_loss is not None and torch.allclose(got_loss, want_loss, rtol=1e-4), "\n".join(report)
+    assert not mismatched, "\n".join(report)
