@@ -31,6 +31,9 @@
 #   the session: start-up + command + transfers                                         ~11 min of the 15
 #   If stages 1-7 all ran to their limits (570 s) stages 8-9 would not run: the correctness checks come first.
 #
+# `bash bench/device_check.sh perf` runs stages 1-3, then what the default mode has no time for: Inductor's checks
+# (tests/test_compile.py and the Inductor tests of tests/test_gpu.py, ~60-120 s), the eager train step and host
+# cost benchmarks (~100 s), and the compiled train-step benchmark with the rest (~300 s; estimates: not yet run).
 # `bash bench/device_check.sh tests` runs stages 1-4. `bash bench/device_check.sh reproduce [KEY=VALUE ...]` runs
 # `mjp reproduce --preset gpu` alone, under a deadline of 570 s (the KEY=VALUE overrides go to mjp reproduce, e.g.
 # epochs=3). It needs CIFAR-10: make the archive here once with `bash bench/device_check.sh pack-data`
@@ -254,6 +257,25 @@ benchmarks() {
   grep -E "^(PASS|FAIL|NOT RUN|NOISY|ERROR)" "$work/bench_compiled.log" | head -n 20
 }
 
+compile_checks() {
+  # perf mode: the compiled models' gradients first (a wrong result outranks any timing), with the report of how
+  # each DAL gradient relates to the eager one (tests/test_compile.py)
+  stage "compile checks" 150 compile-tests.log python3 -m pytest -v -p no:cacheprovider -n 8 --timeout 120 -rfE \
+    --tb=short tests/test_compile.py tests/test_gpu.py -k "dal or inductor"
+  grep -E "^(FAILED|ERROR) |MISMATCH|compiled/eager|DAL loss" "$work/compile-tests.log" | cut -c1-200 | head -n 40
+}
+
+perf_benchmarks() {
+  # perf mode: what the default mode's 540 s leave out: the eager train step again (with the GPU busy time of
+  # MJP's work) and the host cost, then the compiled train step with all the time that is left (~300 s)
+  stage "benchmarks, eager" 150 bench_eager.log python3 -m bench.run --device cuda --cases train_step,host_cost \
+    --out "$out"
+  grep -E "^(PASS|FAIL|NOT RUN|NOISY|ERROR)" "$work/bench_eager.log" | head -n 30
+  stage "benchmarks, torch.compile" 600 bench_compiled.log python3 -m bench.run --device cuda --cases train_step \
+    --compile --repeats 20 --out "$out"
+  grep -E "^(PASS|FAIL|NOT RUN|NOISY|ERROR)" "$work/bench_compiled.log" | head -n 20
+}
+
 # CIFAR-10 for `reproduce`, into data_dir: a directory given as MJP_REPRODUCE_DATA, the carried archive
 # (unpacked to /tmp), or ../shared/data/cifar10 (the development machine).
 reproduce_data() {
@@ -318,13 +340,19 @@ case "$mode" in
     build
     tests
     ;;
+  perf)
+    preflight
+    build
+    compile_checks
+    perf_benchmarks
+    ;;
   reproduce)
     preflight
     build
     reproduce "$@"
     ;;
   *)
-    echo "usage: bash bench/device_check.sh [dry-run] [all|tests|reproduce [KEY=VALUE ...]|pack-data [DIR]]" >&2
+    echo "usage: bash bench/device_check.sh [dry-run] [all|tests|perf|reproduce [KEY=VALUE ...]|pack-data [DIR]]" >&2
     exit 2
     ;;
 esac

@@ -114,6 +114,18 @@ def test_a_dry_run_goes_through_every_stage_and_each_fails_fast(tmp_path):
     assert len(list(Path(env["OUT"]).iterdir())) <= 8  # the device tool brings back 8 files at most
 
 
+def test_the_perf_mode_runs_the_compile_checks_then_the_benchmarks(tmp_path):
+    env = _fake_python(
+        tmp_path, f'case "$*" in *"-m pip install"*|*"mjp_fast._C as C"*) echo built; exit 0;; esac; {NO_GPU}'
+    )
+    result, seconds = _run(env, "dry-run", "perf")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert seconds < 30
+    stages = [line.split(":")[0] for line in _summary(env) if "FAILED (exit 1)" in line]
+    assert stages == ["preflight", "compile checks", "benchmarks, eager", "benchmarks, torch.compile"], _summary(env)
+    assert _summary(env)[-1].startswith("device check (perf, dry run): 4 failed stage(s), exit 1")
+
+
 def test_a_hanging_stage_is_stopped_at_the_deadline(tmp_path):
     env = _fake_python(tmp_path, "sleep 100")
     env.update(DEADLINE_S="5", DEVICE_CHECK_DRY_RUN="1")
