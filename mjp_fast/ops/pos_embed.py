@@ -185,19 +185,24 @@ class _PosEmbedTriton(torch.autograd.Function):
     last two dims ``[Q + N, D]`` (the model's whole table: no slicing); unk_embed ``[D]``; prefix: the class and
     register tokens (numel ``P * D``) or None; Q (``prefix_positions``) is 0 or P. All in the output dtype. The
     output is ``[B, P + N, D]``: the prefix tokens (plus their rows of the table), then the patch tokens.
+    ``permutation``: each row of ``perm`` is known to be a permutation (validated, or sampled by the model).
     """
 
     @staticmethod
-    def forward(ctx, tokens, perm, mask, pos_embed, unk_embed, prefix, prefix_positions):  # type: ignore[override]
+    def forward(ctx, tokens, perm, mask, pos_embed, unk_embed, prefix, prefix_positions, permutation):  # type: ignore[override]
         prefix_shape = list(prefix.shape) if prefix is not None else [0]
         prefix_count = prefix.numel() // tokens.shape[2] if prefix is not None else 0
         ctx.layout = (prefix_count, prefix_positions, list(pos_embed.shape), prefix_shape)
         prefix_dtype = prefix.dtype if prefix is not None else pos_embed.dtype
         ctx.dtypes = (tokens.dtype, pos_embed.dtype, unk_embed.dtype, prefix_dtype)
+        ctx.permutation = permutation
         arguments = (tokens, perm, mask, pos_embed, unk_embed, prefix, prefix_positions)
         if torch.compiler.is_compiling():
             ctx.save_for_backward(perm, mask)
             return torch.ops.mjp_fast.pos_embed_triton(*arguments)
+        if permutation:  # the backward's inverse move writes every row of the tokens' gradient: nothing to zero
+            ctx.save_for_backward(perm, mask)
+            return _triton_kernels.pos_embed_forward_launch(*arguments)
         # The forward's witness of where each token came from lets the backward zero, in its own pass, the gradient
         # rows no token came from (only a perm that is not a permutation has any): no fill, no launch of its own.
         witness = torch.empty(perm.shape, dtype=torch.int32, device=perm.device)
@@ -208,12 +213,13 @@ class _PosEmbedTriton(torch.autograd.Function):
     def backward(ctx, grad):  # type: ignore[override]
         perm, mask, *witness = ctx.saved_tensors
         arguments = (grad.contiguous(), perm, mask, *ctx.layout, *ctx.dtypes)
-        if torch.compiler.is_compiling() or not witness:
-            grads = torch.ops.mjp_fast.pos_embed_triton_backward(*arguments)
+        if torch.compiler.is_compiling() or not (witness or ctx.permutation):
+            grads = torch.ops.mjp_fast.pos_embed_triton_backward(*arguments)  # zero-fills the tokens' gradient
         else:
-            grads = _triton_kernels.pos_embed_backward_launch(*arguments, witness=witness[0])
+            witness = witness[0] if witness else None
+            grads = _triton_kernels.pos_embed_backward_launch(*arguments, witness=witness, permutation=ctx.permutation)
         grad_tokens, grad_pos, grad_unk, grad_prefix = grads
-        return grad_tokens, None, None, grad_pos, grad_unk, grad_prefix if ctx.layout[0] else None, None
+        return grad_tokens, None, None, grad_pos, grad_unk, grad_prefix if ctx.layout[0] else None, None, None
 
 
 def has_kernels(backend: str, dtype: torch.dtype) -> bool:
@@ -257,6 +263,7 @@ def mjp_position_step(
     backend: str,
     prefix: torch.Tensor | None = None,
     prefix_positions: int = 0,
+    permutation: bool = False,
 ) -> torch.Tensor:
     """A ViT's whole position step with MJP, for callers that checked the arguments and resolved the backend (the
     timm models' per-step path): the class and register tokens in front, then the moved patch tokens, each plus its
@@ -270,6 +277,8 @@ def mjp_position_step(
         prefix: the P prefix tokens (timm's ``cls_token`` ``[1, 1, D]``, or the class and register tokens
             concatenated), or None.
         backend: a resolved backend; ``cpu`` and ``triton`` have kernels for this, the others run torch operations.
+        permutation: each row of ``jigsaw.perm`` is known to be a permutation (a validated jigsaw, or one the
+            model's sampler made): the ``triton`` backward then needs no record of where the tokens came from.
 
     Returns:
         ``[B, P + N, D]`` in the dtype ``tokens + pos_embed`` promotes to (timm's add under autocast: float32).
@@ -280,8 +289,10 @@ def mjp_position_step(
         patch_rows = pos_embed[..., prefix_positions:, :].reshape(tokens.shape[1], dim)  # not -1: D may be 0
         moved = mjp_pos_embed_torch(tokens, patch_rows, unk_embed, jigsaw)
         return prepend_prefix(moved, pos_embed, prefix, prefix_positions)
-    operator = _extension_operator() if backend == "cpu" else _PosEmbedTriton.apply
-    return operator(*_kernel_inputs(tokens, pos_embed, unk_embed, jigsaw, prefix, prefix_positions, dtype))
+    inputs = _kernel_inputs(tokens, pos_embed, unk_embed, jigsaw, prefix, prefix_positions, dtype)
+    if backend == "cpu":
+        return _extension_operator()(*inputs)
+    return _PosEmbedTriton.apply(*inputs, permutation)
 
 
 def _kernel_inputs(
@@ -404,4 +415,4 @@ def mjp_pos_embed(
     if chosen == "triton" and dtype == torch.float64:
         raise TypeError("tokens: the triton backend supports float32, float16 and bfloat16, got float64")
     perm, mask = jigsaw.perm.contiguous(), jigsaw.mask.contiguous()
-    return mjp_position_step(tokens, pos_embed, unk_embed, Jigsaw(mask, perm), chosen)
+    return mjp_position_step(tokens, pos_embed, unk_embed, Jigsaw(mask, perm), chosen, permutation=validate)

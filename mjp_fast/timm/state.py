@@ -210,7 +210,9 @@ class MJPState(MJPCore):
                 )  # fmt: skip
                 if stepped is not None:
                     return stepped
-        return mjp_position_step(x, pos_table, unk_embed, jigsaw, backend, prefix, prefix_positions), None
+        # The sampler's perms are permutations (and so is the identity of tokens jigsawed as pixels already).
+        step = mjp_position_step(x, pos_table, unk_embed, jigsaw, backend, prefix, prefix_positions, permutation=True)
+        return step, None
 
     def _attach_dal(
         self,

@@ -671,6 +671,7 @@ def launch_position_gradient(
     plan: PositionGradientPlan | None = None,
     traced: bool = False,
     witness: torch.Tensor | None = None,
+    permutation: bool = False,
 ) -> PositionGradients:
     """The gradients that one pass over ``grad`` gives: two kernel launches, outputs made with ``torch.empty``.
 
@@ -694,6 +695,8 @@ def launch_position_gradient(
             the rows of ``grad_tokens`` that no entry of ``perm`` names get zeros in the same pass. None:
             ``grad_tokens`` starts from zeros (a fill more). Only a perm that is not a permutation (validate=False)
             leaves such rows; either way none is left uninitialised.
+        permutation: each row of ``perm`` is a permutation (a jigsaw that was validated, or that a sampler made):
+            the inverse move writes every row of ``grad_tokens``, so neither a witness nor a fill is needed.
 
     Returns:
         ``grad_tokens [B, N, D]`` (or None); ``grad_pos`` (``pos_shape``: rows ``t < Q`` the prefix rows summed
@@ -708,7 +711,7 @@ def launch_position_gradient(
     gradients = _empty_position_gradients(
         grad, pos_shape, tokens_dtype, pos_dtype, unk_dtype, bias_dtype, prefix_count, prefix_dtype, prefix_shape
     )
-    if scatter and witness is None and gradients[0].numel():
+    if scatter and witness is None and not permutation and gradients[0].numel():
         gradients[0].zero_()
     if grad.shape[2] == 0:  # D = 0: nothing to add up
         return gradients

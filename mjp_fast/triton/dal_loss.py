@@ -11,10 +11,11 @@ Forward, two launches:
    for the linear regressor) is cut into ``splits`` ranges of tiles, as many as it takes to give the GPU about two
    programs per multiprocessor. Each program computes its hidden tile (``tl.dot`` over D, then bias and ReLU),
    stores it, and multiplies it by its columns of ``w2`` (the 2-wide coordinate axis padded to 16 by masked loads)
-   into a float32 partial prediction ``[splits, N, 2]``. The same program counts, for its positions, the unmasked
-   samples of its share of the batch: partial counts ``[splits, N]``.
+   into a float32 partial prediction. The same program counts, for its positions, the unmasked samples of its
+   share of the batch. Both go to one buffer ``[splits, N, 3]`` (row, col, count): one allocation.
 2. ``_forward_finish_kernel``, one program: sums the partials over the splits in a fixed order, adds ``b2``, writes
-   ``pred`` and ``weights``, and reduces the loss in a fixed order.
+   ``pred`` and ``weights`` side by side (``fit [N, 3]``, saved for the backward), and reduces the loss in a fixed
+   order.
 
 ``pos`` may be the model's full table ``[skip_rows + N, D]`` (any leading dims of 1, e.g. ``[1, 1 + N, D]`` with a
 class token's row first): the kernels read its rows ``skip_rows..``, and the backward writes ``grad_pos`` in the
@@ -61,8 +62,7 @@ def _forward_partial_kernel(
     w2_ptr,  # [2, K]
     mask_ptr,  # bool [B, N] (HAS_MASK)
     hidden_ptr,  # float32 [N, H], written (NONLINEAR)
-    partial_pred_ptr,  # float32 [splits, N, 2], written
-    partial_kept_ptr,  # int32 [splits, N], written (HAS_MASK)
+    partials_ptr,  # float32 [splits, N, 3], written: per position the partial (row, col), and its kept count (HAS_MASK)
     N,
     skip_rows,  # rows of pos before the N positions' (a class token's)
     D,
@@ -130,11 +130,8 @@ def _forward_partial_kernel(
             w2_ptr + coord[None, :] * K + cols[:, None], mask=col_ok[:, None] & (coord[None, :] < 2), other=0.0
         ).to(tl.float32)
         part = tl.dot(features, w2, part, input_precision="ieee")
-    tl.store(
-        partial_pred_ptr + (split * N + wide_rows)[:, None] * 2 + coord[None, :],
-        part,
-        mask=row_ok[:, None] & (coord[None, :] < 2),
-    )
+    partial_rows = (split * N + wide_rows) * 3
+    tl.store(partials_ptr + partial_rows[:, None] + coord[None, :], part, mask=row_ok[:, None] & (coord[None, :] < 2))
     if HAS_MASK:
         kept = tl.zeros((BLOCK_N,), dtype=tl.int32)
         first_sample = split * samples_per_split
@@ -147,17 +144,16 @@ def _forward_partial_kernel(
                 other=1,
             ).to(tl.int1)
             kept += tl.sum(tl.where(masked, 0, 1), axis=0)
-        tl.store(partial_kept_ptr + split * N + wide_rows, kept, mask=row_ok)
+        # a count below 2^24 (the batch), exact in float32: one buffer holds the partials and the counts
+        tl.store(partials_ptr + partial_rows + 2, kept.to(tl.float32), mask=row_ok)
 
 
 @triton.jit
 def _forward_finish_kernel(
-    partial_pred_ptr,  # float32 [splits, N, 2]
-    partial_kept_ptr,  # int32 [splits, N] (HAS_MASK)
+    partials_ptr,  # float32 [splits, N, 3]: the partial (row, col), and the kept count (HAS_MASK)
     b2_ptr,  # [2] (HAS_B2)
     coords_ptr,  # float32 [N, 2]
-    pred_ptr,  # float32 [N, 2], written
-    weights_ptr,  # float32 [N], written
+    fit_ptr,  # float32 [N, 3], written: the prediction (row, col) and the weight of each position
     loss_ptr,  # float32 [], written
     N,
     splits,
@@ -173,7 +169,7 @@ def _forward_finish_kernel(
         rows = start + offsets
         if HAS_MASK:
             for split in range(0, splits):
-                kept_total += tl.load(partial_kept_ptr + split * N + rows, mask=rows < N, other=0)
+                kept_total += tl.load(partials_ptr + (split * N + rows) * 3 + 2, mask=rows < N, other=0.0).to(tl.int32)
         else:
             kept_total += tl.where(rows < N, 1, 0)
     denominator = tl.maximum(tl.sum(kept_total, axis=0), 1).to(tl.float32)
@@ -191,18 +187,19 @@ def _forward_finish_kernel(
         pred_col = tl.zeros((BLOCK,), dtype=tl.float32)
         kept = tl.zeros((BLOCK,), dtype=tl.int32)
         for split in range(0, splits):
-            pred_row += tl.load(partial_pred_ptr + (split * N + rows) * 2, mask=ok, other=0.0)
-            pred_col += tl.load(partial_pred_ptr + (split * N + rows) * 2 + 1, mask=ok, other=0.0)
+            partial = partials_ptr + (split * N + rows) * 3
+            pred_row += tl.load(partial, mask=ok, other=0.0)
+            pred_col += tl.load(partial + 1, mask=ok, other=0.0)
             if HAS_MASK:
-                kept += tl.load(partial_kept_ptr + split * N + rows, mask=ok, other=0)
+                kept += tl.load(partial + 2, mask=ok, other=0.0).to(tl.int32)
         if not HAS_MASK:
             kept = tl.where(ok, 1, 0)
         pred_row += bias_row
         pred_col += bias_col
-        tl.store(pred_ptr + rows * 2, pred_row, mask=ok)
-        tl.store(pred_ptr + rows * 2 + 1, pred_col, mask=ok)
+        tl.store(fit_ptr + rows * 3, pred_row, mask=ok)
+        tl.store(fit_ptr + rows * 3 + 1, pred_col, mask=ok)
         weights = kept.to(tl.float32) / denominator
-        tl.store(weights_ptr + rows, weights, mask=ok)
+        tl.store(fit_ptr + rows * 3 + 2, weights, mask=ok)
         error = tl.abs(pred_row - tl.load(coords_ptr + rows * 2, mask=ok, other=0.0)) + tl.abs(
             pred_col - tl.load(coords_ptr + rows * 2 + 1, mask=ok, other=0.0)
         )
@@ -212,20 +209,21 @@ def _forward_finish_kernel(
 
 
 @triton.jit
-def _grad_prediction(grad_ptr, pred_ptr, coords_ptr, weights_ptr, rows, N, scale, COORDS: tl.constexpr):
+def _grad_prediction(grad_ptr, fit_ptr, coords_ptr, rows, N, scale, COORDS: tl.constexpr):
     """``grad * scale * weights[n] * sign(pred - coords)``, ``[BLOCK_N, COORDS]``, zero past the 2 coordinates and
-    on rows outside ``[0, N)``."""
+    on rows outside ``[0, N)``; ``fit`` ``[N, 3]``: each position's prediction (row, col) and weight."""
     coord = tl.arange(0, COORDS)
     row_ok = (rows >= 0) & (rows < N)
     ok = row_ok[:, None] & (coord[None, :] < 2)
-    offsets = rows.to(tl.int64)[:, None] * 2 + coord[None, :]
-    difference = tl.load(pred_ptr + offsets, mask=ok, other=0.0) - tl.load(coords_ptr + offsets, mask=ok, other=0.0)
+    wide_rows = rows.to(tl.int64)[:, None]
+    prediction = tl.load(fit_ptr + wide_rows * 3 + coord[None, :], mask=ok, other=0.0)
+    difference = prediction - tl.load(coords_ptr + wide_rows * 2 + coord[None, :], mask=ok, other=0.0)
     sign = tl.where(difference > 0, 1.0, tl.where(difference < 0, -1.0, 0.0))
     # scale is a Python float: float32 in an eager launch, float64 where inductor launches the kernel (torch's
     # triton_utils gives Python floats fp64), and tl.dot takes no float64 operand next to a float32 one. tl.cast,
     # not scale.to: the interpreter passes scale as a Python float, which has no .to
     factor = tl.load(grad_ptr).to(tl.float32) * tl.cast(scale, tl.float32)
-    factor *= tl.load(weights_ptr + rows, mask=row_ok, other=0.0)
+    factor *= tl.load(fit_ptr + rows * 3 + 2, mask=row_ok, other=0.0)
     return sign * factor[:, None]
 
 
@@ -236,9 +234,8 @@ def _backward_kernel(
     w1_ptr,  # [H, D] (NONLINEAR)
     w2_ptr,  # [2, H] or [2, D]
     coords_ptr,  # float32 [N, 2]
-    pred_ptr,  # float32 [N, 2]
+    fit_ptr,  # float32 [N, 3]: the prediction (row, col) and the weight of each position
     hidden_ptr,  # float32 [N, H] (NONLINEAR)
-    weights_ptr,  # float32 [N]
     grad_pos_ptr,  # [skip_rows + N, D], written: zeros in the skipped rows
     grad_w1_ptr,  # [H, D], written (NONLINEAR)
     grad_b1_ptr,  # [H], written (NONLINEAR and HAS_B1)
@@ -281,10 +278,10 @@ def _backward_kernel(
             for start in range(0, N, BLOCK_N):
                 rows = start + tl.arange(0, BLOCK_N)
                 row_ok = rows < N
-                d_pred = _grad_prediction(grad_ptr, pred_ptr, coords_ptr, weights_ptr, rows, N, scale, COORD_PAD)
+                d_pred = _grad_prediction(grad_ptr, fit_ptr, coords_ptr, rows, N, scale, COORD_PAD)
                 # Rows of weight 0 are out of the loss: read as zeros, their values (even inf or NaN) stay out of the
                 # weights' gradients (their d_pred is zero, and 0 * inf would be NaN).
-                kept = row_ok & (tl.load(weights_ptr + rows, mask=row_ok, other=0.0) > 0)
+                kept = row_ok & (tl.load(fit_ptr + rows * 3 + 2, mask=row_ok, other=0.0) > 0)
                 hidden = tl.load(
                     hidden_ptr + rows.to(tl.int64)[:, None] * H + cols[None, :],
                     mask=kept[:, None] & col_ok[None, :],
@@ -318,8 +315,8 @@ def _backward_kernel(
             grad_b2 = tl.zeros((COORD_PAD,), dtype=tl.float32)
             for start in range(0, N, BLOCK_N):
                 rows = start + tl.arange(0, BLOCK_N)
-                d_pred = _grad_prediction(grad_ptr, pred_ptr, coords_ptr, weights_ptr, rows, N, scale, COORD_PAD)
-                kept = (rows < N) & (tl.load(weights_ptr + rows, mask=rows < N, other=0.0) > 0)  # as above
+                d_pred = _grad_prediction(grad_ptr, fit_ptr, coords_ptr, rows, N, scale, COORD_PAD)
+                kept = (rows < N) & (tl.load(fit_ptr + rows * 3 + 2, mask=rows < N, other=0.0) > 0)  # as above
                 pos = tl.load(
                     positions_ptr + rows.to(tl.int64)[:, None] * D + channels[None, :],
                     mask=kept[:, None] & channel_ok[None, :],
@@ -344,7 +341,7 @@ def _backward_kernel(
         channels = (tile % d_tiles) * BLOCK_D + tl.arange(0, BLOCK_D)
         row_ok = (rows >= 0) & (rows < N)
         channel_ok = channels < D
-        d_pred = _grad_prediction(grad_ptr, pred_ptr, coords_ptr, weights_ptr, rows, N, scale, COORD_PAD)
+        d_pred = _grad_prediction(grad_ptr, fit_ptr, coords_ptr, rows, N, scale, COORD_PAD)
         if NONLINEAR:
             grad_pos = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
             for h_start in range(0, H, BLOCK_H):
@@ -444,13 +441,13 @@ def _reduction_splits(position_blocks: int, reduced_tiles: int, device: torch.de
 
 def _forward_outputs(
     num_positions: int, hidden_dim: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(loss [], pred [N, 2], hidden [N, H], weights [N])``, float32, made with ``torch.empty``."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(loss [], fit [N, 3], hidden [N, H])``, float32, made with ``torch.empty``. ``fit`` holds each position's
+    prediction (row, col) and its weight side by side: one allocation, not two, each step."""
     loss = torch.empty((), dtype=torch.float32, device=device)
-    pred = torch.empty(num_positions, 2, dtype=torch.float32, device=device)
+    fit = torch.empty(num_positions, 3, dtype=torch.float32, device=device)
     hidden = torch.empty(num_positions, hidden_dim, dtype=torch.float32, device=device)
-    weights = torch.empty(num_positions, dtype=torch.float32, device=device)
-    return loss, pred, hidden, weights
+    return loss, fit, hidden
 
 
 def _first_layer_dot(w1: torch.Tensor | None, pos: torch.Tensor) -> tuple[bool, str]:
@@ -473,7 +470,7 @@ def dal_forward_launch(
     scale: float,
     *,
     traced: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The DAL loss and what its backward needs, in two launches.
 
     Args:
@@ -488,7 +485,8 @@ def dal_forward_launch(
         traced: launch through ``torch.library.wrap_triton`` (inside the torch operator).
 
     Returns:
-        ``(loss [], pred [N, 2], hidden [N, H] ([N, 0] for the linear regressor), weights [N])``, all float32.
+        ``(loss [], fit [N, 3], hidden [N, H] ([N, 0] for the linear regressor))``, all float32: ``fit[n]`` is
+        position n's prediction (row, col) and its weight (the share of the batch's unmasked tokens that are n).
     """
     num_positions, dim = _table_sizes(pos, skip_rows, coords)
     nonlinear = w1 is not None
@@ -505,14 +503,14 @@ def dal_forward_launch(
     if mask is not None:
         mask = mask.contiguous()
     device = pos.device
-    loss, pred, hidden, weights = _forward_outputs(num_positions, hidden_dim, device)
+    loss, fit, hidden = _forward_outputs(num_positions, hidden_dim, device)
 
     tiles = {name: tile_size(size) for name, size in FORWARD_TILES.items()}
     position_blocks = cdiv(num_positions, tiles["BLOCK_N"])
     reduced_tiles = cdiv(reduced, tiles["BLOCK_K"])
     splits, tiles_per_split = _reduction_splits(position_blocks, reduced_tiles, device)
-    partial_pred = torch.empty(splits, num_positions, 2, dtype=torch.float32, device=device)
-    partial_kept = torch.empty(splits, num_positions, dtype=torch.int32, device=device) if mask is not None else None
+    # per split and position: the partial prediction (row, col) and the count of samples keeping it (with a mask)
+    partials = torch.empty(splits, num_positions, 3, dtype=torch.float32, device=device)
     upcast, precision = _first_layer_dot(w1, pos)
     # Stands for absent tensors (never read nor written): a read-only input, so that no pointer a kernel stores
     # through is passed twice (torch.compile's analysis of which arguments a kernel mutates stays simple).
@@ -525,8 +523,7 @@ def dal_forward_launch(
             w2,
             mask if mask is not None else dummy,
             hidden if nonlinear else dummy,
-            partial_pred,
-            partial_kept if partial_kept is not None else dummy,
+            partials,
             num_positions,
             skip_rows,
             dim,
@@ -544,12 +541,10 @@ def dal_forward_launch(
         )
     block = tile_size(power_of_two_tile(num_positions, 32, 1024))
     launcher(_forward_finish_kernel, (1,), traced)(
-        partial_pred,
-        partial_kept if partial_kept is not None else dummy,
+        partials,
         b2 if b2 is not None else dummy,
         coords,
-        pred,
-        weights,
+        fit,
         loss,
         num_positions,
         splits if position_blocks and reduced_tiles else 0,
@@ -559,7 +554,7 @@ def dal_forward_launch(
         BLOCK=block,
         num_warps=warp_count(FINISH_WARPS),
     )
-    return loss, pred, hidden, weights
+    return loss, fit, hidden
 
 
 def dal_backward_launch(
@@ -569,9 +564,8 @@ def dal_backward_launch(
     w1: torch.Tensor | None,
     w2: torch.Tensor,
     coords: torch.Tensor,
-    pred: torch.Tensor,
+    fit: torch.Tensor,
     hidden: torch.Tensor,
-    weights: torch.Tensor,
     scale: float,
     has_b1: bool,
     has_b2: bool,
@@ -583,7 +577,7 @@ def dal_backward_launch(
     Args:
         grad: float32 ``[]``, the loss's gradient.
         pos, skip_rows, w1, w2, coords: the forward's inputs (w1 None for the linear regressor).
-        pred, hidden, weights: the forward's float32 outputs.
+        fit, hidden: the forward's float32 outputs (``fit [N, 3]``: predictions and weights).
         scale: the forward's factor.
         has_b1, has_b2: whether the Linears have biases (their gradients are computed only then).
         traced: launch through ``torch.library.wrap_triton`` (inside the torch operator).
@@ -597,14 +591,13 @@ def dal_backward_launch(
     nonlinear = w1 is not None
     hidden_dim = w1.shape[0] if nonlinear else 0
     _check("w2", w2, (2, hidden_dim if nonlinear else dim))
-    _check("pred", pred, (num_positions, 2))
-    _check("weights", weights, (num_positions,))
+    _check("fit", fit, (num_positions, 3))
     if nonlinear:
         _check("w1", w1, (hidden_dim, dim))
         _check("hidden", hidden, (num_positions, hidden_dim))
         w1 = w1.contiguous()
         hidden = hidden.contiguous()
-    pos, w2, coords, pred, weights = (t.contiguous() for t in (pos, w2, coords, pred, weights))
+    pos, w2, coords, fit = (t.contiguous() for t in (pos, w2, coords, fit))
     device = pos.device
     first_dtype = w1.dtype if nonlinear else pos.dtype
     grad_pos = torch.empty(pos.shape, dtype=pos.dtype, device=device)
@@ -625,9 +618,8 @@ def dal_backward_launch(
             w1 if nonlinear else dummy,
             w2,
             coords,
-            pred,
+            fit,
             hidden if nonlinear else dummy,
-            weights,
             grad_pos,
             grad_w1 if nonlinear else dummy,
             grad_b1 if nonlinear and has_b1 else dummy,
@@ -658,9 +650,8 @@ def _dal_loss_triton_fake(pos, w1, coords, **_):
     hidden_dim = w1.shape[0] if w1 is not None else 0
     return (
         pos.new_empty((), dtype=torch.float32),
-        pos.new_empty((num_positions, 2), dtype=torch.float32),
+        pos.new_empty((num_positions, 3), dtype=torch.float32),
         pos.new_empty((num_positions, hidden_dim), dtype=torch.float32),
-        pos.new_empty((num_positions,), dtype=torch.float32),
     )
 
 
@@ -677,8 +668,8 @@ def _dal_loss_triton_backward_fake(pos, w1, w2, has_b1, has_b2, **_):
     )
 
 
-# The operators over the launchers (their schemas come from the launchers' signatures): ``(loss [], pred [N, 2],
-# hidden [N, H], weights [N])``, float32; ``(grad_pos, grad_w1, grad_b1, grad_w2, grad_b2)``.
+# The operators over the launchers (their schemas come from the launchers' signatures): ``(loss [], fit [N, 3],
+# hidden [N, H])``, float32; ``(grad_pos, grad_w1, grad_b1, grad_w2, grad_b2)``.
 dal_loss_triton = define_operator("mjp_fast::dal_loss_triton", dal_forward_launch, fake=_dal_loss_triton_fake)
 dal_loss_triton_backward = define_operator(
     "mjp_fast::dal_loss_triton_backward", dal_backward_launch, fake=_dal_loss_triton_backward_fake

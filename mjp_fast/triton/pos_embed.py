@@ -229,6 +229,7 @@ def pos_embed_backward_launch(
     traced: bool = False,
     plan: PositionGradientPlan | None = None,
     witness: torch.Tensor | None = None,
+    permutation: bool = False,
 ) -> list[torch.Tensor]:
     """``[grad_tokens, grad_pos, grad_unk, grad_prefix]``, each in the shape and dtype of its input.
 
@@ -241,7 +242,9 @@ def pos_embed_backward_launch(
         traced: launch through ``torch.library.wrap_triton`` (inside the torch operator).
         plan: from :func:`position_gradient_plan` for these sizes; default the device's.
         witness: what :func:`pos_embed_forward_launch` wrote for this perm, or None (the tokens' gradient then
-            starts from zeros, one fill more).
+            starts from zeros, one fill more, unless ``permutation``).
+        permutation: each row of ``perm`` is a permutation (validated, or sampled): every row of the tokens'
+            gradient is written by the inverse move, with neither a witness nor a fill.
 
     Returns:
         ``grad_tokens [B, N, D]`` (the inverse move of the patch rows), ``grad_pos`` (``pos_shape``), ``grad_unk
@@ -263,6 +266,7 @@ def pos_embed_backward_launch(
         plan=plan,
         traced=traced,
         witness=witness,
+        permutation=permutation,
     )
     return [grad_tokens, grad_pos, grad_unk, grad_prefix]
 

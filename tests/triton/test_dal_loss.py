@@ -118,8 +118,9 @@ def _run(inputs: dict, *, operator: bool = False):
             dal_backward_launch,
         )
     )
-    outputs = forward(**inputs)
-    loss, pred, hidden, weights = outputs
+    loss, fit, hidden = forward(**inputs)
+    num_positions = inputs["coords"].shape[0]
+    assert fit.dtype == torch.float32 and fit.shape == (num_positions, 3)  # predictions and weights side by side
     grads = backward(
         torch.ones((), dtype=torch.float32),
         inputs["pos"],
@@ -127,14 +128,13 @@ def _run(inputs: dict, *, operator: bool = False):
         inputs["w1"],
         inputs["w2"],
         inputs["coords"],
-        pred,
+        fit,
         hidden,
-        weights,
         inputs["scale"],
         inputs["b1"] is not None,
         inputs["b2"] is not None,
     )
-    return tuple(outputs), tuple(grads)
+    return (loss, fit[:, :2], hidden, fit[:, 2]), tuple(grads)
 
 
 GRAD_NAMES = ("pos", "w1", "b1", "w2", "b2")
@@ -289,7 +289,7 @@ def test_operators_equal_launches(kind):
 def test_opcheck(kind, mask_kind, skip_rows):
     inputs = _inputs(7, 13, 20, kind, mask_kind, skip_rows=skip_rows, batched_table=skip_rows > 0)
     torch.library.opcheck(dal_loss_triton, tuple(inputs.values()))
-    _, pred, hidden, weights = dal_forward_launch(**inputs)
+    _, fit, hidden = dal_forward_launch(**inputs)
     backward_args = (
         torch.ones((), dtype=torch.float32),
         inputs["pos"],
@@ -297,9 +297,8 @@ def test_opcheck(kind, mask_kind, skip_rows):
         inputs["w1"],
         inputs["w2"],
         inputs["coords"],
-        pred,
+        fit,
         hidden,
-        weights,
         inputs["scale"],
         inputs["b1"] is not None,
         False,
@@ -333,7 +332,7 @@ def test_launchers_only_allocate_and_launch(kind, traced, monkeypatch):
             return func(*args, **(kwargs or {}))
 
     inputs = _inputs(20, 37, 40, kind, "random", skip_rows=1, batched_table=True)  # a ViT's table: no slice, no pad
-    _, pred, hidden, weights = dal_forward_launch(**inputs)
+    _, fit, hidden = dal_forward_launch(**inputs)
     grad = torch.ones(())
     launches = []
     monkeypatch.setattr(dal_triton, "launcher", lambda kernel, grid, traced: _NoLaunch(launches)[grid])
@@ -342,8 +341,8 @@ def test_launchers_only_allocate_and_launch(kind, traced, monkeypatch):
     assert len(launches) == 2
     with Record() as backward_ops:
         dal_backward_launch(
-            grad, inputs["pos"], inputs["skip_rows"], inputs["w1"], inputs["w2"], inputs["coords"], pred, hidden,
-            weights, 0.5, True, True, traced=traced,
+            grad, inputs["pos"], inputs["skip_rows"], inputs["w1"], inputs["w2"], inputs["coords"], fit, hidden, 0.5,
+            True, True, traced=traced,
         )  # fmt: skip
     assert len(launches) == 3
     assert set(forward_ops.ops + backward_ops.ops) <= {"aten.empty"}, forward_ops.ops + backward_ops.ops
@@ -400,7 +399,7 @@ def test_full_table_equals_the_sliced_table(dtype, kind):
 def test_backward_kernel_writes_the_skipped_rows(kind, monkeypatch):
     # grad_pos comes from torch.empty: the kernel itself writes the zeros of the skipped rows (no fill op).
     inputs = _inputs(20, 37, 40, kind, "random", skip_rows=3, batched_table=True)
-    _, pred, hidden, weights = dal_forward_launch(**inputs)
+    _, fit, hidden = dal_forward_launch(**inputs)
     real_empty = torch.empty
 
     def poisoned_empty(*args, **kwargs):
@@ -409,8 +408,8 @@ def test_backward_kernel_writes_the_skipped_rows(kind, monkeypatch):
 
     monkeypatch.setattr(torch, "empty", poisoned_empty)
     grads = dal_backward_launch(
-        torch.ones(()), inputs["pos"], 3, inputs["w1"], inputs["w2"], inputs["coords"], pred, hidden, weights,
-        inputs["scale"], True, True,
+        torch.ones(()), inputs["pos"], 3, inputs["w1"], inputs["w2"], inputs["coords"], fit, hidden, inputs["scale"],
+        True, True,
     )  # fmt: skip
     monkeypatch.undo()
     assert torch.equal(grads[0][0, :3], torch.zeros(3, 37))
