@@ -11,6 +11,8 @@ import torch
 import mjp_fast
 import mjp_fast.timm as mjp_timm
 
+from .conftest import backends_for
+
 TINY = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=5)
 
 
@@ -227,8 +229,6 @@ def test_compiled_model_has_no_graph_break(unk):
 
 
 def _has_triton():
-    import mjp_fast
-
     # its test runs on CPU tensors: triton there only in the interpreter
     return "triton" in mjp_fast.available_backends() and mjp_fast.backend.runs_on("triton", torch.device("cpu"))
 
@@ -563,18 +563,22 @@ def test_a_vit_without_position_embeddings_gets_the_pixel_jigsaw():
     assert created.pos_embed is None and created.mjp.dal_regressor is None  # DAL off by default without them
 
 
+# The backends whose training forward computes the DAL loss with the position step in one operation.
+STEP_WITH_DAL_BACKENDS = [name for name in ("cpu", "triton") if name in backends_for("cpu")]
+STEP_WITH_DAL_NODES = {"cpu": "MjpStepFunction", "triton": "_StepWithDALTritonBackward"}
+
+
+@pytest.mark.parametrize("backend", STEP_WITH_DAL_BACKENDS)
 @pytest.mark.parametrize("variant", ["class_token", "registers", "no_embed_class"])
-def test_one_operator_for_the_position_step_and_dal_gives_the_separate_operators_values(variant, monkeypatch):
-    # On the cpu backend a training forward computes the DAL loss with the position step, in one operator and node
-    # (mjp_aux_loss hands that loss out). Outputs, loss and every gradient equal the two operators' and the torch
-    # backend's.
-    if "cpu" not in mjp_fast.available_backends():
-        pytest.skip("needs mjp_fast._C")
+def test_one_operator_for_the_position_step_and_dal_gives_the_separate_operators_values(variant, backend, monkeypatch):
+    # On the cpu and triton backends a training forward computes the DAL loss with the position step, in one
+    # operator and node (mjp_aux_loss hands that loss out). Outputs, loss and every gradient equal the two
+    # operators' and the torch backend's.
     settings = dict(ratio=0.5, prob=1.0, dal="nonlinear", min_block=2, fused_patch_embed=False)
     torch.manual_seed(3)
     base = tiny_vit(**VARIANTS[variant])
-    models = {name: mjp_timm.convert(copy.deepcopy(base), backend=backend, **settings)
-              for name, backend in (("one", "cpu"), ("two", "cpu"), ("torch", "torch"))}  # fmt: skip
+    models = {name: mjp_timm.convert(copy.deepcopy(base), backend=chosen, **settings)
+              for name, chosen in (("one", backend), ("two", backend), ("torch", "torch"))}  # fmt: skip
     for name in ("two", "torch"):  # the same unk_embed and regressor (convert initialises them at random)
         models[name].load_state_dict(models["one"].state_dict())
     images = torch.randn(3, 3, 32, 32)
@@ -583,11 +587,11 @@ def test_one_operator_for_the_position_step_and_dal_gives_the_separate_operators
         model.train()
         with monkeypatch.context() as patched:
             if name == "two":  # the merged operator declines: the two operators run
-                patched.setattr(mjp_timm.state, "mjp_position_dal_step", lambda *args: None)
+                patched.setattr(mjp_timm.state, "mjp_position_dal_step", lambda *args, **kwargs: None)
             tokens = model.forward_features(images)
             aux = model.mjp_aux_loss()
         if name == "one":  # the attached loss, handed out to count at the loop's weight (0.5) instead of 0.01
-            assert "MjpStepFunction" in aux.grad_fn.next_functions[0][0].name()
+            assert STEP_WITH_DAL_NODES[backend] in aux.grad_fn.next_functions[0][0].name()
             assert model.mjp_aux_loss() is not aux  # handed out once; a second call computes it again
             torch.testing.assert_close(model.mjp_aux_loss(), aux)
         (tokens.square().mean() + 0.5 * aux).backward()

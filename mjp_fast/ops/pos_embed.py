@@ -164,6 +164,7 @@ def mjp_pos_embed_torch(
 
 
 if backend_module.triton_usable():
+    from mjp_fast.triton import dal_loss as _triton_dal_kernels
     from mjp_fast.triton import pos_embed as _triton_kernels
 
 
@@ -220,6 +221,58 @@ class _PosEmbedTriton(torch.autograd.Function):
             grads = _triton_kernels.pos_embed_backward_launch(*arguments, witness=witness, permutation=ctx.permutation)
         grad_tokens, grad_pos, grad_unk, grad_prefix = grads
         return grad_tokens, None, None, grad_pos, grad_unk, grad_prefix if ctx.layout[0] else None, None, None
+
+
+class _StepWithDALTriton(torch.autograd.Function):
+    """The ``triton`` position step and the DAL loss of the same table as one autograd node (eager only): three
+    launches forward, four backward, as the two nodes would, but one node's bookkeeping, and the DAL backward adds
+    its share of the table's gradient into the position step's in the same pass (no second tensor, no add).
+
+    The position step's arguments as :class:`_PosEmbedTriton` (the table in its own dtype: no cast), then the
+    regressor's layers ``w1, b1, w2, b2`` (``w1`` and ``b1`` None for the linear one), ``coords`` float32 ``[N,
+    2]``, ``dal_mask`` bool ``[B, N]``, ``scale`` and ``permutation``. Outputs ``(out [B, P + N, D], loss [])``:
+    DAL skips the table's first ``prefix_positions`` rows.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx, tokens, perm, mask, pos_embed, unk_embed, prefix, prefix_positions, w1, b1, w2, b2, coords, dal_mask,
+        scale, permutation,
+    ):  # fmt: skip
+        prefix_shape = list(prefix.shape) if prefix is not None else [0]
+        prefix_count = prefix.numel() // tokens.shape[2] if prefix is not None else 0
+        ctx.layout = (prefix_count, prefix_positions, list(pos_embed.shape), prefix_shape)
+        prefix_dtype = prefix.dtype if prefix is not None else pos_embed.dtype
+        ctx.dtypes = (tokens.dtype, pos_embed.dtype, unk_embed.dtype, prefix_dtype)
+        ctx.permutation, ctx.scale, ctx.has_bias = permutation, scale, (b1 is not None, b2 is not None)
+        witness = None if permutation else torch.empty(perm.shape, dtype=torch.int32, device=perm.device)
+        out = _triton_kernels.pos_embed_forward_launch(
+            tokens, perm, mask, pos_embed, unk_embed, prefix, prefix_positions, witness=witness
+        )
+        loss, fit, hidden = _triton_dal_kernels.dal_forward_launch(
+            pos_embed, prefix_positions, w1, b1, w2, b2, coords, dal_mask, scale
+        )
+        saved = (perm, mask, pos_embed, w1, w2, coords, fit, hidden)
+        ctx.save_for_backward(*saved, *(() if witness is None else (witness,)))
+        return out, loss
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_loss):  # type: ignore[override]
+        perm, mask, pos_embed, w1, w2, coords, fit, hidden, *witness = ctx.saved_tensors
+        grad_tokens, grad_pos, grad_unk, grad_prefix = _triton_kernels.pos_embed_backward_launch(
+            grad_out.contiguous(), perm, mask, *ctx.layout, *ctx.dtypes,
+            witness=witness[0] if witness else None, permutation=ctx.permutation,
+        )  # fmt: skip
+        _, grad_w1, grad_b1, grad_w2, grad_b2 = _triton_dal_kernels.dal_backward_launch(
+            grad_loss, pos_embed, ctx.layout[1], w1, w2, coords, fit, hidden, ctx.scale, *ctx.has_bias,
+            grad_pos=grad_pos,
+        )  # fmt: skip
+        has_b1, has_b2 = ctx.has_bias
+        return (
+            grad_tokens, None, None, grad_pos, grad_unk, grad_prefix if ctx.layout[0] else None, None,
+            grad_w1 if w1 is not None else None, grad_b1 if has_b1 else None, grad_w2, grad_b2 if has_b2 else None,
+            None, None, None, None,
+        )  # fmt: skip
 
 
 def has_kernels(backend: str, dtype: torch.dtype) -> bool:
@@ -330,16 +383,22 @@ def mjp_position_dal_step(
     coords: torch.Tensor,
     dal_mask: torch.Tensor,
     scale: float,
+    backend: str = "cpu",
+    permutation: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """:func:`mjp_position_step` and the DAL loss of the same table (:func:`mjp_fast.ops.dal_loss.dal_loss_unchecked`
-    with ``skip_rows = prefix_positions``) as one operator of the ``cpu`` backend: one call, one autograd node, for
-    the timm models' training step. Returns ``(out, dal_loss)``, or None where that operator does not apply (then
-    call the two functions): a regressor the fused kernels do not compute, a table the step would cast, or
-    torch.compile (which sees the two operators and fuses what it likes).
+    with ``skip_rows = prefix_positions``) as one operator (the ``cpu`` backend's) or one autograd node (the
+    ``triton`` backend's): one call for the timm models' training step. Returns ``(out, dal_loss)``, or None where
+    that does not apply (then call the two functions): another backend, a regressor the fused kernels do not
+    compute, a table the step would cast, a float64 table on ``triton``, or torch.compile (which sees the two
+    operators and fuses what it likes).
 
     ``jigsaw``: the position step's (its mask says which positions get ``unk_embed``); ``dal_mask``: the positions
     the DAL loss leaves out (the sampled mask; they differ without unk). ``coords`` float32 ``[N, 2]``.
+    ``permutation``: as for :func:`mjp_position_step` (``triton``: the perm is known to be a permutation).
     """
+    if backend != "cpu" and backend != "triton":
+        return None
     layers = fused_layers(regressor)
     if layers is None or torch.compiler.is_compiling():
         return None
@@ -347,7 +406,11 @@ def mjp_position_dal_step(
     if dtype != pos_embed.dtype:  # DAL regresses the table as it is, the step would round it
         return None
     inputs = _kernel_inputs(tokens, pos_embed, unk_embed, jigsaw, prefix, prefix_positions, dtype)
-    return _extension_step_with_dal()(*inputs, *layers, coords, dal_mask, scale)
+    if backend == "cpu":
+        return _extension_step_with_dal()(*inputs, *layers, coords, dal_mask, scale)
+    if dtype == torch.float64:  # no Triton kernels in float64: the two functions' torch paths
+        return None
+    return _StepWithDALTriton.apply(*inputs, *layers, coords, dal_mask, scale, permutation)
 
 
 def _as_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

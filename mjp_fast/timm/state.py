@@ -198,19 +198,19 @@ class MJPState(MJPCore):
         """The position step on embedded tokens ``x`` ``[B, N, D]``: ``P(XW) = (PX)W``, moving the embedded tokens is
         moving the patches. One autograd node for the move, the position terms and the prefix tokens; the arguments
         are the model's own and the sampler's jigsaws need no validation. Returns ``(out [B, P + N, D], loss)``:
-        ``loss`` the DAL loss of the table from the same operator (the ``cpu`` backend, training with a regressor
-        that the fused kernels compute, the table DAL regresses), else None."""
+        ``loss`` the DAL loss of the table from the same operation (the ``cpu`` and ``triton`` backends, training
+        with a regressor that the fused kernels compute, the table DAL regresses), else None. The sampler's perms
+        are permutations (and so is the identity of tokens jigsawed as pixels already)."""
         backend = self.backend_for(x.device)
-        if regressor is not None and backend == "cpu" and dal_table is pos_table:
+        if regressor is not None and (backend == "cpu" or backend == "triton") and dal_table is pos_table:
             coords = self.dal_coordinates_for(dal_grid, x.device)
             if dal_mask.shape[1] == coords.shape[0]:  # the mask is of the DAL table's grid
                 stepped = mjp_position_dal_step(
                     x, pos_table, unk_embed, jigsaw, prefix, prefix_positions, regressor, coords, dal_mask,
-                    self.dal_scale,
+                    self.dal_scale, backend, permutation=True,
                 )  # fmt: skip
                 if stepped is not None:
                     return stepped
-        # The sampler's perms are permutations (and so is the identity of tokens jigsawed as pixels already).
         step = mjp_position_step(x, pos_table, unk_embed, jigsaw, backend, prefix, prefix_positions, permutation=True)
         return step, None
 

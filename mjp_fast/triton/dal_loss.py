@@ -236,7 +236,7 @@ def _backward_kernel(
     coords_ptr,  # float32 [N, 2]
     fit_ptr,  # float32 [N, 3]: the prediction (row, col) and the weight of each position
     hidden_ptr,  # float32 [N, H] (NONLINEAR)
-    grad_pos_ptr,  # [skip_rows + N, D], written: zeros in the skipped rows
+    grad_pos_ptr,  # [skip_rows + N, D], written: zeros in the skipped rows (ACCUMULATE: added to what it holds)
     grad_w1_ptr,  # [H, D], written (NONLINEAR)
     grad_b1_ptr,  # [H], written (NONLINEAR and HAS_B1)
     grad_w2_ptr,  # like w2, written
@@ -250,6 +250,7 @@ def _backward_kernel(
     NONLINEAR: tl.constexpr,
     HAS_B1: tl.constexpr,
     HAS_B2: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -367,11 +368,11 @@ def _backward_kernel(
                 w2_ptr + coord[:, None] * D + channels[None, :], mask=coord_ok[:, None] & channel_ok[None, :], other=0.0
             ).to(tl.float32)
             grad_pos = tl.dot(d_pred, w2, input_precision="ieee")
-        tl.store(
-            grad_pos_ptr + table_rows.to(tl.int64)[:, None] * D + channels[None, :],
-            grad_pos.to(grad_pos_ptr.dtype.element_ty),
-            mask=(table_rows[:, None] < skip_rows + N) & channel_ok[None, :],
-        )
+        table_offsets = table_rows.to(tl.int64)[:, None] * D + channels[None, :]
+        table_ok = (table_rows[:, None] < skip_rows + N) & channel_ok[None, :]
+        if ACCUMULATE:  # the position step's gradient of the same table, written before this launch: one rounding
+            grad_pos += tl.load(grad_pos_ptr + table_offsets, mask=table_ok, other=0.0).to(tl.float32)
+        tl.store(grad_pos_ptr + table_offsets, grad_pos.to(grad_pos_ptr.dtype.element_ty), mask=table_ok)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -571,6 +572,7 @@ def dal_backward_launch(
     has_b2: bool,
     *,
     traced: bool = False,
+    grad_pos: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Every gradient of the DAL loss, in one launch.
 
@@ -581,6 +583,8 @@ def dal_backward_launch(
         scale: the forward's factor.
         has_b1, has_b2: whether the Linears have biases (their gradients are computed only then).
         traced: launch through ``torch.library.wrap_triton`` (inside the torch operator).
+        grad_pos: a gradient of the same table (``pos``'s shape and dtype, contiguous) to add this one to, in place
+            (the fused MJP step's: one tensor and no add for the table's two gradients); None: a new tensor.
 
     Returns:
         ``(grad_pos, grad_w1, grad_b1, grad_w2, grad_b2)``, each in the dtype of its tensor (grad_b1 in w1's,
@@ -600,7 +604,13 @@ def dal_backward_launch(
     pos, w2, coords, fit = (t.contiguous() for t in (pos, w2, coords, fit))
     device = pos.device
     first_dtype = w1.dtype if nonlinear else pos.dtype
-    grad_pos = torch.empty(pos.shape, dtype=pos.dtype, device=device)
+    accumulate = grad_pos is not None
+    if accumulate:
+        _check("grad_pos", grad_pos, tuple(pos.shape))
+        if grad_pos.dtype != pos.dtype or not grad_pos.is_contiguous():
+            raise ValueError(f"grad_pos must be contiguous {pos.dtype}, got {grad_pos.dtype}")
+    else:
+        grad_pos = torch.empty(pos.shape, dtype=pos.dtype, device=device)
     grad_w1 = torch.empty((hidden_dim, dim) if nonlinear else (0,), dtype=first_dtype, device=device)
     grad_b1 = torch.empty(hidden_dim if nonlinear and has_b1 else 0, dtype=first_dtype, device=device)
     grad_w2 = torch.empty(w2.shape, dtype=w2.dtype, device=device)
@@ -634,6 +644,7 @@ def dal_backward_launch(
             NONLINEAR=nonlinear,
             HAS_B1=nonlinear and has_b1,
             HAS_B2=has_b2,
+            ACCUMULATE=accumulate,
             **tiles,
             num_warps=warp_count(BACKWARD_WARPS),
         )

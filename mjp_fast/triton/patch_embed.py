@@ -500,7 +500,7 @@ def patch_embed_backward_launch(
         )
     grad_out = grad_out.contiguous()
     weight = weight.contiguous()
-    grads = [grad_out.new_empty(0) for _ in range(6)]
+    grads: list[torch.Tensor | None] = [None] * 6
     if need_images:
         grads[0] = _grad_images_launch(grad_out, weight, perm, images, prefix_count, traced)
     if need_weight:
@@ -526,7 +526,9 @@ def patch_embed_backward_launch(
         ):
             if need:
                 grads[index] = grad
-    return grads
+    # an empty tensor of its own for each gradient not asked for (an operator's outputs may not alias), made only
+    # for those: a training step asks for all but the images' (an allocation is host time on every step)
+    return [grad if grad is not None else grad_out.new_empty(0) for grad in grads]
 
 
 def _patch_sizes(images: torch.Tensor, weight: torch.Tensor) -> tuple[int, int, int, int]:

@@ -155,6 +155,27 @@ def counting_triton_launches() -> Iterator[collections.Counter[str]]:
             cls.run = original
 
 
+def count_ops_without_kernels(function: Callable[[], object], warmup: int = 1) -> OpCounter:
+    """The operators one call of ``function`` dispatches with its Triton kernels not run (after ``warmup`` calls
+    that run them): what the host dispatches on a GPU. The interpreter's own tensor work (copies of the kernels'
+    arguments) is left out, and so is nothing else: the outputs' values are whatever the allocator gave."""
+    import triton.runtime.interpreter as interpreter
+    from triton.runtime.jit import JITFunction
+
+    for _ in range(warmup):
+        function()
+    originals = {cls: cls.run for cls in (JITFunction, interpreter.InterpretedFunction)}
+    for cls in originals:
+        cls.run = lambda self, *args, **kwargs: None
+    try:
+        with OpCounter() as counter:
+            function()
+    finally:
+        for cls, original in originals.items():
+            cls.run = original
+    return counter
+
+
 def count_triton_launches(function: Callable[[], object], warmup: int = 1) -> collections.Counter[str]:
     """The Triton kernels one call of ``function`` launches, after ``warmup`` calls."""
     for _ in range(warmup):

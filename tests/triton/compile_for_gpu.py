@@ -355,7 +355,8 @@ def _dal_loss_variants(dal_loss) -> list[tuple[str, object, dict[str, str], dict
             "scale": "fp32",
             "weight_programs": "i32",
         }
-        backward_flags = {"NONLINEAR": nonlinear, "HAS_B1": nonlinear, "HAS_B2": True}
+        # ACCUMULATE (the fused MJP step's) with the nonlinear regressor, a new gradient with the linear: both compile
+        backward_flags = {"NONLINEAR": nonlinear, "HAS_B1": nonlinear, "HAS_B2": True, "ACCUMULATE": nonlinear}
         variants.append(
             (
                 f"dal_loss backward {kind}",

@@ -428,3 +428,30 @@ def test_full_table_errors_name_the_argument(change, words):
     inputs = dict(_inputs(7, 13, 20, "nonlinear", "random", skip_rows=1), **change)
     with pytest.raises(ValueError, match=re.escape(words)):
         dal_forward_launch(**inputs)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_backward_adds_into_a_given_table_gradient(dtype, kind):
+    # The fused MJP step passes the position step's gradient of the same table: the DAL backward adds its own share
+    # in place (one rounding), returns that tensor, and the regressor's gradients are unchanged.
+    inputs = _inputs(20, 37, 40, kind, "random", dtype, skip_rows=1, batched_table=True)
+    _, fit, hidden = dal_forward_launch(**inputs)
+    arguments = (torch.ones(()), inputs["pos"], 1, inputs["w1"], inputs["w2"], inputs["coords"], fit, hidden, 0.5)
+    flags = (inputs["b1"] is not None, inputs["b2"] is not None)
+    alone = dal_backward_launch(*arguments, *flags)
+    prior = torch.randn(inputs["pos"].shape, generator=torch.Generator().manual_seed(5)).to(dtype)
+    given = prior.clone()
+    added = dal_backward_launch(*arguments, *flags, grad_pos=given)
+    assert added[0] is given
+    expected = (prior.float() + alone[0].float()).to(dtype) if dtype != torch.float32 else prior + alone[0]
+    # bfloat16: the kernel adds its float32 share before rounding once, the reference its share rounded already
+    eps = torch.finfo(dtype).eps
+    tolerance = {} if dtype == torch.float32 else dict(atol=eps * alone[0].abs().max().item(), rtol=2 * eps)
+    torch.testing.assert_close(added[0], expected, **tolerance)
+    for first, second in zip(alone[1:], added[1:]):
+        assert torch.equal(first, second)
+    with pytest.raises(ValueError, match="grad_pos must have shape"):
+        dal_backward_launch(*arguments, *flags, grad_pos=given[0, 1:])
+    with pytest.raises(ValueError, match="grad_pos must be contiguous"):
+        dal_backward_launch(*arguments, *flags, grad_pos=given.double())
