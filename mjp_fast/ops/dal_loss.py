@@ -143,15 +143,15 @@ class _FusedDALTriton(torch.autograd.Function):
             outputs = torch.ops.mjp_fast.dal_loss_triton(*arguments)
         else:
             outputs = _triton_kernels.dal_forward_launch(*arguments)
-        loss, fit, hidden = outputs
-        ctx.save_for_backward(pos, w1, w2, coords, fit, hidden)
+        loss, saved = outputs
+        ctx.save_for_backward(pos, w1, w2, coords, saved)
         ctx.scale, ctx.skip_rows, ctx.has_bias = scale, skip_rows, (b1 is not None, b2 is not None)
         return loss
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        pos, w1, w2, coords, fit, hidden = ctx.saved_tensors
-        arguments = (grad, pos, ctx.skip_rows, w1, w2, coords, fit, hidden, ctx.scale, *ctx.has_bias)
+        pos, w1, w2, coords, saved = ctx.saved_tensors
+        arguments = (grad, pos, ctx.skip_rows, w1, w2, coords, saved, ctx.scale, *ctx.has_bias)
         if torch.compiler.is_compiling():
             grads = torch.ops.mjp_fast.dal_loss_triton_backward(*arguments)
         else:

@@ -249,22 +249,21 @@ class _StepWithDALTriton(torch.autograd.Function):
         out = _triton_kernels.pos_embed_forward_launch(
             tokens, perm, mask, pos_embed, unk_embed, prefix, prefix_positions, witness=witness
         )
-        loss, fit, hidden = _triton_dal_kernels.dal_forward_launch(
+        loss, saved = _triton_dal_kernels.dal_forward_launch(
             pos_embed, prefix_positions, w1, b1, w2, b2, coords, dal_mask, scale
         )
-        saved = (perm, mask, pos_embed, w1, w2, coords, fit, hidden)
-        ctx.save_for_backward(*saved, *(() if witness is None else (witness,)))
+        ctx.save_for_backward(perm, mask, pos_embed, w1, w2, coords, saved, *(() if witness is None else (witness,)))
         return out, loss
 
     @staticmethod
     def backward(ctx, grad_out, grad_loss):  # type: ignore[override]
-        perm, mask, pos_embed, w1, w2, coords, fit, hidden, *witness = ctx.saved_tensors
+        perm, mask, pos_embed, w1, w2, coords, saved, *witness = ctx.saved_tensors
         grad_tokens, grad_pos, grad_unk, grad_prefix = _triton_kernels.pos_embed_backward_launch(
             grad_out.contiguous(), perm, mask, *ctx.layout, *ctx.dtypes,
             witness=witness[0] if witness else None, permutation=ctx.permutation,
         )  # fmt: skip
         _, grad_w1, grad_b1, grad_w2, grad_b2 = _triton_dal_kernels.dal_backward_launch(
-            grad_loss, pos_embed, ctx.layout[1], w1, w2, coords, fit, hidden, ctx.scale, *ctx.has_bias,
+            grad_loss, pos_embed, ctx.layout[1], w1, w2, coords, saved, ctx.scale, *ctx.has_bias,
             grad_pos=grad_pos,
         )  # fmt: skip
         has_b1, has_b2 = ctx.has_bias

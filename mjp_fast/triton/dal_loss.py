@@ -14,8 +14,10 @@ Forward, two launches:
    into a float32 partial prediction. The same program counts, for its positions, the unmasked samples of its
    share of the batch. Both go to one buffer ``[splits, N, 3]`` (row, col, count): one allocation.
 2. ``_forward_finish_kernel``, one program: sums the partials over the splits in a fixed order, adds ``b2``, writes
-   ``pred`` and ``weights`` side by side (``fit [N, 3]``, saved for the backward), and reduces the loss in a fixed
-   order.
+   ``pred`` and ``weights``, and reduces the loss in a fixed order.
+
+What the backward needs of each position, its prediction, weight and hidden layer, is one buffer ``saved [N, 3 +
+H]`` (the first kernel writes the hidden layer in columns 3.., the second the rest): one allocation a step.
 
 ``pos`` may be the model's full table ``[skip_rows + N, D]`` (any leading dims of 1, e.g. ``[1, 1 + N, D]`` with a
 class token's row first): the kernels read its rows ``skip_rows..``, and the backward writes ``grad_pos`` in the
@@ -61,7 +63,7 @@ def _forward_partial_kernel(
     b1_ptr,  # [H] (NONLINEAR and HAS_B1)
     w2_ptr,  # [2, K]
     mask_ptr,  # bool [B, N] (HAS_MASK)
-    hidden_ptr,  # float32 [N, H], written (NONLINEAR)
+    saved_ptr,  # float32 [N, 3 + H]: the hidden layer written at columns 3.. (NONLINEAR)
     partials_ptr,  # float32 [splits, N, 3], written: per position the partial (row, col), and its kept count (HAS_MASK)
     N,
     skip_rows,  # rows of pos before the N positions' (a class token's)
@@ -119,7 +121,9 @@ def _forward_partial_kernel(
             # Zero past H: an inf in pos times w1's zero padding is NaN there, and the next dot would spread it.
             features = tl.where(col_ok[None, :], features, 0.0)
             tl.store(
-                hidden_ptr + wide_rows[:, None] * K + cols[None, :], features, mask=row_ok[:, None] & col_ok[None, :]
+                saved_ptr + wide_rows[:, None] * (K + 3) + 3 + cols[None, :],
+                features,
+                mask=row_ok[:, None] & col_ok[None, :],
             )
         else:
             features = tl.load(
@@ -153,9 +157,10 @@ def _forward_finish_kernel(
     partials_ptr,  # float32 [splits, N, 3]: the partial (row, col), and the kept count (HAS_MASK)
     b2_ptr,  # [2] (HAS_B2)
     coords_ptr,  # float32 [N, 2]
-    fit_ptr,  # float32 [N, 3], written: the prediction (row, col) and the weight of each position
+    saved_ptr,  # float32 [N, 3 + H]: each position's prediction (row, col) and weight written at columns 0..2
     loss_ptr,  # float32 [], written
     N,
+    H,  # the hidden layer's width (0 for the linear regressor): saved's rows are 3 + H wide
     splits,
     scale,  # float
     HAS_B2: tl.constexpr,
@@ -196,10 +201,11 @@ def _forward_finish_kernel(
             kept = tl.where(ok, 1, 0)
         pred_row += bias_row
         pred_col += bias_col
-        tl.store(fit_ptr + rows * 3, pred_row, mask=ok)
-        tl.store(fit_ptr + rows * 3 + 1, pred_col, mask=ok)
+        saved_rows = saved_ptr + rows.to(tl.int64) * (H + 3)
+        tl.store(saved_rows, pred_row, mask=ok)
+        tl.store(saved_rows + 1, pred_col, mask=ok)
         weights = kept.to(tl.float32) / denominator
-        tl.store(fit_ptr + rows * 3 + 2, weights, mask=ok)
+        tl.store(saved_rows + 2, weights, mask=ok)
         error = tl.abs(pred_row - tl.load(coords_ptr + rows * 2, mask=ok, other=0.0)) + tl.abs(
             pred_col - tl.load(coords_ptr + rows * 2 + 1, mask=ok, other=0.0)
         )
@@ -209,21 +215,21 @@ def _forward_finish_kernel(
 
 
 @triton.jit
-def _grad_prediction(grad_ptr, fit_ptr, coords_ptr, rows, N, scale, COORDS: tl.constexpr):
+def _grad_prediction(grad_ptr, saved_ptr, coords_ptr, rows, N, H, scale, COORDS: tl.constexpr):
     """``grad * scale * weights[n] * sign(pred - coords)``, ``[BLOCK_N, COORDS]``, zero past the 2 coordinates and
-    on rows outside ``[0, N)``; ``fit`` ``[N, 3]``: each position's prediction (row, col) and weight."""
+    on rows outside ``[0, N)``; ``saved`` ``[N, 3 + H]``: each position's prediction (row, col) and weight first."""
     coord = tl.arange(0, COORDS)
     row_ok = (rows >= 0) & (rows < N)
     ok = row_ok[:, None] & (coord[None, :] < 2)
     wide_rows = rows.to(tl.int64)[:, None]
-    prediction = tl.load(fit_ptr + wide_rows * 3 + coord[None, :], mask=ok, other=0.0)
+    prediction = tl.load(saved_ptr + wide_rows * (H + 3) + coord[None, :], mask=ok, other=0.0)
     difference = prediction - tl.load(coords_ptr + wide_rows * 2 + coord[None, :], mask=ok, other=0.0)
     sign = tl.where(difference > 0, 1.0, tl.where(difference < 0, -1.0, 0.0))
     # scale is a Python float: float32 in an eager launch, float64 where inductor launches the kernel (torch's
     # triton_utils gives Python floats fp64), and tl.dot takes no float64 operand next to a float32 one. tl.cast,
     # not scale.to: the interpreter passes scale as a Python float, which has no .to
     factor = tl.load(grad_ptr).to(tl.float32) * tl.cast(scale, tl.float32)
-    factor *= tl.load(fit_ptr + rows * 3 + 2, mask=row_ok, other=0.0)
+    factor *= tl.load(saved_ptr + rows.to(tl.int64) * (H + 3) + 2, mask=row_ok, other=0.0)
     return sign * factor[:, None]
 
 
@@ -234,8 +240,7 @@ def _backward_kernel(
     w1_ptr,  # [H, D] (NONLINEAR)
     w2_ptr,  # [2, H] or [2, D]
     coords_ptr,  # float32 [N, 2]
-    fit_ptr,  # float32 [N, 3]: the prediction (row, col) and the weight of each position
-    hidden_ptr,  # float32 [N, H] (NONLINEAR)
+    saved_ptr,  # float32 [N, 3 + H]: each position's prediction (row, col), weight, then its hidden layer
     grad_pos_ptr,  # [skip_rows + N, D], written: zeros in the skipped rows (ACCUMULATE: added to what it holds)
     grad_w1_ptr,  # [H, D], written (NONLINEAR)
     grad_b1_ptr,  # [H], written (NONLINEAR and HAS_B1)
@@ -279,12 +284,12 @@ def _backward_kernel(
             for start in range(0, N, BLOCK_N):
                 rows = start + tl.arange(0, BLOCK_N)
                 row_ok = rows < N
-                d_pred = _grad_prediction(grad_ptr, fit_ptr, coords_ptr, rows, N, scale, COORD_PAD)
+                d_pred = _grad_prediction(grad_ptr, saved_ptr, coords_ptr, rows, N, H, scale, COORD_PAD)
                 # Rows of weight 0 are out of the loss: read as zeros, their values (even inf or NaN) stay out of the
                 # weights' gradients (their d_pred is zero, and 0 * inf would be NaN).
-                kept = row_ok & (tl.load(fit_ptr + rows * 3 + 2, mask=row_ok, other=0.0) > 0)
+                kept = row_ok & (tl.load(saved_ptr + rows.to(tl.int64) * (H + 3) + 2, mask=row_ok, other=0.0) > 0)
                 hidden = tl.load(
-                    hidden_ptr + rows.to(tl.int64)[:, None] * H + cols[None, :],
+                    saved_ptr + rows.to(tl.int64)[:, None] * (H + 3) + 3 + cols[None, :],
                     mask=kept[:, None] & col_ok[None, :],
                     other=0.0,
                 )
@@ -316,8 +321,9 @@ def _backward_kernel(
             grad_b2 = tl.zeros((COORD_PAD,), dtype=tl.float32)
             for start in range(0, N, BLOCK_N):
                 rows = start + tl.arange(0, BLOCK_N)
-                d_pred = _grad_prediction(grad_ptr, fit_ptr, coords_ptr, rows, N, scale, COORD_PAD)
-                kept = (rows < N) & (tl.load(fit_ptr + rows * 3 + 2, mask=rows < N, other=0.0) > 0)  # as above
+                d_pred = _grad_prediction(grad_ptr, saved_ptr, coords_ptr, rows, N, H, scale, COORD_PAD)
+                weight = tl.load(saved_ptr + rows.to(tl.int64) * 3 + 2, mask=rows < N, other=0.0)  # H = 0 here
+                kept = (rows < N) & (weight > 0)  # as above
                 pos = tl.load(
                     positions_ptr + rows.to(tl.int64)[:, None] * D + channels[None, :],
                     mask=kept[:, None] & channel_ok[None, :],
@@ -342,7 +348,7 @@ def _backward_kernel(
         channels = (tile % d_tiles) * BLOCK_D + tl.arange(0, BLOCK_D)
         row_ok = (rows >= 0) & (rows < N)
         channel_ok = channels < D
-        d_pred = _grad_prediction(grad_ptr, fit_ptr, coords_ptr, rows, N, scale, COORD_PAD)
+        d_pred = _grad_prediction(grad_ptr, saved_ptr, coords_ptr, rows, N, H, scale, COORD_PAD)
         if NONLINEAR:
             grad_pos = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
             for h_start in range(0, H, BLOCK_H):
@@ -352,7 +358,7 @@ def _backward_kernel(
                     w2_ptr + coord[:, None] * H + cols[None, :], mask=coord_ok[:, None] & col_ok[None, :], other=0.0
                 ).to(tl.float32)
                 hidden = tl.load(
-                    hidden_ptr + rows.to(tl.int64)[:, None] * H + cols[None, :],
+                    saved_ptr + rows.to(tl.int64)[:, None] * (H + 3) + 3 + cols[None, :],
                     mask=row_ok[:, None] & col_ok[None, :],
                     other=0.0,
                 )
@@ -440,15 +446,13 @@ def _reduction_splits(position_blocks: int, reduced_tiles: int, device: torch.de
     return max(1, cdiv(reduced_tiles, tiles_per_split)), tiles_per_split
 
 
-def _forward_outputs(
-    num_positions: int, hidden_dim: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(loss [], fit [N, 3], hidden [N, H])``, float32, made with ``torch.empty``. ``fit`` holds each position's
-    prediction (row, col) and its weight side by side: one allocation, not two, each step."""
+def _forward_outputs(num_positions: int, hidden_dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(loss [], saved [N, 3 + H])``, float32, made with ``torch.empty``. ``saved`` holds what the backward
+    needs of each position side by side: its prediction (row, col), its weight, then its hidden layer (H = 0 for
+    the linear regressor): one allocation, not three, each step."""
     loss = torch.empty((), dtype=torch.float32, device=device)
-    fit = torch.empty(num_positions, 3, dtype=torch.float32, device=device)
-    hidden = torch.empty(num_positions, hidden_dim, dtype=torch.float32, device=device)
-    return loss, fit, hidden
+    saved = torch.empty(num_positions, 3 + hidden_dim, dtype=torch.float32, device=device)
+    return loss, saved
 
 
 def _first_layer_dot(w1: torch.Tensor | None, pos: torch.Tensor) -> tuple[bool, str]:
@@ -471,7 +475,7 @@ def dal_forward_launch(
     scale: float,
     *,
     traced: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The DAL loss and what its backward needs, in two launches.
 
     Args:
@@ -486,8 +490,9 @@ def dal_forward_launch(
         traced: launch through ``torch.library.wrap_triton`` (inside the torch operator).
 
     Returns:
-        ``(loss [], fit [N, 3], hidden [N, H] ([N, 0] for the linear regressor))``, all float32: ``fit[n]`` is
-        position n's prediction (row, col) and its weight (the share of the batch's unmasked tokens that are n).
+        ``(loss [], saved [N, 3 + H])``, float32: ``saved[n]`` is position n's prediction (row, col), its weight
+        (the share of the batch's unmasked tokens that are n), then its hidden layer (H = 0 for the linear
+        regressor).
     """
     num_positions, dim = _table_sizes(pos, skip_rows, coords)
     nonlinear = w1 is not None
@@ -504,7 +509,7 @@ def dal_forward_launch(
     if mask is not None:
         mask = mask.contiguous()
     device = pos.device
-    loss, fit, hidden = _forward_outputs(num_positions, hidden_dim, device)
+    loss, saved = _forward_outputs(num_positions, hidden_dim, device)
 
     tiles = {name: tile_size(size) for name, size in FORWARD_TILES.items()}
     position_blocks = cdiv(num_positions, tiles["BLOCK_N"])
@@ -523,7 +528,7 @@ def dal_forward_launch(
             b1 if b1 is not None else dummy,
             w2,
             mask if mask is not None else dummy,
-            hidden if nonlinear else dummy,
+            saved,
             partials,
             num_positions,
             skip_rows,
@@ -545,9 +550,10 @@ def dal_forward_launch(
         partials,
         b2 if b2 is not None else dummy,
         coords,
-        fit,
+        saved,
         loss,
         num_positions,
+        hidden_dim,
         splits if position_blocks and reduced_tiles else 0,
         float(scale),
         HAS_B2=b2 is not None,
@@ -555,7 +561,7 @@ def dal_forward_launch(
         BLOCK=block,
         num_warps=warp_count(FINISH_WARPS),
     )
-    return loss, fit, hidden
+    return loss, saved
 
 
 def dal_backward_launch(
@@ -565,8 +571,7 @@ def dal_backward_launch(
     w1: torch.Tensor | None,
     w2: torch.Tensor,
     coords: torch.Tensor,
-    fit: torch.Tensor,
-    hidden: torch.Tensor,
+    saved: torch.Tensor,
     scale: float,
     has_b1: bool,
     has_b2: bool,
@@ -579,7 +584,7 @@ def dal_backward_launch(
     Args:
         grad: float32 ``[]``, the loss's gradient.
         pos, skip_rows, w1, w2, coords: the forward's inputs (w1 None for the linear regressor).
-        fit, hidden: the forward's float32 outputs (``fit [N, 3]``: predictions and weights).
+        saved: the forward's float32 ``[N, 3 + H]`` (predictions, weights and the hidden layer).
         scale: the forward's factor.
         has_b1, has_b2: whether the Linears have biases (their gradients are computed only then).
         traced: launch through ``torch.library.wrap_triton`` (inside the torch operator).
@@ -595,13 +600,11 @@ def dal_backward_launch(
     nonlinear = w1 is not None
     hidden_dim = w1.shape[0] if nonlinear else 0
     _check("w2", w2, (2, hidden_dim if nonlinear else dim))
-    _check("fit", fit, (num_positions, 3))
+    _check("saved", saved, (num_positions, 3 + hidden_dim))
     if nonlinear:
         _check("w1", w1, (hidden_dim, dim))
-        _check("hidden", hidden, (num_positions, hidden_dim))
         w1 = w1.contiguous()
-        hidden = hidden.contiguous()
-    pos, w2, coords, fit = (t.contiguous() for t in (pos, w2, coords, fit))
+    pos, w2, coords, saved = (t.contiguous() for t in (pos, w2, coords, saved))
     device = pos.device
     first_dtype = w1.dtype if nonlinear else pos.dtype
     accumulate = grad_pos is not None
@@ -628,8 +631,7 @@ def dal_backward_launch(
             w1 if nonlinear else dummy,
             w2,
             coords,
-            fit,
-            hidden if nonlinear else dummy,
+            saved,
             grad_pos,
             grad_w1 if nonlinear else dummy,
             grad_b1 if nonlinear and has_b1 else dummy,
@@ -661,8 +663,7 @@ def _dal_loss_triton_fake(pos, w1, coords, **_):
     hidden_dim = w1.shape[0] if w1 is not None else 0
     return (
         pos.new_empty((), dtype=torch.float32),
-        pos.new_empty((num_positions, 3), dtype=torch.float32),
-        pos.new_empty((num_positions, hidden_dim), dtype=torch.float32),
+        pos.new_empty((num_positions, 3 + hidden_dim), dtype=torch.float32),
     )
 
 
@@ -679,8 +680,8 @@ def _dal_loss_triton_backward_fake(pos, w1, w2, has_b1, has_b2, **_):
     )
 
 
-# The operators over the launchers (their schemas come from the launchers' signatures): ``(loss [], fit [N, 3],
-# hidden [N, H])``, float32; ``(grad_pos, grad_w1, grad_b1, grad_w2, grad_b2)``.
+# The operators over the launchers (their schemas come from the launchers' signatures): ``(loss [], saved [N, 3 +
+# H])``, float32; ``(grad_pos, grad_w1, grad_b1, grad_w2, grad_b2)``.
 dal_loss_triton = define_operator("mjp_fast::dal_loss_triton", dal_forward_launch, fake=_dal_loss_triton_fake)
 dal_loss_triton_backward = define_operator(
     "mjp_fast::dal_loss_triton_backward", dal_backward_launch, fake=_dal_loss_triton_backward_fake

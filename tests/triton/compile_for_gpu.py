@@ -330,7 +330,7 @@ def _dal_loss_variants(dal_loss) -> list[tuple[str, object, dict[str, str], dict
             "b1_ptr": f"*{weight_dtype}",
             "w2_ptr": f"*{weight_dtype}",
             "mask_ptr": "*i1",
-            "hidden_ptr": "*fp32",
+            "saved_ptr": "*fp32",
             "partials_ptr": "*fp32",
             **{name: "i32" for name in ("N", "skip_rows", "D", "K", "B", "tiles_per_split", "samples_per_split")},
         }
@@ -348,7 +348,7 @@ def _dal_loss_variants(dal_loss) -> list[tuple[str, object, dict[str, str], dict
             "pos_ptr": f"*{dtype}",
             "w1_ptr": f"*{weight_dtype}",
             "w2_ptr": f"*{weight_dtype}",
-            **{name: "*fp32" for name in ("coords_ptr", "fit_ptr", "hidden_ptr")},
+            **{name: "*fp32" for name in ("coords_ptr", "saved_ptr")},
             "grad_pos_ptr": f"*{dtype}",
             **{name: f"*{weight_dtype}" for name in ("grad_w1_ptr", "grad_b1_ptr", "grad_w2_ptr", "grad_b2_ptr")},
             **{name: "i32" for name in ("N", "skip_rows", "D", "H")},
@@ -374,8 +374,9 @@ def _dal_loss_variants(dal_loss) -> list[tuple[str, object, dict[str, str], dict
                 {
                     "partials_ptr": "*fp32",
                     "b2_ptr": "*fp32",
-                    **{name: "*fp32" for name in ("coords_ptr", "fit_ptr", "loss_ptr")},
+                    **{name: "*fp32" for name in ("coords_ptr", "saved_ptr", "loss_ptr")},
                     "N": "i32",
+                    "H": "i32",
                     "splits": "i32",
                     "scale": "fp32",
                     **dict.fromkeys(("HAS_B2", "HAS_MASK", "BLOCK"), "constexpr"),

@@ -144,9 +144,9 @@ def test_operator_schemas_come_from_the_launchers():
 
     expected = {
         "dal_loss_triton": "(Tensor pos, SymInt skip_rows, Tensor? w1, Tensor? b1, Tensor w2, Tensor? b2, "
-        "Tensor coords, Tensor? mask, float scale) -> (Tensor, Tensor, Tensor)",
+        "Tensor coords, Tensor? mask, float scale) -> (Tensor, Tensor)",
         "dal_loss_triton_backward": "(Tensor grad, Tensor pos, SymInt skip_rows, Tensor? w1, Tensor w2, "
-        "Tensor coords, Tensor fit, Tensor hidden, float scale, bool has_b1, bool has_b2) -> "
+        "Tensor coords, Tensor saved, float scale, bool has_b1, bool has_b2) -> "
         "(Tensor, Tensor, Tensor, Tensor, Tensor)",
         "patch_embed_triton": "(Tensor images, Tensor weight, Tensor? bias, Tensor pos_embed, Tensor? unk_embed, "
         "Tensor? perm, Tensor? mask, Tensor? prefix, SymInt prefix_positions, ScalarType? out_dtype=None) -> Tensor",

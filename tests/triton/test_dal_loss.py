@@ -118,9 +118,11 @@ def _run(inputs: dict, *, operator: bool = False):
             dal_backward_launch,
         )
     )
-    loss, fit, hidden = forward(**inputs)
+    loss, saved = forward(**inputs)
     num_positions = inputs["coords"].shape[0]
-    assert fit.dtype == torch.float32 and fit.shape == (num_positions, 3)  # predictions and weights side by side
+    hidden_dim = inputs["w1"].shape[0] if inputs["w1"] is not None else 0
+    # predictions, weights and the hidden layer side by side
+    assert saved.dtype == torch.float32 and saved.shape == (num_positions, 3 + hidden_dim)
     grads = backward(
         torch.ones((), dtype=torch.float32),
         inputs["pos"],
@@ -128,13 +130,12 @@ def _run(inputs: dict, *, operator: bool = False):
         inputs["w1"],
         inputs["w2"],
         inputs["coords"],
-        fit,
-        hidden,
+        saved,
         inputs["scale"],
         inputs["b1"] is not None,
         inputs["b2"] is not None,
     )
-    return (loss, fit[:, :2], hidden, fit[:, 2]), tuple(grads)
+    return (loss, saved[:, :2], saved[:, 3:], saved[:, 2]), tuple(grads)
 
 
 GRAD_NAMES = ("pos", "w1", "b1", "w2", "b2")
@@ -289,7 +290,7 @@ def test_operators_equal_launches(kind):
 def test_opcheck(kind, mask_kind, skip_rows):
     inputs = _inputs(7, 13, 20, kind, mask_kind, skip_rows=skip_rows, batched_table=skip_rows > 0)
     torch.library.opcheck(dal_loss_triton, tuple(inputs.values()))
-    _, fit, hidden = dal_forward_launch(**inputs)
+    _, saved = dal_forward_launch(**inputs)
     backward_args = (
         torch.ones((), dtype=torch.float32),
         inputs["pos"],
@@ -297,8 +298,7 @@ def test_opcheck(kind, mask_kind, skip_rows):
         inputs["w1"],
         inputs["w2"],
         inputs["coords"],
-        fit,
-        hidden,
+        saved,
         inputs["scale"],
         inputs["b1"] is not None,
         False,
@@ -332,7 +332,7 @@ def test_launchers_only_allocate_and_launch(kind, traced, monkeypatch):
             return func(*args, **(kwargs or {}))
 
     inputs = _inputs(20, 37, 40, kind, "random", skip_rows=1, batched_table=True)  # a ViT's table: no slice, no pad
-    _, fit, hidden = dal_forward_launch(**inputs)
+    _, saved = dal_forward_launch(**inputs)
     grad = torch.ones(())
     launches = []
     monkeypatch.setattr(dal_triton, "launcher", lambda kernel, grid, traced: _NoLaunch(launches)[grid])
@@ -341,8 +341,8 @@ def test_launchers_only_allocate_and_launch(kind, traced, monkeypatch):
     assert len(launches) == 2
     with Record() as backward_ops:
         dal_backward_launch(
-            grad, inputs["pos"], inputs["skip_rows"], inputs["w1"], inputs["w2"], inputs["coords"], fit, hidden, 0.5,
-            True, True, traced=traced,
+            grad, inputs["pos"], inputs["skip_rows"], inputs["w1"], inputs["w2"], inputs["coords"], saved, 0.5, True,
+            True, traced=traced,
         )  # fmt: skip
     assert len(launches) == 3
     assert set(forward_ops.ops + backward_ops.ops) <= {"aten.empty"}, forward_ops.ops + backward_ops.ops
@@ -399,7 +399,7 @@ def test_full_table_equals_the_sliced_table(dtype, kind):
 def test_backward_kernel_writes_the_skipped_rows(kind, monkeypatch):
     # grad_pos comes from torch.empty: the kernel itself writes the zeros of the skipped rows (no fill op).
     inputs = _inputs(20, 37, 40, kind, "random", skip_rows=3, batched_table=True)
-    _, fit, hidden = dal_forward_launch(**inputs)
+    _, saved = dal_forward_launch(**inputs)
     real_empty = torch.empty
 
     def poisoned_empty(*args, **kwargs):
@@ -408,8 +408,8 @@ def test_backward_kernel_writes_the_skipped_rows(kind, monkeypatch):
 
     monkeypatch.setattr(torch, "empty", poisoned_empty)
     grads = dal_backward_launch(
-        torch.ones(()), inputs["pos"], 3, inputs["w1"], inputs["w2"], inputs["coords"], fit, hidden, inputs["scale"],
-        True, True,
+        torch.ones(()), inputs["pos"], 3, inputs["w1"], inputs["w2"], inputs["coords"], saved, inputs["scale"], True,
+        True,
     )  # fmt: skip
     monkeypatch.undo()
     assert torch.equal(grads[0][0, :3], torch.zeros(3, 37))
@@ -436,8 +436,8 @@ def test_backward_adds_into_a_given_table_gradient(dtype, kind):
     # The fused MJP step passes the position step's gradient of the same table: the DAL backward adds its own share
     # in place (one rounding), returns that tensor, and the regressor's gradients are unchanged.
     inputs = _inputs(20, 37, 40, kind, "random", dtype, skip_rows=1, batched_table=True)
-    _, fit, hidden = dal_forward_launch(**inputs)
-    arguments = (torch.ones(()), inputs["pos"], 1, inputs["w1"], inputs["w2"], inputs["coords"], fit, hidden, 0.5)
+    _, saved = dal_forward_launch(**inputs)
+    arguments = (torch.ones(()), inputs["pos"], 1, inputs["w1"], inputs["w2"], inputs["coords"], saved, 0.5)
     flags = (inputs["b1"] is not None, inputs["b2"] is not None)
     alone = dal_backward_launch(*arguments, *flags)
     prior = torch.randn(inputs["pos"].shape, generator=torch.Generator().manual_seed(5)).to(dtype)

@@ -90,8 +90,8 @@ def test_prefix_row_launches(launches):
     moved = pos_embed.pos_embed_forward_launch(tokens[:, 1:].contiguous(), perm, mask, pos, unk, prefix, 1)
     pos_embed.pos_embed_backward_launch(moved, perm, mask, 1, 1, [1, 7, 5], [1, 1, 5], *[torch.float32] * 4)
     w1, w2, coords = torch.randn(8, 5), torch.randn(2, 8), torch.randn(6, 2)
-    loss, fit, hidden = dal_loss.dal_forward_launch(pos, 1, w1, None, w2, None, coords, mask, 1.0)
-    dal_loss.dal_backward_launch(torch.ones(()), pos, 1, w1, w2, coords, fit, hidden, 1.0, False, False)
+    loss, saved = dal_loss.dal_forward_launch(pos, 1, w1, None, w2, None, coords, mask, 1.0)
+    dal_loss.dal_backward_launch(torch.ones(()), pos, 1, w1, w2, coords, saved, 1.0, False, False)
     _assert_int32(
         launches,
         {
