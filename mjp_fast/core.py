@@ -191,6 +191,16 @@ class MJPCore(nn.Module):
 
     @last_jigsaw.setter
     def last_jigsaw(self, jigsaw: Jigsaw | None) -> None:
+        self.record_jigsaw(jigsaw)
+
+    def record_jigsaw(self, jigsaw: Jigsaw | None) -> None:
+        """Sets :attr:`last_jigsaw` and forgets the DAL loss kept for ``mjp_aux_loss``: what the forwards call.
+
+        A method, not the property's setter, inside a forward: torch 2.11's dynamo (the lent GPU machines') replays
+        a property set on a module after the compiled graph, so the setter's forgetting came after the forward had
+        kept its new loss, and ``mjp_aux_loss()`` then computed a second loss: DAL counted twice in compiled
+        training (the H200's Inductor failure of 2026-11-27, found again on the CPU in the GPU image's versions).
+        A method is traced in order."""
         self.__dict__["_last_jigsaw"] = jigsaw
         stash = self.__dict__.get("_dal_stash")
         if stash is not None:

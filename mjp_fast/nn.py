@@ -120,7 +120,7 @@ class MJPPatchEmbed(MJPCore):
         elif self.unk_embed is None:  # the caller's jigsaw, checked as given (the op sees it with no mask bit set)
             jigsaw = check_jigsaw(jigsaw, images.shape[0], self.num_patches, images.device, validate=True)
             validate = False
-        self.last_jigsaw = jigsaw  # the real mask: dal_loss leaves those positions out
+        self.record_jigsaw(jigsaw)  # the real mask: dal_loss leaves those positions out
         position_jigsaw, unk_row = self.position_jigsaw(jigsaw)
         backend = self.backend_for(images.device)
         return mjp_patch_embed(

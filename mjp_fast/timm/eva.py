@@ -59,7 +59,7 @@ class MJPEva(MJPModel, Eva):
     def _pos_embed(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         state, fused = self.mjp, is_fused(self.patch_embed)
         if not state.engaged and not fused:  # MJP off (eval mode): timm's own
-            state.last_jigsaw = None
+            state.record_jigsaw(None)
             return super()._pos_embed(x)
         x, grid, pos_table, rope = _patch_tokens_and_tables(self, x)
         if fused:  # x: the images, passed through by patch_embed; the state embeds and jigsaws them (one node)

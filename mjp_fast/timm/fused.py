@@ -234,7 +234,7 @@ def fused_pos_embed(model: VisionTransformer, images: torch.Tensor, state: nn.Mo
         )
         return model.pos_drop(tokens)
     if state is not None:
-        state.last_jigsaw = None
+        state.record_jigsaw(None)
     arguments = (None, None, state if state is not None else embed, prefix, prefix_positions)
     return model.pos_drop(fused_patch_embed(images, proj.weight, proj.bias, model.pos_embed, *arguments))
 

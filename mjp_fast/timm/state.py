@@ -148,7 +148,7 @@ class MJPState(MJPCore):
             # move and the shuffled ones get unk_embed, the one learned marker of an unknown position.
             pos_table = x.new_zeros((1, x.shape[1], x.shape[2]))
         sampled, jigsaw = self._sample(x, grid, pixels_jigsawed)
-        self.last_jigsaw = sampled  # also forgets the last forward's DAL loss
+        self.record_jigsaw(sampled)  # also forgets the last forward's DAL loss
         # The DAL loss rides on the tokens in training only; the regressor's forward is not needed otherwise.
         training = self.training and torch.is_grad_enabled()
         regressor = self.dal_regressor if training else None
@@ -279,7 +279,7 @@ class MJPState(MJPCore):
                 f"size {patch}"
             )
         jigsaw = self.sampler(x.shape[0], x.device, (x.shape[-2] // patch, x.shape[-1] // patch))
-        self.last_jigsaw = jigsaw
+        self.record_jigsaw(jigsaw)
         return x if jigsaw is None else jigsaw_images(x, jigsaw, patch, validate=False)
 
 

@@ -68,7 +68,7 @@ class MJPVisionTransformer(MJPModel, VisionTransformer):
         if is_fused(patch_embed):  # x: the images, passed through by patch_embed
             return fused_pos_embed(self, x, state)
         if pos_embed is None or not state.engaged:
-            state.last_jigsaw = None
+            state.record_jigsaw(None)
             return super()._pos_embed(x)
         grid = patch_embed.grid_size  # the model's (set_input_size may have changed it since the sampler was made)
         dal_table = dal_grid = None  # DAL regresses the stored table, not one resampled for another input size
