@@ -75,21 +75,23 @@ def test_the_mjp_step_runs_one_fused_operator_each_way(steps, name):
     assert counts["_to_copy"] == 0 and counts["clone"] <= 1
 
 
-@pytest.mark.skipif("triton" not in backends_for("cpu"), reason="needs the Triton interpreter")
-@pytest.mark.parametrize("name", list(LAUNCH_CEILINGS))
-def test_triton_kernel_launches(name):
+@pytest.fixture(scope="module")
+def triton_steps():
+    if "triton" not in backends_for("cpu"):
+        pytest.skip("needs the Triton interpreter")
     models = tiny_models("cpu", backend="triton")
-    steps = {**position_steps(models, "cpu"), **sampler_steps(models, "cpu")}
-    launches = count_triton_launches(steps[name])
+    return {**position_steps(models, "cpu"), **sampler_steps(models, "cpu")}
+
+
+@pytest.mark.parametrize("name", list(LAUNCH_CEILINGS))
+def test_triton_kernel_launches(triton_steps, name):
+    launches = count_triton_launches(triton_steps[name])
     assert sum(launches.values()) <= LAUNCH_CEILINGS[name], dict(launches)
 
 
-@pytest.mark.skipif("triton" not in backends_for("cpu"), reason="needs the Triton interpreter")
 @pytest.mark.parametrize("name", list(TRITON_OP_CEILINGS))
-def test_triton_dispatched_operations(name):
-    models = tiny_models("cpu", backend="triton")
-    steps = {**position_steps(models, "cpu"), **sampler_steps(models, "cpu")}
-    counter = count_ops_without_kernels(steps[name])
+def test_triton_dispatched_operations(triton_steps, name):
+    counter = count_ops_without_kernels(triton_steps[name])
     assert counter.total <= TRITON_OP_CEILINGS[name], f"{name}: {counter.total} ops: {dict(counter.counts)}"
 
 
