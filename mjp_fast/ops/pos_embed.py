@@ -191,23 +191,13 @@ class _PosEmbedTriton(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, tokens, perm, mask, pos_embed, unk_embed, prefix, prefix_positions, permutation):  # type: ignore[override]
-        prefix_shape = list(prefix.shape) if prefix is not None else [0]
-        prefix_count = prefix.numel() // tokens.shape[2] if prefix is not None else 0
-        ctx.layout = (prefix_count, prefix_positions, list(pos_embed.shape), prefix_shape)
-        prefix_dtype = prefix.dtype if prefix is not None else pos_embed.dtype
-        ctx.dtypes = (tokens.dtype, pos_embed.dtype, unk_embed.dtype, prefix_dtype)
-        ctx.permutation = permutation
+        _keep_position_layout(ctx, tokens, pos_embed, unk_embed, prefix, prefix_positions, permutation)
         arguments = (tokens, perm, mask, pos_embed, unk_embed, prefix, prefix_positions)
         if torch.compiler.is_compiling():
             ctx.save_for_backward(perm, mask)
             return torch.ops.mjp_fast.pos_embed_triton(*arguments)
-        if permutation:  # the backward's inverse move writes every row of the tokens' gradient: nothing to zero
-            ctx.save_for_backward(perm, mask)
-            return _triton_kernels.pos_embed_forward_launch(*arguments)
-        # The forward's witness of where each token came from lets the backward zero, in its own pass, the gradient
-        # rows no token came from (only a perm that is not a permutation has any): no fill, no launch of its own.
-        witness = torch.empty(perm.shape, dtype=torch.int32, device=perm.device)
-        ctx.save_for_backward(perm, mask, witness)
+        witness = _witness(perm, permutation)
+        ctx.save_for_backward(perm, mask, *(() if witness is None else (witness,)))
         return _triton_kernels.pos_embed_forward_launch(*arguments, witness=witness)
 
     @staticmethod
@@ -221,6 +211,24 @@ class _PosEmbedTriton(torch.autograd.Function):
             grads = _triton_kernels.pos_embed_backward_launch(*arguments, witness=witness, permutation=ctx.permutation)
         grad_tokens, grad_pos, grad_unk, grad_prefix = grads
         return grad_tokens, None, None, grad_pos, grad_unk, grad_prefix if ctx.layout[0] else None, None, None
+
+
+def _keep_position_layout(ctx, tokens, pos_embed, unk_embed, prefix, prefix_positions, permutation) -> None:
+    """What the ``triton`` position step's backward needs besides tensors, on ``ctx``: the row layout (P, Q, the
+    table's and the prefix's shapes), the gradients' dtypes and whether ``perm`` is known to be a permutation."""
+    prefix_shape = list(prefix.shape) if prefix is not None else [0]
+    prefix_count = prefix.numel() // tokens.shape[2] if prefix is not None else 0
+    ctx.layout = (prefix_count, prefix_positions, list(pos_embed.shape), prefix_shape)
+    prefix_dtype = prefix.dtype if prefix is not None else pos_embed.dtype
+    ctx.dtypes = (tokens.dtype, pos_embed.dtype, unk_embed.dtype, prefix_dtype)
+    ctx.permutation = permutation
+
+
+def _witness(perm: torch.Tensor, permutation: bool) -> torch.Tensor | None:
+    """int32 ``[B, N]`` for the forward launch to write where each token came from, so that the backward zeroes, in
+    its own pass, the gradient rows no token came from (only a perm that is not a permutation has any: no fill, no
+    launch of its own); None for a known permutation, whose inverse move writes every row."""
+    return None if permutation else torch.empty(perm.shape, dtype=torch.int32, device=perm.device)
 
 
 class _StepWithDALTriton(torch.autograd.Function):
@@ -239,13 +247,9 @@ class _StepWithDALTriton(torch.autograd.Function):
         ctx, tokens, perm, mask, pos_embed, unk_embed, prefix, prefix_positions, w1, b1, w2, b2, coords, dal_mask,
         scale, permutation,
     ):  # fmt: skip
-        prefix_shape = list(prefix.shape) if prefix is not None else [0]
-        prefix_count = prefix.numel() // tokens.shape[2] if prefix is not None else 0
-        ctx.layout = (prefix_count, prefix_positions, list(pos_embed.shape), prefix_shape)
-        prefix_dtype = prefix.dtype if prefix is not None else pos_embed.dtype
-        ctx.dtypes = (tokens.dtype, pos_embed.dtype, unk_embed.dtype, prefix_dtype)
-        ctx.permutation, ctx.scale, ctx.has_bias = permutation, scale, (b1 is not None, b2 is not None)
-        witness = None if permutation else torch.empty(perm.shape, dtype=torch.int32, device=perm.device)
+        _keep_position_layout(ctx, tokens, pos_embed, unk_embed, prefix, prefix_positions, permutation)
+        ctx.scale, ctx.has_bias = scale, (b1 is not None, b2 is not None)
+        witness = _witness(perm, permutation)
         out = _triton_kernels.pos_embed_forward_launch(
             tokens, perm, mask, pos_embed, unk_embed, prefix, prefix_positions, witness=witness
         )

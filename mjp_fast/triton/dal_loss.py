@@ -322,7 +322,7 @@ def _backward_kernel(
             for start in range(0, N, BLOCK_N):
                 rows = start + tl.arange(0, BLOCK_N)
                 d_pred = _grad_prediction(grad_ptr, saved_ptr, coords_ptr, rows, N, H, scale, COORD_PAD)
-                weight = tl.load(saved_ptr + rows.to(tl.int64) * 3 + 2, mask=rows < N, other=0.0)  # H = 0 here
+                weight = tl.load(saved_ptr + rows.to(tl.int64) * (H + 3) + 2, mask=rows < N, other=0.0)
                 kept = (rows < N) & (weight > 0)  # as above
                 pos = tl.load(
                     positions_ptr + rows.to(tl.int64)[:, None] * D + channels[None, :],
