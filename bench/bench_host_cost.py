@@ -26,12 +26,12 @@ if __package__ in (None, ""):  # run as a script: make `bench` and `mjp_fast` im
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import torch
 
 from bench.common import (
     Timing,
     aim_line,
     aim_verdict,
+    compared_backends,
     format_timing,
     markdown_table,
     measure,
@@ -57,44 +57,66 @@ OPS_AIM, HOST_AIM = 25, 2.5
 TIMING_FIELDS = ("median_s", "p20_s", "p80_s", "min_s", "samples", "calls_per_sample")
 
 
-def collect(*, smoke: bool, device: str, repeats: int | None = None) -> dict:
-    """Measures the case; returns its section: ``config``, ``backends``, ``results``, ``aims``."""
-    from mjp_fast.backend import resolve_backend
+def collect(*, smoke: bool, device: str, repeats: int | None = None, backends: Sequence[str] | None = None) -> dict:
+    """Measures the case; returns its section: ``config``, ``backends``, ``results``, ``aims``.
 
-    models = tiny_models(device)
+    ``backends``: the MJP models' backends, one set of rows each (default :func:`bench.common.compared_backends`:
+    the automatic choice, and on a GPU the other GPU backend too). Each set is timed with its own baselines, in its
+    own interleaved rounds."""
+    backends = list(backends) if backends is not None else compared_backends(device)
+    repeats = repeats or (2 if smoke else 15)
+    rows, aims = [], []
+    for backend in backends:
+        backend_rows = _measure_backend(backend, smoke=smoke, device=device, repeats=repeats)
+        rows += backend_rows
+        aims += _aims(backend_rows, backend, named=len(backends) > 1, smoke=smoke)
+    return {
+        "config": {"batch": BATCH, "dim": DIM, "image_size": IMAGE, "patch": PATCH, "depth": 0, "repeats": repeats},
+        "backends": backends,
+        "results": rows,
+        "aims": aims,
+    }
+
+
+def _measure_backend(backend: str, *, smoke: bool, device: str, repeats: int) -> list[dict]:
+    """The rows of one backend: every step counted and timed against its baseline (``baseline``)."""
+    models = tiny_models(device, backend)
     steps = position_steps(models, device)
     samplers = sampler_steps(models, device)
     counts = {name: count_ops(function) for name, function in {**steps, **samplers}.items()}
     triton_launches = {name: count_triton_launches(function) for name, function in {**steps, **samplers}.items()}
-    repeats = repeats or (2 if smoke else 15)
     min_sample = 0.0 if smoke else 0.05
     timings = measure(steps, repeats=repeats, warmup=3, min_sample_s=min_sample, device=device)
     timings.update(measure(samplers, repeats=repeats, warmup=3, min_sample_s=min_sample, device=device))
     baselines = {"plain": "plain", "mjp": "plain", "mjp explicit": "plain"}
     baselines.update({"plain embed": "plain embed", "mjp fused embed": "plain embed"})
     baselines.update({"torch.add": "torch.add", "sampler": "torch.add"})
-    rows = []
-    for name, timing in timings.items():
-        base = timings[baselines[name]]
-        rows.append(
-            {
-                "implementation": name,
-                "baseline": baselines[name],
-                "ops": counts[name].total,
-                "op_counts": dict(counts[name].counts),
-                "triton_launches": sum(triton_launches[name].values()),
-                "triton_kernels": dict(triton_launches[name]),
-                **timing.to_dict(),
-                "ratio": timing.median_s / base.median_s,
-            }
-        )
+    return [
+        {
+            "implementation": name,
+            "backend": backend,
+            "baseline": baselines[name],
+            "ops": counts[name].total,
+            "op_counts": dict(counts[name].counts),
+            "triton_launches": sum(triton_launches[name].values()),
+            "triton_kernels": dict(triton_launches[name]),
+            **timing.to_dict(),
+            "ratio": timing.median_s / timings[baselines[name]].median_s,
+        }
+        for name, timing in timings.items()
+    ]
+
+
+def _aims(rows: list[dict], backend: str, *, named: bool, smoke: bool) -> list[dict]:
+    """The aims judged on one backend's rows; ``named``: their text names the backend (a run of several)."""
     by_name = {row["implementation"]: row for row in rows}
+    on = f" (backend {backend})" if named else ""
     aims = []
     for name in ("mjp", "mjp fused embed"):
         aims.append(
             {
-                "aim": f"{name}: the MJP part (sampler, move, position term, DAL; forward and backward) dispatches at "
-                f"most {OPS_AIM} operations",
+                "aim": f"{name}{on}: the MJP part (sampler, move, position term, DAL; forward and backward) dispatches "
+                f"at most {OPS_AIM} operations",
                 "threshold": OPS_AIM,
                 "measured": float(by_name[name]["ops"]),
                 "unit": " ops",
@@ -106,7 +128,8 @@ def collect(*, smoke: bool, device: str, repeats: int | None = None) -> dict:
             aim.update(verdict="NOT JUDGED", note="smoke run: tiny sizes")
     aims.append(
         {
-            "aim": f"mjp: host time of the position step at most {HOST_AIM:g}x the plain position add's (tiny sizes)",
+            "aim": f"mjp{on}: host time of the position step at most {HOST_AIM:g}x the plain position add's (tiny "
+            "sizes)",
             "threshold": HOST_AIM,
             "measured": by_name["mjp"]["ratio"],
             "unit": "x",
@@ -115,18 +138,16 @@ def collect(*, smoke: bool, device: str, repeats: int | None = None) -> dict:
             else aim_verdict(by_name["mjp"]["ratio"], HOST_AIM, higher_is_better=False),
         }
     )
-    return {
-        "config": {"batch": BATCH, "dim": DIM, "image_size": IMAGE, "patch": PATCH, "depth": 0, "repeats": repeats},
-        "backends": [resolve_backend(None, torch.device(device))],
-        "results": rows,
-        "aims": aims,
-    }
+    return aims
 
 
 def table(rows: list[dict]) -> str:
+    # A run of several backends names each row's (older runs' rows have no "backend").
+    several = len({row.get("backend") for row in rows}) > 1
     body = [
         [
             row["implementation"],
+            *([row["backend"]] if several else []),
             row["baseline"],
             row["ops"],
             row["triton_launches"],
@@ -135,7 +156,8 @@ def table(rows: list[dict]) -> str:
         ]
         for row in rows
     ]
-    headers = ["step", "against", "dispatched ops", "Triton launches", "host time, median [p20, p80]", "time ratio"]
+    headers = ["step", *(["backend"] if several else []), "against", "dispatched ops", "Triton launches"]
+    headers += ["host time, median [p20, p80]", "time ratio"]
     return markdown_table(headers, body)
 
 

@@ -48,6 +48,7 @@ from bench.common import (
     Timing,
     aim_line,
     aim_verdict,
+    compared_backends,
     format_seconds,
     format_timing,
     markdown_table,
@@ -69,12 +70,15 @@ MODEL_TITLES = {"deit_tiny_patch16_224": "DeiT-Tiny", "deit_small_patch16_224": 
 # On these shared CPUs a single step's time wanders by about 5% (the neighbours' load: a thread's own CPU time
 # wanders with it, so it is not steal), against an MJP cost near 0.2%: resolving a 2% aim needs dozens of pairs.
 CPU_RUNS = (("deit_tiny_patch16_224", 32, 80, 600.0), ("deit_small_patch16_224", 8, 30, 150.0))
-GPU_RUNS = (("deit_tiny_patch16_224", 256, 40, 45.0), ("deit_small_patch16_224", 256, 40, 45.0))
+# On a GPU each backend (triton, cuda) runs its own rounds: 30 pairs each resolved the H200's overheads to within
+# about +-0.5% (its 40 pairs of 2026-11-27: 95% CIs 1-1.9 points wide), in half the stage's time.
+GPU_RUNS = (("deit_tiny_patch16_224", 256, 30, 30.0), ("deit_small_patch16_224", 256, 30, 30.0))
 SMOKE_RUNS = (("deit_tiny_patch16_224", 2, 2, None),)  # one block (see run_model): seconds, not minutes
 MIN_PAIRS = 5
 QUIET_MARGIN = 1.25  # a "quiet" pair: both steps within 25% of the fastest step measured for the model
 BOOTSTRAP_RESAMPLES = 2000  # for the 95% confidence interval of the median overhead
 DEVICE_TIME_CALLS, DEVICE_TIME_ROUNDS = 10, 3  # the GPU busy time of the isolated work: calls per round, rounds
+TOP_KERNELS = 12  # per variant, the kernels of its isolated work that a row lists with their GPU time
 GPU_WORK_AIM_S = 80e-6  # MJP's isolated work at most 80 us of GPU busy time per step (issue 21), DeiT-S batch 256
 CPU_AIM_PCT, GPU_AIM_PCT = 2.0, 0.25
 AIMS = (  # device kind, model, batch, dtype, threshold in percent, compiled (torch.compile) or eager
@@ -141,12 +145,13 @@ class StepTimer:
 
 
 def _models(
-    name: str, image_size: int, device: torch.device, depth: int | None = None
+    name: str, image_size: int, device: torch.device, depth: int | None = None, backend: str | None = None
 ) -> dict[float | str | None, torch.nn.Module]:
     """The plain model, its copy with the fused patch embedding (key ``FAST``) and its MJP copies (one per prob),
     all with the same initial weights, in training mode.
 
-    ``depth``: fewer transformer blocks than the model has (smoke runs only).
+    ``depth``: fewer transformer blocks than the model has (smoke runs only). ``backend``: the fused embedding's
+    and the MJP models' backend (default automatic).
     """
     import timm
 
@@ -157,21 +162,28 @@ def _models(
     plain = timm.create_model(name, pretrained=False, img_size=image_size, num_classes=1000, **overrides)
     models: dict[float | str | None, torch.nn.Module] = {None: plain}
     # The honest baseline for MJP's own cost: MJP models run the fused patch embedding, so this one does too.
-    models[FAST] = mjp_timm.fast_patch_embed(copy.deepcopy(plain))
+    models[FAST] = mjp_timm.fast_patch_embed(copy.deepcopy(plain), backend=backend)
     for prob in MJP_PROBS:
         models[prob] = mjp_timm.convert(
-            copy.deepcopy(plain), ratio=MJP_RATIO, prob=prob, dal=DAL_KIND, seed=0, dal_weight=DAL_WEIGHT
+            copy.deepcopy(plain),
+            ratio=MJP_RATIO,
+            prob=prob,
+            dal=DAL_KIND,
+            seed=0,
+            dal_weight=DAL_WEIGHT,
+            backend=backend,
         )
     return {prob: model.to(device).train() for prob, model in models.items()}
 
 
 def _isolated(
     models: dict[float | None, torch.nn.Module], batch: int, device: torch.device, repeats: int, smoke: bool
-) -> tuple[dict[float, float], dict[float | str, float]]:
+) -> tuple[dict[float, float], dict[float | str, float], dict[float | str | None, list[list]]]:
     """MJP's own work in a step, timed alone: per prob, the time of the MJP model's patch embedding and position
     step (jigsaw, DAL; forward and backward) minus that of the plain model with the same fused embedding, in s;
     and on a GPU the same difference of the GPU's busy time (:func:`_device_busy_seconds`; empty elsewhere), with,
-    under the key ``FAST``, the fused embedding's busy time minus timm's own (its conv and position add)."""
+    under the key ``FAST``, the fused embedding's busy time minus timm's own (its conv and position add); and on a
+    GPU, per variant (None: timm's), the kernels of that part with their GPU time per call (:func:`_top_kernels`)."""
     baseline = models[FAST]
     generator = torch.Generator().manual_seed(1)
     image_size = baseline.patch_embed.img_size
@@ -196,18 +208,20 @@ def _isolated(
     timings = measure(functions, repeats=repeats, warmup=2, min_sample_s=0.0 if smoke else 0.05, device=device)
     extra = {prob: timings[variant_name(prob)].median_s - timings[variant_name(FAST)].median_s for prob in MJP_PROBS}
     if device.type != "cuda":
-        return extra, {}
+        return extra, {}, {}
     functions[variant_name(None)] = position_part(models[None])
-    busy = _device_busy_seconds(functions, calls=3 if smoke else DEVICE_TIME_CALLS)
+    busy, kernels = _device_busy_seconds(functions, calls=3 if smoke else DEVICE_TIME_CALLS)
     gpu = {prob: busy[variant_name(prob)] - busy[variant_name(FAST)] for prob in MJP_PROBS}
-    return extra, {**gpu, FAST: busy[variant_name(FAST)] - busy[variant_name(None)]}
+    by_variant = {prob: _top_kernels(kernels[variant_name(prob)]) for prob in (None, FAST, *MJP_PROBS)}
+    return extra, {**gpu, FAST: busy[variant_name(FAST)] - busy[variant_name(None)]}, by_variant
 
 
 def _device_busy_seconds(
     functions: dict[str, Callable[[], None]], calls: int, rounds: int = DEVICE_TIME_ROUNDS
-) -> dict[str, float]:
+) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
     """Per function, the GPU's busy time per call: the summed durations of the kernels (and copies, fills) it runs,
     as the profiler's CUDA activity records them; the median over ``rounds`` interleaved rounds of ``calls`` calls.
+    Also per function, each kernel's (copy's, fill's) GPU time per call, in s, averaged over all the rounds.
 
     Unlike CUDA events around a call, this leaves out the gaps where the GPU waits for the host: on the lent
     machines' slow host CPU a small step is host-bound, and its events measure the host's time, not the GPU's."""
@@ -215,6 +229,7 @@ def _device_busy_seconds(
     from torch.profiler import ProfilerActivity, profile
 
     samples: dict[str, list[float]] = {name: [] for name in functions}
+    kernels: dict[str, dict[str, float]] = {name: {} for name in functions}
     for _ in range(rounds):
         for name, function in functions.items():
             function()  # the profiler's own start-up stays out of the round
@@ -223,10 +238,19 @@ def _device_busy_seconds(
                 for _ in range(calls):
                     function()
                 torch.cuda.synchronize()
-            events = profiler.events()
-            busy_us = sum(event.device_time_total for event in events if event.device_type == DeviceType.CUDA)
-            samples[name].append(busy_us * 1e-6 / calls)
-    return {name: float(np.median(values)) for name, values in samples.items()}
+            device_events = [event for event in profiler.events() if event.device_type == DeviceType.CUDA]
+            samples[name].append(sum(event.device_time_total for event in device_events) * 1e-6 / calls)
+            for event in device_events:
+                share = event.device_time_total * 1e-6 / (calls * rounds)
+                kernels[name][event.name] = kernels[name].get(event.name, 0.0) + share
+    return {name: float(np.median(values)) for name, values in samples.items()}, kernels
+
+
+def _top_kernels(kernels: dict[str, float], count: int = TOP_KERNELS) -> list[list]:
+    """The ``count`` kernels with the most GPU time per call, as ``[name, seconds]``, most first; kernel names
+    (C++ templates) cut to 120 characters."""
+    ranked = sorted(kernels.items(), key=lambda item: item[1], reverse=True)[:count]
+    return [[name if len(name) <= 120 else name[:117] + "...", seconds] for name, seconds in ranked]
 
 
 def _percentiles(values: Sequence[float]) -> tuple[float, float, float]:
@@ -254,12 +278,15 @@ def run_model(
     device: str,
     compile_model: bool,
     smoke: bool,
+    backend: str | None = None,
 ) -> list[dict]:
-    """Interleaved training steps of the plain and MJP models; one result row per variant."""
+    """Interleaved training steps of the plain and MJP models; one result row per variant. ``backend``: the fused
+    embedding's and the MJP models' (default automatic), named in every row."""
     from mjp_fast.backend import resolve_backend
 
     device = torch.device(device)
-    models = _models(name, image_size, device, depth=1 if smoke else None)
+    backend = backend or resolve_backend(None, device)
+    models = _models(name, image_size, device, depth=1 if smoke else None, backend=backend)
     trainers = {prob: Trainer(model, device=device, compile_model=compile_model) for prob, model in models.items()}
     generator = torch.Generator().manual_seed(0)
     images = torch.randn(batch, 3, image_size, image_size, generator=generator).to(device)
@@ -281,7 +308,7 @@ def run_model(
         if max_seconds is not None and round_index + 1 >= MIN_PAIRS and time.perf_counter() - begin > max_seconds:
             break
     measured_s = time.perf_counter() - begin
-    isolated, isolated_gpu = _isolated(models, batch, device, repeats=3 if smoke else 15, smoke=smoke)
+    isolated, isolated_gpu, kernels = _isolated(models, batch, device, repeats=3 if smoke else 15, smoke=smoke)
 
     plain = np.asarray(times[None])
     fast = np.asarray(times[FAST])
@@ -322,7 +349,9 @@ def run_model(
             "overhead_vs_fast_p80_pct": None,
             "overhead_vs_fast_ci95_low_pct": None,
             "overhead_vs_fast_ci95_high_pct": None,
-            "sampler_backend": resolve_backend(None, device),
+            "backend": backend,
+            "sampler_backend": backend,  # the model's one backend (its sampler's too): the name older runs used
+            "gpu_kernels": kernels.get(prob),
         }
         if prob == FAST:
             overheads = 100.0 * (values / plain - 1.0)
@@ -369,9 +398,11 @@ def run_model(
 
 
 def table(rows: list[dict]) -> str:
+    several = len({row.get("backend") for row in rows}) > 1  # older runs' rows name no backend
     headers = [
         "model",
         "batch",
+        *(["backend"] if several else []),
         "variant",
         "step: median [p20, p80]",
         "images/s",
@@ -416,6 +447,7 @@ def table(rows: list[dict]) -> str:
             [
                 MODEL_TITLES.get(row["model"], row["model"]),
                 row["batch"],
+                *([row.get("backend")] if several else []),
                 row["implementation"],
                 format_timing(timing),
                 f"{row['images_per_s']:.1f}",
@@ -431,9 +463,38 @@ def table(rows: list[dict]) -> str:
     return markdown_table(headers, body)
 
 
+def kernel_table(rows: list[dict], count: int = 5) -> str:
+    """The GPU kernels that take the most time in each variant's isolated position part (GPU runs record them),
+    ``count`` per variant, in microseconds per step; empty when no row has them."""
+    body = []
+    for row in rows:
+        for name, seconds in (row.get("gpu_kernels") or [])[:count]:
+            model = MODEL_TITLES.get(row["model"], row["model"])
+            body.append([model, row.get("backend"), row["implementation"], f"{seconds * 1e6:.1f}", name])
+    if not body:
+        return ""
+    return markdown_table(["model", "backend", "variant", "GPU us per step", "kernel"], body)
+
+
 def _aims(
     rows: list[dict], *, smoke: bool, device: str, gpu: str | None, dtype: str, compiled: bool = False
 ) -> list[dict]:
+    """The aims, judged on each backend's rows alone; a run of several backends names the backend in each aim."""
+    backends = list(dict.fromkeys(row.get("backend") for row in rows)) or [None]
+    aims = []
+    for backend in backends:
+        on = f" (backend {backend})" if len(backends) > 1 else ""
+        own = [row for row in rows if row.get("backend") == backend]
+        aims += _overhead_aims(own, on, smoke=smoke, device=device, gpu=gpu, dtype=dtype, compiled=compiled)
+        if not compiled:
+            aims += _gpu_work_aims(own, on, smoke=smoke, device=device, gpu=gpu, dtype=dtype)
+    return aims
+
+
+def _overhead_aims(
+    rows: list[dict], on: str, *, smoke: bool, device: str, gpu: str | None, dtype: str, compiled: bool
+) -> list[dict]:
+    """The step-overhead aims on one backend's rows (``on``: how an aim names that backend, or empty)."""
     aims = []
     for kind, model, batch, aim_dtype, threshold, aim_compiled in AIMS:
         if aim_compiled != compiled:
@@ -444,7 +505,8 @@ def _aims(
         for prob in MJP_PROBS:
             aim = {
                 "aim": f"{where}, {title}, batch {batch}, {aim_dtype}: MJP (ratio {MJP_RATIO:g}, prob {prob:g}, DAL) "
-                f"training-step overhead at most {threshold:g}% against plain timm with the same fast patch embedding",
+                f"training-step overhead at most {threshold:g}% against plain timm with the same fast patch "
+                f"embedding{on}",
                 "threshold": threshold,
                 "measured": None,
                 "unit": "%",
@@ -472,12 +534,12 @@ def _aims(
             if smoke:
                 aim.update(verdict="NOT JUDGED", note="smoke run: tiny sizes")
             aims.append(aim)
-    if not compiled:
-        aims += _gpu_work_aims(rows, smoke=smoke, device=device, gpu=gpu, dtype=dtype)
     return aims
 
 
-def _gpu_work_aims(rows: list[dict], *, smoke: bool, device: str, gpu: str | None, dtype: str) -> list[dict]:
+def _gpu_work_aims(
+    rows: list[dict], on: str = "", *, smoke: bool, device: str, gpu: str | None, dtype: str
+) -> list[dict]:
     """The aim on MJP's own GPU work (eager, DeiT-Small, batch 256, bfloat16): the isolated work's GPU busy time."""
     model, batch = "deit_small_patch16_224", 256
     aims = []
@@ -485,7 +547,7 @@ def _gpu_work_aims(rows: list[dict], *, smoke: bool, device: str, gpu: str | Non
         aim = {
             "aim": f"on an H100/H200, {MODEL_TITLES[model]}, batch {batch}, bfloat16: MJP's own work (ratio "
             f"{MJP_RATIO:g}, prob {prob:g}, DAL; forward and backward) at most {GPU_WORK_AIM_S * 1e6:g} us of GPU "
-            "busy time per step",
+            f"busy time per step{on}",
             "threshold": GPU_WORK_AIM_S * 1e6,
             "measured": None,
             "unit": " us",
@@ -505,13 +567,24 @@ def _gpu_work_aims(rows: list[dict], *, smoke: bool, device: str, gpu: str | Non
     return aims
 
 
-def collect(*, smoke: bool, device: str, repeats: int | None = None, compile_model: bool = False) -> dict:
+def collect(
+    *,
+    smoke: bool,
+    device: str,
+    repeats: int | None = None,
+    compile_model: bool = False,
+    backends: Sequence[str] | str | None = None,
+) -> dict:
     """Measures the case; returns its section of the results: ``config``, ``backends``, ``results``, ``aims``.
 
-    ``repeats`` overrides the number of interleaved rounds (pairs) per model.
+    ``repeats`` overrides the number of interleaved rounds (pairs) per model. ``backends``: the fused embedding's
+    and the MJP models' backends (a list, or comma-separated), each measured in its own interleaved rounds against
+    its own plain and fast-embedding baselines, and judged alone; default :func:`bench.common.compared_backends`
+    (on a GPU: ``triton`` and ``cuda``, which on the lent machines' slow host differ in host cost).
     """
-    from mjp_fast.backend import resolve_backend
-
+    if isinstance(backends, str):
+        backends = [name.strip() for name in backends.split(",") if name.strip()]
+    backends = list(backends) if backends else compared_backends(device)
     if smoke:
         runs, image_size, warmup = SMOKE_RUNS, 64, 1
     elif device == "cuda":
@@ -523,17 +596,19 @@ def collect(*, smoke: bool, device: str, repeats: int | None = None, compile_mod
     for name, batch, pairs, max_seconds in runs:
         pairs = repeats or pairs
         plan.append({"model": name, "batch": batch, "pairs": pairs, "max_seconds": max_seconds})
-        rows += run_model(
-            name,
-            batch=batch,
-            image_size=image_size,
-            pairs=pairs,
-            max_seconds=max_seconds,
-            warmup=warmup,
-            device=device,
-            compile_model=compile_model,
-            smoke=smoke,
-        )
+        for backend in backends:
+            rows += run_model(
+                name,
+                batch=batch,
+                image_size=image_size,
+                pairs=pairs,
+                max_seconds=max_seconds,
+                warmup=warmup,
+                device=device,
+                compile_model=compile_model,
+                smoke=smoke,
+                backend=backend,
+            )
     gpu = torch.cuda.get_device_name() if device == "cuda" else None
     return {
         "config": {
@@ -551,7 +626,7 @@ def collect(*, smoke: bool, device: str, repeats: int | None = None, compile_mod
             "optimizer": "AdamW(lr=5e-4*32/512, weight_decay=0.05" + (", fused)" if device == "cuda" else ")"),
             "timer": "CUDA events" if device == "cuda" else "wall clock (perf_counter)",
         },
-        "backends": [resolve_backend(None, torch.device(device))],
+        "backends": backends,
         "results": rows,
         "aims": _aims(rows, smoke=smoke, device=device, gpu=gpu, dtype=dtype, compiled=compile_model),
     }
@@ -564,7 +639,7 @@ def report(section: dict, info: dict) -> str:
     how += ", torch.compile" if config["compile"] else ""
     lines = [
         f"## Training step, plain vs MJP (ratio {config['mjp_ratio']:g}, DAL {config['dal']}), "
-        f"{config['image_size']} px, {how}, sampler backend {', '.join(section['backends'])} ({where_measured(info)})",
+        f"{config['image_size']} px, {how}, backend {', '.join(section['backends'])} ({where_measured(info)})",
         "",
         table(section["results"]),
         "",
@@ -579,6 +654,14 @@ def report(section: dict, info: dict) -> str:
         "timm's patch embedding and position add.",
         "",
     ]
+    kernels = kernel_table(section["results"])
+    if kernels:
+        lines += [
+            "GPU kernels of each variant's isolated part (the most time first; the JSON lists more):",
+            "",
+            kernels,
+            "",
+        ]
     aim_pct = GPU_AIM_PCT if info.get("gpu") else CPU_AIM_PCT
     return "\n".join(lines + [aim_line(aim) for aim in section["aims"]] + noise_warnings(section["results"], aim_pct))
 
@@ -605,6 +688,12 @@ def noise_warnings(rows: list[dict], aim_pct: float) -> list[str]:
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--compile", dest="compile_model", action="store_true", help="torch.compile the models (GPU runs)"
+    )
+    parser.add_argument(
+        "--backends",
+        default=None,
+        help="comma-separated backends of the MJP models, each measured alone (default: the automatic one, and on "
+        "a GPU every GPU backend built)",
     )
 
 

@@ -315,6 +315,22 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+GPU_BACKENDS = ("triton", "cuda")
+
+
+def compared_backends(device: torch.device | str) -> list[str]:
+    """The backends a model-level benchmark runs its MJP models on: the automatic choice first, then, on a GPU,
+    every other GPU backend built here (``cuda`` beside ``triton``), so that one run on a lent GPU says which one
+    a training step should use. On the CPU the automatic choice alone (the interpreter is for tests)."""
+    from mjp_fast.backend import available_backends, resolve_backend
+
+    device = torch.device(device)
+    chosen = resolve_backend(None, device)
+    if device.type != "cuda":
+        return [chosen]
+    return [chosen] + [name for name in available_backends() if name in GPU_BACKENDS and name != chosen]
+
+
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     """The options every benchmark script takes."""
     parser.add_argument("--smoke", action="store_true", help="tiny sizes and 1-2 repeats: checks that it runs")

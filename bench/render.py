@@ -393,13 +393,17 @@ def _date(payload: dict) -> str:
     return str(payload.get("date", "date unknown"))[:10]
 
 
-def _aim_group(aim_text: str, groups: list[tuple[str, int]]) -> int | None:
-    """The (model, batch) group an aim judges, read from its text (``"..., DeiT-Small, batch 256, ..."``): the
-    aims record no model field. None when it names none of them."""
+def _aim_group(aim_text: str, groups: list[tuple[str, int, str | None]]) -> int | None:
+    """The (model, batch, backend) group an aim judges, read from its text (``"..., DeiT-Small, batch 256, ..."``,
+    and ``"(backend cuda)"`` in a run of several backends): the aims record no model field. None when it names none
+    of them."""
     from bench.bench_train_step import MODEL_TITLES
 
-    for index, (model, batch) in enumerate(groups):
-        if f"{MODEL_TITLES.get(model, model)}, batch {batch}," in aim_text:
+    several = len({backend for _, _, backend in groups}) > 1
+    for index, (model, batch, backend) in enumerate(groups):
+        if f"{MODEL_TITLES.get(model, model)}, batch {batch}," in aim_text and (
+            not several or f"(backend {backend})" in aim_text
+        ):
             return index
     return None
 
@@ -416,7 +420,9 @@ def draw_train_step(section: dict, payload: dict, path: Path) -> None:
     against_fast = any(row.get("overhead_vs_fast_median_pct") is not None for row in rows)
     metric = "overhead_vs_fast" if against_fast else "overhead"
     baseline = "plain timm with the same\nfast patch embedding" if against_fast else "plain timm"
-    groups = list(dict.fromkeys((row["model"], row["batch"]) for row in rows))
+    # One group per model, batch and (in a run of several) backend; older runs' rows name no backend.
+    groups = list(dict.fromkeys((row["model"], row["batch"], row.get("backend")) for row in rows))
+    several = len({backend for _, _, backend in groups}) > 1
     probs = sorted({float(row["prob"]) for row in rows})
     config = section.get("config", {})
     how = ", ".join(
@@ -439,7 +445,10 @@ def draw_train_step(section: dict, payload: dict, path: Path) -> None:
     for index, prob in enumerate(probs):
         xs, ys, lows, highs = [], [], [], []
         for group_index, group in enumerate(groups):
-            row = next((r for r in rows if (r["model"], r["batch"]) == group and float(r["prob"]) == prob), None)
+            row = next(
+                (r for r in rows if (r["model"], r["batch"], r.get("backend")) == group and float(r["prob"]) == prob),
+                None,
+            )
             if row is None or row.get(f"{metric}_median_pct") is None:
                 continue
             median = row[f"{metric}_median_pct"]
@@ -483,7 +492,11 @@ def draw_train_step(section: dict, payload: dict, path: Path) -> None:
                 threshold, group_index - 0.45, group_index + 0.45, color="tab:red", linestyles="--", label=label
             )
 
-    axis.set_xticks(range(len(groups)), [f"{MODEL_TITLES.get(model, model)}\nbatch {batch}" for model, batch in groups])
+    ticks = [
+        f"{MODEL_TITLES.get(model, model)}\nbatch {batch}" + (f"\n{backend}" if several else "")
+        for model, batch, backend in groups
+    ]
+    axis.set_xticks(range(len(groups)), ticks)
     axis.set_xlim(-0.6, len(groups) - 0.4)
     axis.set_ylabel(f"step overhead against {baseline} (%)", fontsize=9)
     interval = "median's 95% CI" + (" (p20-p80 where no CI)" if spreads_used else "")

@@ -119,15 +119,44 @@ def _check_jigsaw_apply_values(section: dict) -> None:
 
 
 def _check_host_cost_values(section: dict) -> None:
-    """Counts add up, ratios are the timings', and only the triton backend launches Triton kernels."""
-    rows = {row["implementation"]: row for row in section["results"]}
-    for row in rows.values():
-        assert row["ops"] == sum(row["op_counts"].values()) > 0
-        assert row["triton_launches"] == sum(row["triton_kernels"].values())
-        assert row["ratio"] == pytest.approx(row["median_s"] / rows[row["baseline"]]["median_s"])
-        if section["backends"] != ["triton"]:
-            assert row["triton_launches"] == 0
-    assert rows["mjp"]["ops"] > rows["plain"]["ops"]  # MJP's own operators are counted
+    """Counts add up, ratios are the timings' (each backend's rows against their own baselines), and only the
+    triton backend launches Triton kernels."""
+    assert list(dict.fromkeys(row["backend"] for row in section["results"])) == section["backends"]
+    for backend in section["backends"]:
+        rows = {row["implementation"]: row for row in section["results"] if row["backend"] == backend}
+        for row in rows.values():
+            assert row["ops"] == sum(row["op_counts"].values()) > 0
+            assert row["triton_launches"] == sum(row["triton_kernels"].values())
+            assert row["ratio"] == pytest.approx(row["median_s"] / rows[row["baseline"]]["median_s"])
+            if backend != "triton":
+                assert row["triton_launches"] == 0
+        assert rows["mjp"]["ops"] > rows["plain"]["ops"]  # MJP's own operators are counted
+
+
+@pytest.mark.timeout(120)
+def test_host_cost_compares_the_backends_asked_for():
+    """A run of several backends (on a GPU: triton and cuda) measures a set of rows per backend and judges each."""
+    from bench import bench_host_cost
+
+    section = bench_host_cost.collect(smoke=True, device="cpu", repeats=1, backends=["cpu", "torch"])
+    assert section["backends"] == ["cpu", "torch"]
+    _check_host_cost_values(section)
+    by_backend = {
+        backend: [row for row in section["results"] if row["backend"] == backend] for backend in ("cpu", "torch")
+    }
+    assert [row["implementation"] for row in by_backend["cpu"]] == [
+        row["implementation"] for row in by_backend["torch"]
+    ]
+    # the torch backend moves tokens with torch operations: more of them than the extension's one operator
+    ops = {
+        backend: next(row["ops"] for row in rows if row["implementation"] == "mjp")
+        for backend, rows in by_backend.items()
+    }
+    assert ops["torch"] > ops["cpu"]
+    assert sum("(backend cpu)" in aim["aim"] for aim in section["aims"]) == 3
+    assert sum("(backend torch)" in aim["aim"] for aim in section["aims"]) == 3
+    header = bench_host_cost.table(section["results"]).splitlines()[0]
+    assert [cell.strip() for cell in header.split("|")[1:4]] == ["step", "backend", "against"]
 
 
 def _check_train_step_values(section: dict) -> None:

@@ -30,6 +30,8 @@ TIMES = {
 ISOLATED_S = {0.5: 0.002, 1.0: 0.004}
 # the isolated work's GPU busy time (measured on a GPU only); FAST: the fused embedding's against timm's
 ISOLATED_GPU_S = {0.5: 50e-6, 1.0: 90e-6, case.FAST: -20e-6}
+# the isolated work's kernels per variant (GPU runs), most time first
+KERNELS = {0.5: [["sample_jigsaw_kernel", 20e-6], ["dal_forward", 10e-6]], case.FAST: [["gemm", 300e-6]]}
 
 
 class _Trainer:
@@ -59,9 +61,9 @@ def rows(monkeypatch):
     monkeypatch.setattr(case, "_models", lambda *_, **__: {variant: torch.nn.Identity() for variant in order})
     monkeypatch.setattr(case, "Trainer", _Trainer)
     monkeypatch.setattr(case, "StepTimer", ScriptedTimer)
-    monkeypatch.setattr(case, "_isolated", lambda *_, **__: (ISOLATED_S, ISOLATED_GPU_S))
+    monkeypatch.setattr(case, "_isolated", lambda *_, **__: (ISOLATED_S, ISOLATED_GPU_S, KERNELS))
     options = dict(batch=2, image_size=32, pairs=3, max_seconds=None, warmup=0, device="cpu", compile_model=False)
-    rows = case.run_model("deit_tiny_patch16_224", smoke=True, **options)
+    rows = case.run_model("deit_tiny_patch16_224", smoke=True, backend="cuda", **options)
     assert next(script, None) is None  # every scripted step was taken, once
     return {row["prob"]: row for row in rows}
 
@@ -118,3 +120,64 @@ def test_the_row_keeps_the_gpu_busy_time(rows):
     assert rows[0.5]["isolated_gpu_extra_s"] == ISOLATED_GPU_S[0.5] and rows[None]["isolated_gpu_extra_s"] is None
     assert rows[case.FAST]["isolated_gpu_extra_s"] == ISOLATED_GPU_S[case.FAST]
     assert "GPU busy 90" in case.table([rows[1.0]]) and "GPU busy -20" in case.table([rows[case.FAST]])
+
+
+def test_the_rows_name_their_backend_and_keep_the_kernels(rows):
+    assert {row["backend"] for row in rows.values()} == {"cuda"} == {row["sampler_backend"] for row in rows.values()}
+    assert rows[0.5]["gpu_kernels"] == KERNELS[0.5] and rows[1.0]["gpu_kernels"] is None
+    printed = case.kernel_table(list(rows.values()))
+    cells = [[cell.strip() for cell in line.split("|")[1:-1]] for line in printed.splitlines()[2:]]
+    assert [cell[2:] for cell in cells] == [
+        ["plain + fast patch embed", "300.0", "gemm"],
+        ["mjp prob=0.5", "20.0", "sample_jigsaw_kernel"],
+        ["mjp prob=0.5", "10.0", "dal_forward"],
+    ]
+    assert case.kernel_table([dict(row, gpu_kernels=None) for row in rows.values()]) == ""
+
+
+def test_top_kernels_rank_by_time_and_cut_long_names():
+    kernels = {"small": 1e-6, "x" * 200: 5e-6, "big": 9e-6}
+    top = case._top_kernels(kernels, count=2)
+    assert [seconds for _, seconds in top] == [9e-6, 5e-6]
+    assert top[0][0] == "big" and len(top[1][0]) == 120 and top[1][0].endswith("...")
+
+
+def test_each_backend_is_judged_alone_and_named(rows):
+    """A run of two backends (a GPU's triton and cuda): each aim judges one backend's rows and says which."""
+    triton = [
+        dict(row, model="deit_small_patch16_224", batch=256, image_size=224, backend="triton") for row in rows.values()
+    ]
+    cuda = [dict(row, model="deit_small_patch16_224", batch=256, image_size=224) for row in rows.values()]
+    for row in cuda:  # the cuda backend's MJP rows: half the overhead and GPU work of triton's
+        if row["prob"] in case.MJP_PROBS:
+            row["overhead_vs_fast_median_pct"] = 0.1
+            row["overhead_vs_fast_ci95_low_pct"], row["overhead_vs_fast_ci95_high_pct"] = 0.05, 0.15
+            row["isolated_gpu_extra_s"] = 40e-6
+    aims = case._aims(triton + cuda, smoke=False, device="cuda", gpu="NVIDIA H100", dtype="bfloat16")
+    deit_s = [aim for aim in aims if "DeiT-Small" in aim["aim"]]
+    named = {backend: [aim for aim in deit_s if f"(backend {backend})" in aim["aim"]] for backend in ("triton", "cuda")}
+    assert len(named["triton"]) == len(named["cuda"]) == len(deit_s) // 2 == 4  # 2 probs x (overhead, GPU work)
+    assert {aim["verdict"] for aim in named["cuda"]} == {"PASS"}
+    # triton's (the scripted times): overheads of prob 0.5 and 1.0 (medians 0% and +2.9% against 0.25%), then GPU
+    # work 50 and 90 us (against 80 us)
+    assert [aim["verdict"] for aim in named["triton"]] == ["PASS", "FAIL", "PASS", "FAIL"]
+    # one backend: the aims' text stays as before
+    assert not any(
+        "(backend" in aim["aim"] for aim in case._aims(cuda, smoke=False, device="cuda", gpu="H100", dtype="bfloat16")
+    )
+
+
+def test_collect_measures_each_backend_asked_for(monkeypatch):
+    calls = []
+
+    def run_model(name, *, backend, **_):
+        calls.append((name, backend))
+        return []
+
+    monkeypatch.setattr(case, "run_model", run_model)
+    section = case.collect(smoke=True, device="cpu", backends="cpu, torch")
+    assert section["backends"] == ["cpu", "torch"]
+    assert calls == [(name, backend) for name, *_ in case.SMOKE_RUNS for backend in ("cpu", "torch")]
+    calls.clear()
+    assert case.collect(smoke=True, device="cpu")["backends"] == ["cpu"]  # the CPU: the automatic choice alone
+    assert [backend for _, backend in calls] == ["cpu"]

@@ -280,11 +280,40 @@ def test_no_plots_writes_the_page_alone(tmp_path, results):
 
 
 def test_an_aim_is_drawn_over_the_group_it_names():
-    groups = [("deit_tiny_patch16_224", 256), ("deit_small_patch16_224", 256)]
+    groups = [("deit_tiny_patch16_224", 256, "triton"), ("deit_small_patch16_224", 256, "triton")]
     aim = "on an H100/H200, DeiT-Small, batch 256, bfloat16: MJP (ratio 0.1, prob 0.5, DAL) overhead at most 0.25%"
     assert render._aim_group(aim, groups) == 1
     assert render._aim_group(aim.replace("DeiT-Small", "DeiT-Tiny"), groups) == 0
     assert render._aim_group("DeiT-Small, batch 8, float32", groups) is None  # not measured here: a full line
+    # a run of two backends: the aim's text names its backend's group
+    groups += [("deit_tiny_patch16_224", 256, "cuda"), ("deit_small_patch16_224", 256, "cuda")]
+    assert render._aim_group(aim + " (backend cuda)", groups) == 3
+    assert render._aim_group(aim + " (backend triton)", groups) == 1
+    assert render._aim_group(aim, groups) is None
+
+
+def test_a_run_of_two_backends_draws_a_group_per_backend(tmp_path, results):
+    section = train_step_section()
+    cuda_rows = [dict(row, backend="cuda") for row in section["results"]]
+    section["results"] = [dict(row, backend="triton") for row in section["results"]] + cuda_rows
+    section["backends"] = ["triton", "cuda"]
+    section["aims"] = [
+        dict(aim, aim=aim["aim"] + f" (backend {backend})") for aim in section["aims"] for backend in ("triton", "cuda")
+    ]
+    write_suite(
+        results, "cpu-test-2000-01-01-suite-train_step", CPU, "2000-01-01T00:00:00+00:00", {"train_step": section}
+    )
+    page, plots = render_into(tmp_path)
+    (png,) = plots.glob("*train-step-overhead*.png")
+    width, _ = png_size(png)
+    section["results"] = [
+        row for row in section["results"] if row["backend"] == "triton"
+    ]  # one backend: half the groups
+    write_suite(
+        results, "cpu-test-2000-01-01-suite-train_step", CPU, "2000-01-01T00:00:00+00:00", {"train_step": section}
+    )
+    render_into(tmp_path)
+    assert png_size(png)[0] < width
 
 
 def test_plot_device_names():
