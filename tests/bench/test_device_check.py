@@ -142,3 +142,30 @@ def test_an_unknown_mode_is_refused(tmp_path, mode):
     env = _fake_python(tmp_path, NO_GPU)
     result, _ = _run(env, mode)
     assert result.returncode == 2 and "usage:" in result.stderr
+
+
+def test_the_loop_mode_runs_the_train_loop_benchmark_per_data_set(tmp_path):
+    """``loop``: CIFAR-10 first, then the embedded digits, each its own call of bench_train_loop.py on cuda, with
+    the data set's folder and timm's train.py passed on."""
+    data = tmp_path / "cifar10"
+    (data / "train").mkdir(parents=True)
+    calls = tmp_path / "calls.txt"
+    env = _fake_python(
+        tmp_path,
+        f'case "$*" in *"-m pip install"*|*"mjp_fast._C as C"*) echo built; exit 0;; '
+        f'*bench_train_loop.py*) echo "$TIMM_TRAIN_PY|$*" >> {calls}; {NO_GPU};; esac; {NO_GPU}',
+    )
+    env.update(MJP_REPRODUCE_DATA=str(data), TIMM_TRAIN_PY=str(tmp_path / "train.py"))
+    result, seconds = _run(env, "dry-run", "loop")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert seconds < 30
+    failed = [line.split(":")[0] for line in _summary(env) if "FAILED (exit 1)" in line]
+    assert failed == ["preflight", "train loop benchmark, cifar10", "train loop benchmark, embedded"], _summary(env)
+    lines = calls.read_text().splitlines()
+    assert [line.split("--datasets ")[1].split()[0] for line in lines] == ["cifar10", "embedded"]
+    carried = ROOT / "runs" / "device-data" / "timm-train.py"  # a carried copy wins over the variable
+    for line in lines:
+        train_py, arguments = line.split("|")
+        assert train_py == str(carried if carried.is_file() else tmp_path / "train.py")
+        assert "--device cuda" in arguments and f"--cifar10 {data}" in arguments and "--repeats 2" in arguments
+    assert _summary(env)[-1].startswith("device check (loop, dry run): 3 failed stage(s), exit 1")
