@@ -1,4 +1,4 @@
-// Launchers of the CUDA kernels (sampler_cuda.cu, patch_embed_cuda.cu) on raw pointers.
+// Launchers of the CUDA kernels (sampler_cuda.cu, patch_embed_cuda.cu, pos_embed_cuda.cu) on raw pointers.
 //
 // No ATen here: nvcc then compiles small translation units, and the tensor-level glue (allocation, cuBLAS through
 // at::mm, device guards) lives in cuda_ops.cpp, compiled by the host compiler. Each launcher returns the launch
@@ -79,6 +79,35 @@ cudaError_t launch_reduce_embedding_grads(const PatchLayout& layout, const scala
                                           scalar_t* grad_pos, scalar_t* grad_unk, scalar_t* grad_bias,
                                           accumulate_t<scalar_t>* unk_partial, accumulate_t<scalar_t>* bias_partial,
                                           cudaStream_t stream);
+
+// ---- The position step on embedded tokens (pos_embed_cuda.cu; the row layout of pos_embed_cpu.cpp).
+
+// B, N, D, P (prefix rows in front of each sample's N patch rows) and Q (0 or P: the table rows of the prefix).
+struct PositionLayout {
+  int64_t batch, positions, dim, prefix_rows, prefix_positions;
+};
+
+// out [B, P + N, D]: out[b, t] = prefix[t] + (pos[t] if t < Q) for t < P; out[b, P + n] = tokens[b, perm[b, n]] +
+// (unk if mask[b, n] else pos[Q + n]), the term alone where perm[b, n] is outside [0, N). tokens [B, N, D], perm and
+// mask [B, N], pos the whole table [Q + N, D], unk [D], prefix [P, D] (null when P = 0). Each sum in float (double
+// when either side is), rounded once.
+template <typename token_t, typename out_t>
+cudaError_t launch_position_forward(const PositionLayout& layout, const token_t* tokens, const int64_t* perm,
+                                    const bool* mask, const out_t* pos, const out_t* unk, const out_t* prefix,
+                                    out_t* out, cudaStream_t stream);
+
+// grad_tokens [B, N, D] from grad [B, P + N, D]: row m of sample b gets the gradient of the patch row that showed it
+// (zeros where none did; the in-order sum where several did). inverse: int32 [B, N] scratch (N < 2**31).
+template <typename grad_t, typename token_t>
+cudaError_t launch_position_move_back(const PositionLayout& layout, const grad_t* grad, const int64_t* perm,
+                                      int32_t* inverse, token_t* grad_tokens, cudaStream_t stream);
+
+// Deterministic sums of grad [B, P + N, D] over b, in order: table [Q + N, D] (a prefix row's sum, then each
+// position's over its unmasked samples), unk [D] (the masked ones', through unk_partial [N, D] scratch, summed over
+// n in order) and prefix_sum [P, D]; null outputs are not computed (unk_partial is needed with unk).
+template <typename grad_t, typename acc_t>
+cudaError_t launch_position_reduce(const PositionLayout& layout, const grad_t* grad, const bool* mask, acc_t* table,
+                                   acc_t* unk_partial, acc_t* unk, acc_t* prefix_sum, cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace mjp

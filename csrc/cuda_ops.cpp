@@ -1,5 +1,6 @@
 // Tensor-level CUDA operations: allocation, device guard, stream, cuBLAS GEMMs through at::mm, and the kernel
-// launches of sampler_cuda.cu / patch_embed_cuda.cu. Compiled by the host compiler, only with MJP_WITH_CUDA.
+// launches of sampler_cuda.cu / patch_embed_cuda.cu / pos_embed_cuda.cu. Compiled by the host compiler, only with
+// MJP_WITH_CUDA.
 #include <ATen/OpMathType.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
@@ -7,6 +8,9 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+
+#include <initializer_list>
+#include <limits>
 
 #include "cuda_kernels.h"
 #include "ops.h"
@@ -170,6 +174,112 @@ std::vector<std::optional<at::Tensor>> patch_embed_backward_cuda(
     if (need_unk) grads[4] = grad_unk;
   }
   return grads;
+}
+
+namespace {
+
+cuda::PositionLayout position_layout(int64_t batch, int64_t positions, int64_t dim, int64_t prefix_rows,
+                                     int64_t prefix_positions) {
+  return cuda::PositionLayout{batch, positions, dim, prefix_rows, prefix_positions};
+}
+
+// The dtype the backward sums in: double when any gradient involved is double, else float (the CPU kernel's rule).
+at::ScalarType position_sum_dtype(std::initializer_list<at::ScalarType> dtypes) {
+  for (const auto dtype : dtypes) {
+    if (dtype == at::kDouble) return at::kDouble;
+  }
+  return at::kFloat;
+}
+
+// An output of the backward's sums: the gradient itself when its dtype is the summing dtype (the usual float32
+// table: no copy), else a buffer of that dtype (converted, rounded once, by `finished`).
+at::Tensor sums_for(at::IntArrayRef shape, at::ScalarType dtype, at::ScalarType sum_dtype,
+                    const at::TensorOptions& options) {
+  return at::empty(shape, options.dtype(dtype == sum_dtype ? dtype : sum_dtype));
+}
+
+at::Tensor finished(const at::Tensor& sums, at::ScalarType dtype, at::IntArrayRef shape) {
+  return sums.scalar_type() == dtype ? sums.view(shape) : sums.to(dtype).view(shape);
+}
+
+}  // namespace
+
+at::Tensor pos_embed_forward_cuda(const at::Tensor& tokens, const at::Tensor& perm, const at::Tensor& mask,
+                                  const at::Tensor& pos_embed, const at::Tensor& unk_embed,
+                                  const std::optional<at::Tensor>& prefix, int64_t prefix_rows,
+                                  int64_t prefix_positions) {
+  const c10::cuda::CUDAGuard guard(tokens.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const int64_t batch = tokens.size(0), positions = tokens.size(1), dim = tokens.size(2);
+  auto out = at::empty({batch, prefix_rows + positions, dim}, pos_embed.options());
+  // The prefix in the output dtype (the Python layer passes it so; another dtype is rounded to it first).
+  at::Tensor prefix_c;
+  if (prefix_rows > 0) {
+    prefix_c = prefix->scalar_type() == pos_embed.scalar_type() ? *prefix : prefix->to(pos_embed.scalar_type());
+  }
+  const auto layout = position_layout(batch, positions, dim, prefix_rows, prefix_positions);
+  MJP_DISPATCH_FLOATING_TYPES(pos_embed.scalar_type(), "mjp_position_forward_cuda", [&] {
+    using out_t = scalar_t;
+    const out_t* prefix_data = prefix_rows > 0 ? prefix_c.data_ptr<out_t>() : nullptr;
+    MJP_DISPATCH_FLOATING_TYPES(tokens.scalar_type(), "mjp_position_forward_cuda", [&] {
+      // (the launch's status through a variable: a template argument list's comma would split the macro's argument)
+      const cudaError_t status = cuda::launch_position_forward<scalar_t, out_t>(
+          layout, tokens.data_ptr<scalar_t>(), perm.data_ptr<int64_t>(), mask.data_ptr<bool>(),
+          pos_embed.data_ptr<out_t>(), unk_embed.data_ptr<out_t>(), prefix_data, out.data_ptr<out_t>(), stream);
+      C10_CUDA_CHECK(status);
+    });
+  });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> pos_embed_backward_cuda(
+    const at::Tensor& grad_out, const at::Tensor& perm, const at::Tensor& mask, int64_t prefix_count,
+    int64_t prefix_positions, at::IntArrayRef pos_shape, at::IntArrayRef prefix_shape, at::ScalarType tokens_dtype,
+    at::ScalarType pos_dtype, at::ScalarType unk_dtype, at::ScalarType prefix_dtype) {
+  const c10::cuda::CUDAGuard guard(grad_out.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const int64_t batch = grad_out.size(0), positions = perm.size(1), dim = grad_out.size(2);
+  TORCH_CHECK(positions <= std::numeric_limits<int32_t>::max(),
+              "mjp_fast::pos_embed_extension_backward: N must be below 2**31 on CUDA, got ", positions);
+  const auto layout = position_layout(batch, positions, dim, prefix_count, prefix_positions);
+  const auto options = grad_out.options();
+
+  auto grad_tokens = at::empty({batch, positions, dim}, options.dtype(tokens_dtype));
+  auto inverse = at::empty({batch, positions}, options.dtype(at::kInt));
+  MJP_DISPATCH_FLOATING_TYPES(grad_out.scalar_type(), "mjp_position_move_back_cuda", [&] {
+    using grad_t = scalar_t;
+    MJP_DISPATCH_FLOATING_TYPES(tokens_dtype, "mjp_position_move_back_cuda", [&] {
+      const cudaError_t status = cuda::launch_position_move_back<grad_t, scalar_t>(
+          layout, grad_out.data_ptr<grad_t>(), perm.data_ptr<int64_t>(), inverse.data_ptr<int32_t>(),
+          grad_tokens.data_ptr<scalar_t>(), stream);
+      C10_CUDA_CHECK(status);
+    });
+  });
+
+  const auto sum_dtype = position_sum_dtype({grad_out.scalar_type(), pos_dtype, unk_dtype, prefix_dtype});
+  auto table = sums_for(pos_shape, pos_dtype, sum_dtype, options);
+  auto unk = sums_for({dim}, unk_dtype, sum_dtype, options);
+  auto unk_partial = at::empty({positions, dim}, options.dtype(sum_dtype));
+  auto prefix_sums = prefix_count > 0 ? sums_for(prefix_shape, prefix_dtype, sum_dtype, options) : at::Tensor();
+  MJP_DISPATCH_FLOATING_TYPES(grad_out.scalar_type(), "mjp_position_reduce_cuda", [&] {
+    using grad_t = scalar_t;
+    auto reduce = [&](auto zero) {
+      using acc_t = decltype(zero);
+      const cudaError_t status = cuda::launch_position_reduce<grad_t, acc_t>(
+          layout, grad_out.data_ptr<grad_t>(), mask.data_ptr<bool>(), table.data_ptr<acc_t>(),
+          unk_partial.data_ptr<acc_t>(), unk.data_ptr<acc_t>(),
+          prefix_count > 0 ? prefix_sums.data_ptr<acc_t>() : nullptr, stream);
+      C10_CUDA_CHECK(status);
+    };
+    if (sum_dtype == at::kDouble) {
+      reduce(double(0));
+    } else {
+      reduce(float(0));
+    }
+  });
+  auto grad_prefix = prefix_count > 0 ? finished(prefix_sums, prefix_dtype, prefix_shape)
+                                      : at::empty({0}, options.dtype(prefix_dtype));
+  return {grad_tokens, finished(table, pos_dtype, pos_shape), finished(unk, unk_dtype, {dim}), grad_prefix};
 }
 
 }  // namespace mjp

@@ -74,7 +74,8 @@ std::vector<std::optional<at::Tensor>> patch_embed_backward_cpu(
 
 // ---- Dispatcher operators (patch_embed_cpu.cpp, pos_embed_cpu.cpp, dal_loss.cpp, autograd_ops.cpp):
 // torch.ops.mjp_fast.patch_embed_extension[_backward] (CPU, CUDA when compiled, and Meta kernels),
-// torch.ops.mjp_fast.pos_embed_extension[_backward] (CPU and Meta), torch.ops.mjp_fast.dal_loss_extension[_backward]
+// torch.ops.mjp_fast.pos_embed_extension[_backward] (CPU, CUDA when compiled, and Meta),
+// torch.ops.mjp_fast.dal_loss_extension[_backward]
 // (CompositeExplicitAutograd and Meta), and the differentiable forms of the last two with their autograd in C++
 // (pos_embed_extension_autograd, dal_loss_extension_autograd). They register themselves with the dispatcher from
 // static initialisers and are called through it, never by name. A linker drops the object file of a static library
@@ -88,8 +89,8 @@ extern const int kAutogradOperators;
                                                                           &kDalLossOperators, &kAutogradOperators};
 
 #ifdef MJP_WITH_CUDA
-// ---- CUDA (cuda_ops.cpp over the kernels of sampler_cuda.cu and patch_embed_cuda.cu): same contracts, all
-// tensors on one CUDA device, work queued on its current stream.
+// ---- CUDA (cuda_ops.cpp over the kernels of sampler_cuda.cu, patch_embed_cuda.cu and pos_embed_cuda.cu): same
+// contracts, all tensors on one CUDA device, work queued on its current stream.
 
 std::tuple<at::Tensor, at::Tensor> sample_jigsaw_cuda(int64_t batch_size, int64_t rows, int64_t cols, int64_t target,
                                                       int64_t min_block, uint64_t seed, uint64_t offset, bool shared,
@@ -116,6 +117,21 @@ std::vector<std::optional<at::Tensor>> patch_embed_backward_cuda(
     const std::optional<at::Tensor>& perm, const std::optional<at::Tensor>& mask, bool need_images,
     bool need_weight, bool need_bias, bool need_pos, bool need_unk, bool need_prefix, at::IntArrayRef pos_shape,
     at::IntArrayRef prefix_shape);
+
+// pos_embed_extension's forward on CUDA (pos_embed_cpu.cpp's contract and checks): out [B, P + N, D] in pos_embed's
+// dtype. tokens [B, N, D], perm, mask [B, N], pos_embed ((Q + N) * D elements), unk_embed [D] contiguous; prefix
+// (prefix_rows * D elements, contiguous) absent when prefix_rows is 0.
+at::Tensor pos_embed_forward_cuda(const at::Tensor& tokens, const at::Tensor& perm, const at::Tensor& mask,
+                                  const at::Tensor& pos_embed, const at::Tensor& unk_embed,
+                                  const std::optional<at::Tensor>& prefix, int64_t prefix_rows,
+                                  int64_t prefix_positions);
+
+// pos_embed_extension_backward on CUDA: {grad_tokens, grad_pos, grad_unk, grad_prefix} in the given shapes and dtypes
+// (grad_prefix an empty [0] tensor when prefix_count is 0). grad_out [B, P + N, D], perm, mask [B, N] contiguous.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> pos_embed_backward_cuda(
+    const at::Tensor& grad_out, const at::Tensor& perm, const at::Tensor& mask, int64_t prefix_count,
+    int64_t prefix_positions, at::IntArrayRef pos_shape, at::IntArrayRef prefix_shape, at::ScalarType tokens_dtype,
+    at::ScalarType pos_dtype, at::ScalarType unk_dtype, at::ScalarType prefix_dtype);
 #endif
 
 }  // namespace mjp

@@ -1,6 +1,6 @@
 // The MJP position term on tokens that are already embedded, written together with the prefix (class and register)
-// tokens in front, as two dispatcher operators with CPU kernels (and Meta kernels, so FakeTensor and torch.compile
-// see their shapes):
+// tokens in front, as two dispatcher operators with CPU kernels, CUDA kernels when compiled (pos_embed_cuda.cu) and
+// Meta kernels (so FakeTensor and torch.compile see their shapes):
 //
 //   torch.ops.mjp_fast.pos_embed_extension(tokens, perm, mask, pos_embed, unk_embed, prefix, prefix_positions) -> out
 //     out [B, P + N, D], P = prefix.numel() / D (0 without a prefix), Q = prefix_positions (0 or P), pos_embed the
@@ -29,6 +29,7 @@
 // perm[b] is not a permutation, the tokens' gradient is the exact one of the gather (a token row gets the sum of the
 // gradients of the rows that show it, zeros if none), made by a second, serial pass.
 #include <ATen/Parallel.h>
+#include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/bit_cast.h>
 #include <torch/library.h>
@@ -497,6 +498,47 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> pos_embed_backward_cp
   return {grad_tokens, grad_pos, grad_unk, grad_prefix};
 }
 
+#ifdef MJP_WITH_CUDA
+// ---- CUDA kernels (pos_embed_cuda.cu, through cuda_ops.cpp): the same checks, then the GPU's passes. The perm's
+// validity is not checked on the host (that would wait for the GPU): the backward finds, on the device, the rows of the
+// tokens' gradient that several positions or none show.
+
+void check_cuda(const char* op, const at::Tensor& tensor, const at::Tensor& like) {
+  TORCH_CHECK(tensor.is_cuda() && tensor.device() == like.device(), op, ": the CUDA kernel got tensors on ",
+              tensor.device(), " and ", like.device());
+}
+
+at::Tensor pos_embed_forward_cuda_kernel(const at::Tensor& tokens, const at::Tensor& perm, const at::Tensor& mask,
+                                         const at::Tensor& pos_embed, const at::Tensor& unk_embed,
+                                         const std::optional<at::Tensor>& prefix, int64_t prefix_positions) {
+  constexpr const char* op = "mjp_fast::pos_embed_extension";
+  // at:: calls inside (a prefix rounded to the output dtype) are the implementation's: no autograd recording.
+  const at::AutoDispatchBelowADInplaceOrView below_autograd;
+  const int64_t prefix_rows =
+      check_forward_args(tokens, perm, mask, pos_embed, unk_embed, prefix, prefix_positions).expect_int();
+  for (const auto* tensor : {&tokens, &perm, &mask, &pos_embed, &unk_embed}) check_cuda(op, *tensor, tokens);
+  if (prefix_rows > 0) check_cuda(op, *prefix, tokens);
+  std::optional<at::Tensor> prefix_c;
+  if (prefix_rows > 0) prefix_c = prefix->contiguous();
+  return pos_embed_forward_cuda(tokens.contiguous(), perm.contiguous(), mask.contiguous(), pos_embed.contiguous(),
+                                unk_embed.contiguous(), prefix_c, prefix_rows, prefix_positions);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> pos_embed_backward_cuda_kernel(
+    const at::Tensor& grad_out, const at::Tensor& perm, const at::Tensor& mask, int64_t prefix_count,
+    int64_t prefix_positions, at::IntArrayRef pos_shape, at::IntArrayRef prefix_shape, at::ScalarType tokens_dtype,
+    at::ScalarType pos_dtype, at::ScalarType unk_dtype, at::ScalarType prefix_dtype) {
+  constexpr const char* op = "mjp_fast::pos_embed_extension_backward";
+  const at::AutoDispatchBelowADInplaceOrView below_autograd;
+  check_backward_args(grad_out, perm, mask, prefix_count, prefix_positions, c10::fromIntArrayRefSlow(pos_shape),
+                      c10::fromIntArrayRefSlow(prefix_shape), tokens_dtype, pos_dtype, unk_dtype, prefix_dtype);
+  for (const auto* tensor : {&grad_out, &perm, &mask}) check_cuda(op, *tensor, grad_out);
+  return pos_embed_backward_cuda(grad_out.contiguous(), perm.contiguous(), mask.contiguous(), prefix_count,
+                                 prefix_positions, pos_shape, prefix_shape, tokens_dtype, pos_dtype, unk_dtype,
+                                 prefix_dtype);
+}
+#endif
+
 // ---- Meta kernels: checks and output shapes only (symbolic sizes, for torch.compile's dynamic shapes).
 
 at::Tensor pos_embed_forward_meta(const at::Tensor& tokens, const at::Tensor& perm, const at::Tensor& mask,
@@ -543,6 +585,13 @@ TORCH_LIBRARY_IMPL(mjp_fast, CPU, m) {
   m.impl("pos_embed_extension", TORCH_FN(mjp::pos_embed_forward_cpu));
   m.impl("pos_embed_extension_backward", TORCH_FN(mjp::pos_embed_backward_cpu));
 }
+
+#ifdef MJP_WITH_CUDA
+TORCH_LIBRARY_IMPL(mjp_fast, CUDA, m) {
+  m.impl("pos_embed_extension", TORCH_FN(mjp::pos_embed_forward_cuda_kernel));
+  m.impl("pos_embed_extension_backward", TORCH_FN(mjp::pos_embed_backward_cuda_kernel));
+}
+#endif
 
 TORCH_LIBRARY_IMPL(mjp_fast, Meta, m) {
   m.impl("pos_embed_extension", TORCH_FN(mjp::pos_embed_forward_meta));

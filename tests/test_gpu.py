@@ -28,8 +28,7 @@ def _vit(**kwargs):
     return timm.create_model("vit_tiny_patch16_224", **(settings | kwargs)).cuda()
 
 
-# mjp_pos_embed refuses backend="cuda" by name (no CUDA kernels of the extension for it; tests/ops/test_pos_embed.py).
-@pytest.mark.parametrize("backend", [name for name in CUDA_BACKENDS if name != "cuda"])
+@pytest.mark.parametrize("backend", CUDA_BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_pos_embed_on_cuda_matches_the_oracle(backend, dtype):
     tokens = torch.randn(5, 12, 40, device="cuda", dtype=dtype, requires_grad=True)
@@ -45,6 +44,73 @@ def test_pos_embed_on_cuda_matches_the_oracle(backend, dtype):
     torch.testing.assert_close(out, expected, **tolerance)
     for got, want in zip(grads, expected_grads):
         torch.testing.assert_close(got, want, **tolerance)
+
+
+# The extension's position step on CUDA (pos_embed_cuda.cu) against its CPU kernels: the same sums in the same order
+# and type, so equal exactly. (batch, N, D, P, Q): a single position, odd sizes, a class token with its table row,
+# register tokens without, a ViT grid, an empty batch.
+POSITION_SHAPES = [(1, 1, 1, 0, 0), (3, 7, 5, 1, 1), (4, 12, 40, 3, 0), (2, 196, 24, 1, 1), (0, 6, 8, 1, 1)]
+POSITION_DTYPES = [  # (tokens, table = output): autocast's bfloat16 tokens on a float32 table, and one dtype each
+    (torch.float32, torch.float32),
+    (torch.bfloat16, torch.float32),
+    (torch.bfloat16, torch.bfloat16),
+    (torch.float16, torch.float16),
+    (torch.float64, torch.float64),
+]
+
+
+def _position_arguments(batch, positions, dim, prefix_count, prefix_positions, token_dtype, dtype, perm_kind):
+    generator = torch.Generator().manual_seed(positions * 31 + dim)
+    tokens = torch.randn(batch, positions, dim, generator=generator).to(token_dtype)
+    table = torch.randn(1, prefix_positions + positions, dim, generator=generator).to(dtype)
+    unk = torch.randn(dim, generator=generator).to(dtype)
+    prefix = torch.randn(1, prefix_count, dim, generator=generator).to(dtype) if prefix_count else None
+    mask = torch.rand(batch, positions, generator=generator) < 0.4
+    perm = torch.argsort(torch.rand(batch, positions, generator=generator), dim=1)  # a permutation per sample
+    # validate=False's jigsaws: a token shown twice, one never, one entry out of range
+    if perm_kind == "invalid" and batch and positions > 1:
+        perm[:, 0] = perm[:, 1]
+        perm[0, -1] = positions + 3
+    grad = torch.randn(batch, prefix_count + positions, dim, generator=generator).to(dtype)
+    return tokens, perm, mask, table, unk, prefix, grad
+
+
+@pytest.mark.skipif("cuda" not in mjp_fast.available_backends(), reason="needs the extension's CUDA kernels")
+@pytest.mark.parametrize("perm_kind", ["permutation", "invalid"])
+@pytest.mark.parametrize("dtypes", POSITION_DTYPES, ids=lambda pair: "-".join(str(d)[6:] for d in pair))
+@pytest.mark.parametrize("shape", POSITION_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_the_cuda_position_step_equals_the_cpu_kernels(shape, dtypes, perm_kind):
+    batch, positions, dim, prefix_count, prefix_positions = shape
+    tokens, perm, mask, table, unk, prefix, grad = _position_arguments(*shape, *dtypes, perm_kind)
+    forward, backward = torch.ops.mjp_fast.pos_embed_extension, torch.ops.mjp_fast.pos_embed_extension_backward
+    prefix_shape = list(prefix.shape) if prefix is not None else [0]
+    dtype_args = (dtypes[0], table.dtype, unk.dtype, table.dtype)
+
+    def run(device):
+        on = [None if t is None else t.to(device) for t in (tokens, perm, mask, table, unk, prefix, grad)]
+        out = forward(*on[:6], prefix_positions)
+        grads = backward(
+            on[6], on[1], on[2], prefix_count, prefix_positions, list(table.shape), prefix_shape, *dtype_args
+        )
+        return [out, *grads]
+
+    for name, got, want in zip(("out", "tokens", "table", "unk", "prefix"), run("cuda"), run("cpu")):
+        assert got.dtype == want.dtype and got.shape == want.shape, name
+        torch.testing.assert_close(got.cpu(), want, atol=0, rtol=0, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.skipif("cuda" not in mjp_fast.available_backends(), reason="needs the extension's CUDA kernels")
+def test_the_cuda_position_step_trains_through_its_cpp_autograd():
+    """mjp_pos_embed on the cuda backend: the C++ autograd node over the CUDA kernels, gradients as the oracle's,
+    float64 gradcheck included."""
+    jigsaw = mjp_fast.sample_jigsaw(3, (2, 3), 0.5, seed=2, min_block=1, device="cuda")
+    tokens, pos, unk = (
+        torch.randn(*shape, device="cuda", dtype=torch.float64, requires_grad=True)
+        for shape in ((3, 6, 4), (6, 4), (4,))
+    )
+    assert torch.autograd.gradcheck(
+        lambda t, p, u: mjp_fast.mjp_pos_embed(t, p, u, jigsaw, backend="cuda"), (tokens, pos, unk)
+    )
 
 
 @pytest.mark.parametrize("backend", CUDA_BACKENDS)
@@ -96,8 +162,10 @@ def _step(model, optimizer, images, targets):
     return loss.detach()
 
 
-def test_a_whole_training_step_has_no_host_sync():
-    model = mjp_timm.convert(_vit(), ratio=0.1, prob=0.5).train()
+@pytest.mark.parametrize("backend", CUDA_BACKENDS)
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_whole_training_step_has_no_host_sync(backend, fused):
+    model = mjp_timm.convert(_vit(), ratio=0.1, prob=0.5, backend=backend, fused_patch_embed=fused).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     images, targets = torch.randn(8, 3, 32, 32, device="cuda"), torch.randint(0, 10, (8,), device="cuda")
     _step(model, optimizer, images, targets)  # first step: lazy initialisation may sync

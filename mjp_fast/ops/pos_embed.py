@@ -170,8 +170,8 @@ if backend_module.triton_usable():
 
 @eager_cache()
 def _extension_operator() -> Callable[..., torch.Tensor]:
-    """``pos_embed_extension_autograd`` (the ``cpu`` kernels with their autograd in C++), looked up once: each
-    attribute of ``torch.ops`` is a Python lookup, and this runs every step."""
+    """``pos_embed_extension_autograd`` (the extension's CPU or CUDA kernels with their autograd in C++), looked up
+    once: each attribute of ``torch.ops`` is a Python lookup, and this runs every step."""
     return torch.ops.mjp_fast.pos_embed_extension_autograd.default
 
 
@@ -282,7 +282,13 @@ def has_kernels(backend: str, dtype: torch.dtype) -> bool:
     """Whether ``backend`` has kernels of its own for this operation in ``dtype`` (else the torch node runs)."""
     if backend == "triton":
         return dtype != torch.float64
-    return backend == "cpu"
+    return backend == "cpu" or backend == "cuda"
+
+
+def _extension_backend(backend: str) -> bool:
+    """Whether ``backend`` runs the compiled extension's operators (``cpu``: its CPU kernels; ``cuda``: its CUDA
+    kernels, pos_embed_cuda.cu), whose autograd is in C++."""
+    return backend == "cpu" or backend == "cuda"
 
 
 _PROMOTED: dict[tuple[torch.dtype, torch.dtype], torch.dtype] = {}
@@ -332,7 +338,8 @@ def mjp_position_step(
         unk_embed: ``[D]``. jigsaw: the batch's jigsaw, ``[B, N]`` each.
         prefix: the P prefix tokens (timm's ``cls_token`` ``[1, 1, D]``, or the class and register tokens
             concatenated), or None.
-        backend: a resolved backend; ``cpu`` and ``triton`` have kernels for this, the others run torch operations.
+        backend: a resolved backend; ``cpu``, ``cuda`` and ``triton`` have kernels for this, ``torch`` runs torch
+            operations.
         permutation: each row of ``jigsaw.perm`` is known to be a permutation (a validated jigsaw, or one the
             model's sampler made): the ``triton`` backward then needs no record of where the tokens came from.
 
@@ -346,7 +353,7 @@ def mjp_position_step(
         moved = mjp_pos_embed_torch(tokens, patch_rows, unk_embed, jigsaw)
         return prepend_prefix(moved, pos_embed, prefix, prefix_positions)
     inputs = _kernel_inputs(tokens, pos_embed, unk_embed, jigsaw, prefix, prefix_positions, dtype)
-    if backend == "cpu":
+    if _extension_backend(backend):
         return _extension_operator()(*inputs)
     return _PosEmbedTriton.apply(*inputs, permutation)
 
@@ -371,7 +378,8 @@ def _kernel_inputs(
 
 @eager_cache()
 def _extension_step_with_dal() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-    """``mjp_step_extension_autograd``: the ``cpu`` position step and DAL loss as one operator (autograd in C++)."""
+    """``mjp_step_extension_autograd``: the extension's position step and DAL loss as one operator (autograd in
+    C++), on the ``cpu`` and ``cuda`` backends."""
     return torch.ops.mjp_fast.mjp_step_extension_autograd.default
 
 
@@ -390,17 +398,17 @@ def mjp_position_dal_step(
     permutation: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """:func:`mjp_position_step` and the DAL loss of the same table (:func:`mjp_fast.ops.dal_loss.dal_loss_unchecked`
-    with ``skip_rows = prefix_positions``) as one operator (the ``cpu`` backend's) or one autograd node (the
-    ``triton`` backend's): one call for the timm models' training step. Returns ``(out, dal_loss)``, or None where
-    that does not apply (then call the two functions): another backend, a regressor the fused kernels do not
-    compute, a table the step would cast, a float64 table on ``triton``, or torch.compile (which sees the two
-    operators and fuses what it likes).
+    with ``skip_rows = prefix_positions``) as one operator (the ``cpu`` and ``cuda`` backends', with its autograd in
+    C++) or one autograd node (the ``triton`` backend's): one call for the timm models' training step. Returns
+    ``(out, dal_loss)``, or None where that does not apply (then call the two functions): another backend, a
+    regressor the fused kernels do not compute, a table the step would cast, a float64 table on ``triton``, or
+    torch.compile (which sees the two operators and fuses what it likes).
 
     ``jigsaw``: the position step's (its mask says which positions get ``unk_embed``); ``dal_mask``: the positions
     the DAL loss leaves out (the sampled mask; they differ without unk). ``coords`` float32 ``[N, 2]``.
     ``permutation``: as for :func:`mjp_position_step` (``triton``: the perm is known to be a permutation).
     """
-    if backend != "cpu" and backend != "triton":
+    if not _extension_backend(backend) and backend != "triton":
         return None
     layers = fused_layers(regressor)
     if layers is None or torch.compiler.is_compiling():
@@ -409,7 +417,7 @@ def mjp_position_dal_step(
     if dtype != pos_embed.dtype:  # DAL regresses the table as it is, the step would round it
         return None
     inputs = _kernel_inputs(tokens, pos_embed, unk_embed, jigsaw, prefix, prefix_positions, dtype)
-    if backend == "cpu":
+    if _extension_backend(backend):
         return _extension_step_with_dal()(*inputs, *layers, coords, dal_mask, scale)
     if dtype == torch.float64:  # no Triton kernels in float64: the two functions' torch paths
         return None
@@ -449,11 +457,10 @@ def mjp_pos_embed(
         unk_embed: ``[D]``, the unknown position embedding (may be None without a jigsaw; given without one, its
             gradient is zeros, on every backend: see :func:`plain_positions`).
         jigsaw: from :func:`sample_jigsaw`, or None.
-        backend: ``triton`` runs the Triton kernels and ``cpu`` the compiled extension's (one pass forward, one
-            backward, each); ``torch`` the autograd node of torch operations above. ``cuda`` is refused: the
-            extension has no CUDA kernels for this operation. Default ``MJP_FAST_BACKEND``, else the fastest for
-            the device (``triton`` on a GPU, ``cpu`` on the CPU); where that resolves to ``cuda`` (a GPU without
-            Triton, or ``MJP_FAST_BACKEND=cuda`` for the other operations' sake) the torch node runs.
+        backend: ``triton`` runs the Triton kernels, ``cpu`` and ``cuda`` the compiled extension's (CUDA tensors:
+            pos_embed_cuda.cu, with the autograd in C++), each one pass forward and one backward; ``torch`` the
+            autograd node of torch operations above. Default ``MJP_FAST_BACKEND``, else the fastest for the device
+            (``triton`` on a GPU, ``cuda`` on a GPU without Triton, ``cpu`` on the CPU).
         validate: check that ``jigsaw.perm`` permutes exactly the masked positions (a host sync on a GPU; the
             timm models skip it for the jigsaws they sample themselves). What ``validate=False`` still guarantees
             for a jigsaw that is not valid (memory safety, defined results) is written once, in
@@ -463,16 +470,9 @@ def mjp_pos_embed(
         ``[B, N, D]``.
 
     Raises:
-        ValueError: ``backend="cuda"``; a backend that is unknown, not available here or not for the tokens' device.
+        ValueError: a backend that is unknown, not available here or not for the tokens' device.
         TypeError/ValueError: other bad arguments, named.
     """
-    if backend == "cuda":
-        # Asked for by name, a backend that would silently run the torch node misleads; the automatic choice may
-        # still land on cuda (below), and then the node is simply the best this device has.
-        raise ValueError(
-            "backend='cuda' has no kernels for mjp_pos_embed; use 'triton' (CUDA tensors), 'cpu' (CPU tensors) "
-            "or 'torch' (any device)"
-        )
     tokens, pos_embed, unk_embed, jigsaw = check_pos_embed_args(tokens, pos_embed, unk_embed, jigsaw, validate=validate)
     chosen = backend_module.resolve_backend(backend, tokens.device)
     if jigsaw is None:

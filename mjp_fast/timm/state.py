@@ -26,6 +26,10 @@ from mjp_fast.sampler.jigsaw import Jigsaw
 from mjp_fast.timm.fused import fused_patch_embed, plain_position_step
 from mjp_fast.timm.schedule import DEFAULT_DAL_WEIGHT, check_dal_weight
 
+# The backends whose position step computes the DAL loss of the same table in the same operation
+# (mjp_position_dal_step).
+_STEP_WITH_DAL_BACKENDS = frozenset({"cpu", "cuda", "triton"})
+
 
 @register_notrace_module  # timm's FX tracer (create_feature_extractor) keeps it as one call
 class MJPState(MJPCore):
@@ -198,11 +202,11 @@ class MJPState(MJPCore):
         """The position step on embedded tokens ``x`` ``[B, N, D]``: ``P(XW) = (PX)W``, moving the embedded tokens is
         moving the patches. One autograd node for the move, the position terms and the prefix tokens; the arguments
         are the model's own and the sampler's jigsaws need no validation. Returns ``(out [B, P + N, D], loss)``:
-        ``loss`` the DAL loss of the table from the same operation (the ``cpu`` and ``triton`` backends, training
-        with a regressor that the fused kernels compute, the table DAL regresses), else None. The sampler's perms
-        are permutations (and so is the identity of tokens jigsawed as pixels already)."""
+        ``loss`` the DAL loss of the table from the same operation (the ``cpu``, ``cuda`` and ``triton`` backends,
+        training with a regressor that the fused kernels compute, the table DAL regresses), else None. The
+        sampler's perms are permutations (and so is the identity of tokens jigsawed as pixels already)."""
         backend = self.backend_for(x.device)
-        if regressor is not None and (backend == "cpu" or backend == "triton") and dal_table is pos_table:
+        if regressor is not None and backend in _STEP_WITH_DAL_BACKENDS and dal_table is pos_table:
             coords = self.dal_coordinates_for(dal_grid, x.device)
             if dal_mask.shape[1] == coords.shape[0]:  # the mask is of the DAL table's grid
                 stepped = mjp_position_dal_step(

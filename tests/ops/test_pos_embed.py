@@ -4,6 +4,7 @@ import os
 import pytest
 import torch
 
+import mjp_fast
 from mjp_fast import Jigsaw, mjp_pos_embed, sample_jigsaw
 from mjp_fast.ops import pos_embed as pos_embed_module
 from mjp_fast.ops.pos_embed import mjp_pos_embed_ref
@@ -106,16 +107,27 @@ def test_triton_refuses_float64():
         mjp_pos_embed(tokens, pos, unk, jigsaw, backend="triton")
 
 
-def test_cuda_by_name_is_refused_and_an_automatic_cuda_runs_the_torch_node(monkeypatch):
+def test_cuda_runs_the_extension_operator(monkeypatch):
+    """The ``cuda`` backend runs the extension's operator (its CUDA kernels on CUDA tensors, pos_embed_cuda.cu; on a
+    GPU tests/test_gpu.py holds them to the CPU kernels bit for bit). Asked for by name where it cannot run, it is
+    refused with the reason."""
     tokens, pos, unk, jigsaw, grad = _inputs(2, 2, 3, 4, torch.float32)
-    # Refused before anything else, on any device: the extension has no CUDA kernels for this operation.
-    with pytest.raises(ValueError, match=r"backend='cuda' has no kernels for mjp_pos_embed; use 'triton'.*'cpu'"):
-        mjp_pos_embed(tokens, pos, unk, jigsaw, backend="cuda")
-    # The automatic choice (or MJP_FAST_BACKEND=cuda, set for the other operations) lands on cuda on a GPU without
-    # Triton: no error there, the torch node runs.
+    if "cuda" not in mjp_fast.available_backends():
+        with pytest.raises(ValueError, match=r"backend='cuda' is not available on this machine"):
+            mjp_pos_embed(tokens, pos, unk, jigsaw, backend="cuda")
+    if pos_embed_module.backend_module.extension() is None:
+        pytest.skip("needs mjp_fast._C")
+    # Resolved to cuda (a GPU without Triton, or MJP_FAST_BACKEND=cuda): the extension's operator, which dispatches
+    # on the tensors' device (here its CPU kernel), not the torch node.
     monkeypatch.setattr(pos_embed_module.backend_module, "resolve_backend", lambda backend, device: "cuda")
+    calls = []
+    operator = pos_embed_module._extension_operator()
+    monkeypatch.setattr(
+        pos_embed_module, "_extension_operator", lambda: lambda *args: calls.append(1) or operator(*args)
+    )
     out, grads = _forward_backward(mjp_pos_embed, tokens, pos, unk, jigsaw, grad)
     expected, expected_grads = _forward_backward(mjp_pos_embed_ref, tokens, pos, unk, jigsaw, grad)
+    assert calls == [1]
     torch.testing.assert_close(out, expected, atol=0, rtol=0)
     for got, want in zip(grads, expected_grads):
         torch.testing.assert_close(got, want, **TOLERANCES[torch.float32])
