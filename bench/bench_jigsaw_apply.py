@@ -11,6 +11,9 @@ Compared, in the same run, on one float32 batch (default 64 x 3 x 224 x 224, pat
 - ``paper pixel pipeline + timm PatchEmbed`` and ``jigsaw_images + timm PatchEmbed``: shuffled pixels, then the
   plain embedding and the position term (``unk_embed`` at masked positions): tokens, as a training step needs.
 - ``fused mjp_patch_embed[<backend>]``: a jigsaw per sample and ``mjp_patch_embed``: the same tokens in one pass.
+- ``timm PatchEmbed + mjp_pos_embed[<backend>]``: the plain embedding, then ``mjp_pos_embed`` moves the embedded
+  tokens and adds the position term (``P(XW) = (PX)W``): the path of models whose patch embedding cannot be fused
+  (a norm after it, a dynamic image size).
 
 Every call samples a fresh jigsaw with its own sampler (the Python loop for the paper's pipeline, the compiled
 sampler for ours), as a training step does. Forward only, under ``torch.no_grad()``: a training step needs no
@@ -51,6 +54,7 @@ NAME = "jigsaw_apply"
 MIN_BLOCK, MIN_ASPECT = 8, 0.3  # the paper's code
 PAPER = "paper pixel pipeline"
 PLAIN = "timm PatchEmbed + pos_embed"
+TOKEN_PATH = "timm PatchEmbed + mjp_pos_embed"  # the unfused path, per backend
 
 
 class PaperPixelJigsaw:
@@ -164,10 +168,19 @@ class Problem:
             self.images, proj.weight, proj.bias, self.pos_embed, self.unk_embed, jigsaw, backend=backend, validate=False
         )
 
-    def checks(self, backends: list[str]) -> dict[str, float | bool]:
+    def moved_tokens(self, backend: str) -> torch.Tensor:
+        from mjp_fast import mjp_pos_embed
+
+        jigsaw = self.sample(backend)
+        return mjp_pos_embed(
+            self.embed(self.images), self.pos_embed, self.unk_embed, jigsaw, backend=backend, validate=False
+        )
+
+    def checks(self, backends: list[str], measured: Sequence[str]) -> dict[str, float | bool]:
         """The implementations compute the same thing: the paper's pixels equal ``jigsaw_images`` given its shared
-        jigsaw; the fused embedding equals pixels-then-embedding on the same jigsaw (max abs error)."""
-        from mjp_fast import Jigsaw, jigsaw_images, mjp_patch_embed
+        jigsaw; the fused embedding and the move of embedded tokens equal pixels-then-embedding on the same jigsaw
+        (max abs error). ``measured``: the labels that ran (one that raised gets no check)."""
+        from mjp_fast import Jigsaw, jigsaw_images, mjp_patch_embed, mjp_pos_embed
 
         with torch.no_grad():
             paper = self.paper(self.images)
@@ -181,10 +194,16 @@ class Problem:
             expected = self.embed(jigsaw_images(self.images, jigsaw, self.patch_size)) + self.position_term(jigsaw.mask)
             proj = self.embed.proj
             for backend in backends:
-                got = mjp_patch_embed(
-                    self.images, proj.weight, proj.bias, self.pos_embed, self.unk_embed, jigsaw, backend=backend
-                )
-                results[f"fused mjp_patch_embed[{backend}]"] = float((got - expected).abs().max())
+                if f"fused mjp_patch_embed[{backend}]" in measured:
+                    got = mjp_patch_embed(
+                        self.images, proj.weight, proj.bias, self.pos_embed, self.unk_embed, jigsaw, backend=backend
+                    )
+                    results[f"fused mjp_patch_embed[{backend}]"] = float((got - expected).abs().max())
+                if f"{TOKEN_PATH}[{backend}]" in measured:
+                    got = mjp_pos_embed(
+                        self.embed(self.images), self.pos_embed, self.unk_embed, jigsaw, backend=backend
+                    )
+                    results[f"{TOKEN_PATH}[{backend}]"] = float((got - expected).abs().max())
         return results
 
 
@@ -233,6 +252,8 @@ def run(
         for name in backends:
             fused = lambda name=name, problem=problem: problem.fused_tokens(name)
             functions[f"fused mjp_patch_embed[{name}]"] = (fused, "tokens")
+            moved = lambda name=name, problem=problem: problem.moved_tokens(name)
+            functions[f"{TOKEN_PATH}[{name}]"] = (moved, "tokens")
         timings = measure(
             {label: _no_grad(function) for label, (function, _) in functions.items()},
             repeats=repeats,
@@ -241,7 +262,7 @@ def run(
             device=device,
             errors=errors,
         )
-        checks = problem.checks([name for name in backends if f"fused mjp_patch_embed[{name}]" in timings])
+        checks = problem.checks(backends, list(timings))
         plain = timings[PLAIN].median_s
         # the paper's jigsaw cost in the same output: its pixel pipeline alone, or its tokens minus the plain ones
         paper_cost = {
