@@ -100,6 +100,20 @@ def test_the_cuda_position_step_equals_the_cpu_kernels(shape, dtypes, perm_kind)
 
 
 @pytest.mark.skipif("cuda" not in mjp_fast.available_backends(), reason="needs the extension's CUDA kernels")
+def test_the_cuda_position_step_passes_opcheck():
+    """Schema, fake (Meta) kernels and autograd registration hold for CUDA tensors too, mixed dtypes included."""
+    shape = (3, 12, 8, 1, 1)
+    tokens, perm, mask, table, unk, prefix, grad = (
+        None if t is None else t.cuda()
+        for t in _position_arguments(*shape, torch.bfloat16, torch.float32, "permutation")
+    )
+    torch.library.opcheck(torch.ops.mjp_fast.pos_embed_extension.default, (tokens, perm, mask, table, unk, prefix, 1))
+    dtypes = (torch.bfloat16, torch.float32, torch.float16, torch.bfloat16)  # tokens, table, unk, prefix
+    arguments = (grad, perm, mask, 1, 1, list(table.shape), list(prefix.shape), *dtypes)
+    torch.library.opcheck(torch.ops.mjp_fast.pos_embed_extension_backward.default, arguments)
+
+
+@pytest.mark.skipif("cuda" not in mjp_fast.available_backends(), reason="needs the extension's CUDA kernels")
 def test_the_cuda_position_step_trains_through_its_cpp_autograd():
     """mjp_pos_embed on the cuda backend: the C++ autograd node over the CUDA kernels, gradients as the oracle's,
     float64 gradcheck included."""
