@@ -57,6 +57,7 @@ from bench.common import (
     synchronizer,
     where_measured,
 )
+from mjp_fast._argtypes import COMPILE_MODES  # torch.compile's modes, as `mjp train compile_mode=` takes them
 
 NAME = "train_step"
 MJP_RATIO = 0.1
@@ -105,11 +106,13 @@ def variant_name(prob: float | str | None) -> str:
 class Trainer:
     """One model, its optimizer and its training step."""
 
-    def __init__(self, model: torch.nn.Module, *, device: torch.device, compile_model: bool) -> None:
+    def __init__(
+        self, model: torch.nn.Module, *, device: torch.device, compile_model: bool, compile_mode: str | None = None
+    ) -> None:
         # The same step for every variant: an MJP model's forward attaches its DAL loss to the output.
         self.model = model
         self.device = device
-        self.forward = torch.compile(model) if compile_model else model
+        self.forward = torch.compile(model, mode=compile_mode) if compile_model else model
         self.optimizer = torch.optim.AdamW(
             model.parameters(), lr=5e-4 * 32 / 512, weight_decay=0.05, fused=device.type == "cuda"
         )
@@ -279,6 +282,7 @@ def run_model(
     compile_model: bool,
     smoke: bool,
     backend: str | None = None,
+    compile_mode: str | None = None,
 ) -> list[dict]:
     """Interleaved training steps of the plain and MJP models; one result row per variant. ``backend``: the fused
     embedding's and the MJP models' (default automatic), named in every row."""
@@ -287,7 +291,10 @@ def run_model(
     device = torch.device(device)
     backend = backend or resolve_backend(None, device)
     models = _models(name, image_size, device, depth=1 if smoke else None, backend=backend)
-    trainers = {prob: Trainer(model, device=device, compile_model=compile_model) for prob, model in models.items()}
+    trainers = {
+        prob: Trainer(model, device=device, compile_model=compile_model, compile_mode=compile_mode)
+        for prob, model in models.items()
+    }
     generator = torch.Generator().manual_seed(0)
     images = torch.randn(batch, 3, image_size, image_size, generator=generator).to(device)
     targets = torch.randint(0, 1000, (batch,), generator=generator).to(device)
@@ -477,13 +484,23 @@ def kernel_table(rows: list[dict], count: int = 5) -> str:
 
 
 def _aims(
-    rows: list[dict], *, smoke: bool, device: str, gpu: str | None, dtype: str, compiled: bool = False
+    rows: list[dict],
+    *,
+    smoke: bool,
+    device: str,
+    gpu: str | None,
+    dtype: str,
+    compiled: bool = False,
+    compile_mode: str | None = None,
 ) -> list[dict]:
-    """The aims, judged on each backend's rows alone; a run of several backends names the backend in each aim."""
+    """The aims, judged on each backend's rows alone; a run of several backends names the backend in each aim, a
+    compiled run in another mode than torch.compile's default names the mode."""
     backends = list(dict.fromkeys(row.get("backend") for row in rows)) or [None]
     aims = []
     for backend in backends:
         on = f" (backend {backend})" if len(backends) > 1 else ""
+        if compiled and compile_mode not in (None, "default"):
+            on += f" (mode {compile_mode})"
         own = [row for row in rows if row.get("backend") == backend]
         aims += _overhead_aims(own, on, smoke=smoke, device=device, gpu=gpu, dtype=dtype, compiled=compiled)
         if not compiled:
@@ -574,6 +591,7 @@ def collect(
     repeats: int | None = None,
     compile_model: bool = False,
     backends: Sequence[str] | str | None = None,
+    compile_mode: str | None = None,
 ) -> dict:
     """Measures the case; returns its section of the results: ``config``, ``backends``, ``results``, ``aims``.
 
@@ -608,6 +626,7 @@ def collect(
                 compile_model=compile_model,
                 smoke=smoke,
                 backend=backend,
+                compile_mode=compile_mode,
             )
     gpu = torch.cuda.get_device_name() if device == "cuda" else None
     return {
@@ -617,6 +636,7 @@ def collect(
             "dtype": dtype,
             "autocast": device == "cuda",
             "compile": compile_model,
+            "compile_mode": (compile_mode or "default") if compile_model else None,
             "warmup_rounds": warmup,
             "min_pairs": MIN_PAIRS,
             "mjp_ratio": MJP_RATIO,
@@ -628,7 +648,9 @@ def collect(
         },
         "backends": backends,
         "results": rows,
-        "aims": _aims(rows, smoke=smoke, device=device, gpu=gpu, dtype=dtype, compiled=compile_model),
+        "aims": _aims(
+            rows, smoke=smoke, device=device, gpu=gpu, dtype=dtype, compiled=compile_model, compile_mode=compile_mode
+        ),
     }
 
 
@@ -637,6 +659,7 @@ def report(section: dict, info: dict) -> str:
     config = section["config"]
     how = config["dtype"] + (" autocast" if config["autocast"] else "")
     how += ", torch.compile" if config["compile"] else ""
+    how += f" ({config['compile_mode']})" if config.get("compile_mode") not in (None, "default") else ""
     lines = [
         f"## Training step, plain vs MJP (ratio {config['mjp_ratio']:g}, DAL {config['dal']}), "
         f"{config['image_size']} px, {how}, backend {', '.join(section['backends'])} ({where_measured(info)})",
@@ -688,6 +711,12 @@ def noise_warnings(rows: list[dict], aim_pct: float) -> list[str]:
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--compile", dest="compile_model", action="store_true", help="torch.compile the models (GPU runs)"
+    )
+    parser.add_argument(
+        "--compile-mode",
+        choices=COMPILE_MODES,
+        default=None,
+        help="torch.compile's mode with --compile (default: its own; reduce-overhead: CUDA graphs, no host launches)",
     )
     parser.add_argument(
         "--backends",

@@ -136,6 +136,7 @@ def run_suite(
     threads: int | None = None,
     repeats: int | None = None,
     compile_model: bool = False,
+    compile_mode: str | None = None,
     stream: TextIO | None = None,
 ) -> Path:
     """Runs the cases, prints their tables and aim lines, writes one JSON file; returns its path.
@@ -149,6 +150,7 @@ def run_suite(
         threads: torch CPU threads (default: every core this process may use); restored afterwards.
         repeats: overrides each case's repeat count (for ``train_step``: the interleaved pairs per model).
         compile_model: ``torch.compile`` the models of ``train_step``.
+        compile_mode: ``torch.compile``'s mode there (default its own; ``reduce-overhead``: CUDA graphs).
         stream: where the report goes (default ``sys.stdout``).
 
     Raises:
@@ -209,7 +211,7 @@ def run_suite(
             for name in names:
                 module = case_module(name)
                 case_begin = time.perf_counter()
-                options = {"compile_model": compile_model} if name == "train_step" else {}
+                options = {"compile_model": compile_model, "compile_mode": compile_mode} if name == "train_step" else {}
                 try:
                     section = module.collect(smoke=smoke, device=device, repeats=repeats, **options)
                 except Exception as error:  # one broken case must not lose the others' results
@@ -239,6 +241,8 @@ def run_suite(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from mjp_fast._argtypes import COMPILE_MODES
+
     """The suite's options (``mjp bench`` takes the same)."""
     parser.add_argument("--smoke", action="store_true", help="tiny sizes and 1-2 repeats: checks that it all runs")
     parser.add_argument(
@@ -252,6 +256,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all of this machine's)")
     parser.add_argument("--repeats", type=int, default=None, help="override every case's repeat count")
     parser.add_argument("--compile", dest="compile_model", action="store_true", help="torch.compile train_step models")
+    parser.add_argument(
+        "--compile-mode",
+        choices=COMPILE_MODES,
+        default=None,
+        help="torch.compile's mode with --compile (default: its own; reduce-overhead: CUDA graphs)",
+    )
 
 
 def run_from_args(args: argparse.Namespace) -> Path:
@@ -263,6 +273,7 @@ def run_from_args(args: argparse.Namespace) -> Path:
         threads=args.threads,
         repeats=args.repeats,
         compile_model=args.compile_model,
+        compile_mode=args.compile_mode,
     )
 
 

@@ -44,3 +44,8 @@ def seed(text: str) -> int:
 def torch_seed(text: str) -> int:
     """A seed that torch.manual_seed also takes: an integer in [0, 2**63)."""
     return _integer(text, 0, 2**63 - 1, "a seed must be an integer in [0, 2**63)")
+
+
+# torch.compile's modes (``mjp train compile_mode=``, the benchmarks' ``--compile-mode``). reduce-overhead replays
+# CUDA graphs: the host launches no kernel of a step, which on a GPU with a slow host is most of an eager step's time.
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")

@@ -28,7 +28,7 @@ import torch
 
 from mjp_fast import __version__
 from mjp_fast import backend as backend_module
-from mjp_fast._argtypes import fraction, positive_int, seed
+from mjp_fast._argtypes import COMPILE_MODES, fraction, positive_int, seed
 
 EXTENSION_WARNING = "mjp_fast: the compiled extension"
 
@@ -166,6 +166,12 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
     bench.add_argument(
         "--compile", dest="compile_model", action="store_true", help="torch.compile the training-step models"
     )
+    bench.add_argument(
+        "--compile-mode",
+        choices=COMPILE_MODES,
+        default=None,
+        help="torch.compile's mode with --compile (default: its own; reduce-overhead: CUDA graphs)",
+    )
 
 
 def bench_runner(roots: Sequence[Path] | None = None) -> ModuleType:
@@ -211,6 +217,7 @@ def _run_bench(args: argparse.Namespace) -> int:
             threads=args.threads,
             repeats=args.repeats,
             compile_model=args.compile_model,
+            compile_mode=args.compile_mode,
         )
     except ValueError as error:
         print(f"mjp bench: error: {error}", file=sys.stderr)

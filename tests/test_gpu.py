@@ -215,3 +215,29 @@ def test_a_whole_training_step_replays_in_a_cuda_graph():
     assert model.mjp.sampler.samples_seen == twin.mjp.sampler.samples_seen
     for (name, got), (_, want) in zip(model.named_parameters(), twin.named_parameters()):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("backend", CUDA_BACKENDS)
+def test_reduce_overhead_compiles_an_mjp_model_into_cuda_graphs(backend):
+    """torch.compile(mode="reduce-overhead") (``mjp train compile_mode=reduce-overhead``, the benchmarks'
+    ``--compile-mode``): the training steps replay CUDA graphs and track the eager twin's losses; the sampler's
+    counter advances inside the graphs as in eager steps."""
+    model = mjp_timm.convert(_vit(), ratio=0.3, prob=1.0, min_block=2, backend=backend).train()
+    twin = copy.deepcopy(model)
+    compiled = torch.compile(model, mode="reduce-overhead")
+    images, targets = torch.randn(8, 3, 32, 32, device="cuda"), torch.randint(0, 10, (8,), device="cuda")
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True) for m in (model, twin)]
+    for _ in range(4):
+        torch.compiler.cudagraph_mark_step_begin()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = torch.nn.functional.cross_entropy(compiled(images).float(), targets)
+        loss.backward()
+        optimizers[0].step()
+        optimizers[0].zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            expected = torch.nn.functional.cross_entropy(twin(images).float(), targets)
+        expected.backward()
+        optimizers[1].step()
+        optimizers[1].zero_grad(set_to_none=True)
+        torch.testing.assert_close(loss.detach(), expected.detach(), atol=2e-2, rtol=2e-2)
+    assert model.mjp.sampler.samples_seen == twin.mjp.sampler.samples_seen

@@ -231,7 +231,7 @@ def _wrap_for_training(model: nn.Module, config: TrainConfig, context: Distribut
     """What runs the training forward: ``model`` compiled (``compile=true``) and DDP-wrapped (several ranks)."""
     forward_model = model
     if config.compile:
-        forward_model = torch.compile(forward_model)
+        forward_model = torch.compile(forward_model, mode=config.compile_mode)
     if context.world_size > 1:
         device = context.device
         forward_model = nn.parallel.DistributedDataParallel(

@@ -26,6 +26,8 @@ from typing import Any
 
 import yaml
 
+from mjp_fast._argtypes import COMPILE_MODES
+
 
 class ConfigError(ValueError):
     """Bad configuration keys or values, or bad paths: the ``mjp`` command prints them, one problem a line.
@@ -211,6 +213,12 @@ class TrainConfig:
         "auto", "runtime", "autocast dtype (auto: bf16 on CUDA, none on CPU)", ("auto", "none", "bf16", "fp16")
     )
     compile: bool = _field(False, "runtime", "torch.compile the model")
+    compile_mode: str = _field(
+        "default",
+        "runtime",
+        "torch.compile's mode with compile=true (reduce-overhead: CUDA graphs, no per-kernel launches from the host)",
+        COMPILE_MODES,
+    )
     threads: int | None = _field(None, "runtime", "torch CPU threads per process (none: torch's default)")
     checkpoint_steps: int = _field(
         0, "runtime", "also checkpoint every N optimizer steps within an epoch (0: at the end of each epoch only)"

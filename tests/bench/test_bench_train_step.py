@@ -181,3 +181,19 @@ def test_collect_measures_each_backend_asked_for(monkeypatch):
     calls.clear()
     assert case.collect(smoke=True, device="cpu")["backends"] == ["cpu"]  # the CPU: the automatic choice alone
     assert [backend for _, backend in calls] == ["cpu"]
+
+
+def test_a_compiled_trainer_passes_its_mode(monkeypatch):
+    calls = []
+    monkeypatch.setattr(case.torch, "compile", lambda model, **options: calls.append(options) or model)
+    model = torch.nn.Linear(2, 2)
+    trainer = case.Trainer(model, device=torch.device("cpu"), compile_model=True, compile_mode="reduce-overhead")
+    assert trainer.forward is model and calls == [{"mode": "reduce-overhead"}]
+
+
+def test_a_compiled_run_names_its_mode_in_the_aims(rows):
+    aims = case._aims(list(rows.values()), smoke=False, device="cuda", gpu="H100", dtype="bfloat16", compiled=True,
+                      compile_mode="reduce-overhead")  # fmt: skip
+    assert len(aims) == 4 and all(aim["aim"].endswith("(mode reduce-overhead)") for aim in aims)
+    default = case._aims(list(rows.values()), smoke=False, device="cuda", gpu="H100", dtype="bfloat16", compiled=True)
+    assert not any("(mode" in aim["aim"] for aim in default)
