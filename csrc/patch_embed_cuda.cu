@@ -3,23 +3,12 @@
 // are cuBLAS, called through at::mm in cuda_ops.cpp.
 #include <algorithm>
 
+#include "cuda_grid.cuh"
 #include "cuda_kernels.h"
 
 namespace mjp {
 namespace cuda {
 namespace {
-
-constexpr int kThreads = 256;
-
-// Grid-stride launches: enough blocks to fill any GPU, never more than the work.
-unsigned int blocks_for(int64_t work) {
-  const int64_t blocks = (work + kThreads - 1) / kThreads;
-  return static_cast<unsigned int>(std::max<int64_t>(1, std::min<int64_t>(blocks, int64_t(1) << 20)));
-}
-
-#define MJP_GRID_STRIDE_LOOP(index, count)                                                          \
-  for (int64_t index = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; index < (count); \
-       index += static_cast<int64_t>(blockDim.x) * gridDim.x)
 
 // Image offset of element k = (c, py, px) of the patch that im2col row `row` (= b * N + n) shows, or -1 for an
 // out-of-range perm entry.

@@ -3,25 +3,14 @@
 // (fixed-order, atomic-free) sums of the position gradients. Each sum runs in the order the CPU kernel takes it
 // (samples in order, then positions in order), in the same accumulation type, so the two backends agree bit for bit
 // in float32. The tensor-level glue is in cuda_ops.cpp.
-#include <algorithm>
 #include <type_traits>
 
+#include "cuda_grid.cuh"
 #include "cuda_kernels.h"
 
 namespace mjp {
 namespace cuda {
 namespace {
-
-constexpr int kThreads = 256;
-
-unsigned int blocks_for(int64_t work) {
-  const int64_t blocks = (work + kThreads - 1) / kThreads;
-  return static_cast<unsigned int>(std::max<int64_t>(1, std::min<int64_t>(blocks, int64_t(1) << 20)));
-}
-
-#define MJP_GRID_STRIDE_LOOP(index, count)                                                          \
-  for (int64_t index = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; index < (count); \
-       index += static_cast<int64_t>(blockDim.x) * gridDim.x)
 
 // The type two values of types A and B are added in: double when either is, float otherwise (as the CPU kernel).
 template <typename A, typename B>
