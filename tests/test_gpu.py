@@ -5,6 +5,7 @@ Skipped where no GPU is visible; `bash bench/device_check.sh` runs them on the l
 """
 
 import copy
+import math
 
 import pytest
 import torch
@@ -241,3 +242,17 @@ def test_reduce_overhead_compiles_an_mjp_model_into_cuda_graphs(backend):
         optimizers[1].zero_grad(set_to_none=True)
         torch.testing.assert_close(loss.detach(), expected.detach(), atol=2e-2, rtol=2e-2)
     assert model.mjp.sampler.samples_seen == twin.mjp.sampler.samples_seen
+
+
+def test_mjp_train_runs_its_loop_with_cuda_graphs(tmp_path):
+    """``mjp train compile=true compile_mode=reduce-overhead``: the real loop (its loss tally, DAL read-backs, the
+    evaluation and the checkpoint) around a model whose steps replay CUDA graphs."""
+    from mjp_fast.train import load_config, train
+
+    settings = ["device=cuda", "epochs=1", "warmup_epochs=0", "compare=false", "mjp=true", "max_train_samples=256",
+                "max_val_samples=64", "log_interval=4", "progress=off", "compile=true", "compile_mode=reduce-overhead",
+                f"output={tmp_path / 'run'}"]  # fmt: skip
+    result = train(load_config("digits", settings))
+    assert (tmp_path / "run" / "last.pt").is_file() and result.config.compile_mode == "reduce-overhead"
+    (record,) = result.history
+    assert math.isfinite(record["train_loss"]) and math.isfinite(record["dal_loss"]) and record["step"] == 8

@@ -282,7 +282,7 @@ def has_kernels(backend: str, dtype: torch.dtype) -> bool:
     """Whether ``backend`` has kernels of its own for this operation in ``dtype`` (else the torch node runs)."""
     if backend == "triton":
         return dtype != torch.float64
-    return backend == "cpu" or backend == "cuda"
+    return _extension_backend(backend)
 
 
 def _extension_backend(backend: str) -> bool:
