@@ -218,6 +218,7 @@ def test_a_whole_training_step_replays_in_a_cuda_graph():
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", CUDA_BACKENDS)
 def test_reduce_overhead_compiles_an_mjp_model_into_cuda_graphs(backend):
     """torch.compile(mode="reduce-overhead") (``mjp train compile_mode=reduce-overhead``, the benchmarks'
@@ -244,6 +245,8 @@ def test_reduce_overhead_compiles_an_mjp_model_into_cuda_graphs(backend):
     assert model.mjp.sampler.samples_seen == twin.mjp.sampler.samples_seen
 
 
+@pytest.mark.slow  # compiles the training and evaluation graphs: first in the queue, with a longer limit
+@pytest.mark.timeout(170)
 def test_mjp_train_runs_its_loop_with_cuda_graphs(tmp_path):
     """``mjp train compile=true compile_mode=reduce-overhead``: the real loop (its loss tally, DAL read-backs, the
     evaluation and the checkpoint) around a model whose steps replay CUDA graphs."""
