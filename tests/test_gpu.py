@@ -116,8 +116,8 @@ def test_the_cuda_position_step_passes_opcheck():
 
 @pytest.mark.skipif("cuda" not in mjp_fast.available_backends(), reason="needs the extension's CUDA kernels")
 def test_the_cuda_position_step_trains_through_its_cpp_autograd():
-    """mjp_pos_embed on the cuda backend: the C++ autograd node over the CUDA kernels, gradients as the oracle's,
-    float64 gradcheck included."""
+    """mjp_pos_embed on the cuda backend: the C++ autograd node over the CUDA kernels passes a float64 gradcheck
+    (its gradients against the oracle's: test_pos_embed_on_cuda_matches_the_oracle)."""
     jigsaw = mjp_fast.sample_jigsaw(3, (2, 3), 0.5, seed=2, min_block=1, device="cuda")
     tokens, pos, unk = (
         torch.randn(*shape, device="cuda", dtype=torch.float64, requires_grad=True)
