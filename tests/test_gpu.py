@@ -177,7 +177,12 @@ def _step(model, optimizer, images, targets):
     return loss.detach()
 
 
-@pytest.mark.parametrize("backend", CUDA_BACKENDS)
+# The GPU backends: the torch backend (the oracle) samples its jigsaws with host loops, a sync by design (H100,
+# 2026-11-27: this test's torch cases failed there, as they must).
+GPU_BACKENDS = [name for name in CUDA_BACKENDS if name != "torch"]
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
 @pytest.mark.parametrize("fused", [False, True])
 def test_a_whole_training_step_has_no_host_sync(backend, fused):
     model = mjp_timm.convert(_vit(), ratio=0.1, prob=0.5, backend=backend, fused_patch_embed=fused).train()

@@ -59,16 +59,39 @@ from mjp_fast.triton.common import (
     tile_size,
 )
 
+# How _dot multiplies its two tiles (its UPCAST argument, from :func:`_mixing`).
+SAME_DTYPE, UPCAST_BOTH, ROUND_FIRST = 0, 1, 2
+
 
 @triton.jit
 def _dot(a, b, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     # One return after the branches: the compiler builds every statement that follows a constexpr `if` whose body
     # returns, so `return` inside the `if` would still compile tl.dot on the raw (possibly mixed-dtype) tiles.
-    if UPCAST:  # mixed operand dtypes, or bfloat16 in the interpreter (which multiplies it wrongly)
+    if UPCAST == 1:  # UPCAST_BOTH: mixed operand dtypes, or bfloat16 in the interpreter (which multiplies it wrongly)
         acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    elif UPCAST == 2:  # ROUND_FIRST: a float32 gradient against autocast's half-precision operand
+        acc = tl.dot(a.to(b.dtype), b, acc, input_precision=PRECISION)
     else:
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
     return acc
+
+
+def _mixing(first: torch.dtype, second: torch.dtype, *, gradient: bool = False) -> int:
+    """How a kernel multiplies a tile of ``first`` by one of ``second`` (:func:`_dot`'s UPCAST); ``gradient``:
+    ``first`` is the output's gradient (the backward's kernels).
+
+    The backward's float32 gradient against the images or weight that autocast gave the op in bfloat16 or float16
+    (the output is float32: the position terms are the float32 table's): the gradient is rounded to that dtype and
+    multiplied on the tensor cores, as timm's convolution gets its gradient (the add of the float32 table hands it
+    back in the convolution's dtype). Multiplying in float32 instead ("ieee": no tensor cores) made the weight's
+    gradient of DeiT-S at batch 256 take 9.7 ms (14 ms with the jigsaw's gather) of GPU time on an H100
+    (2026-11-27), most of a 54 ms step. The interpreter keeps float32 (it multiplies bfloat16 wrongly); other mixed
+    pairs multiply in float32."""
+    if first == second:
+        return UPCAST_BOTH if dot_upcast(first, second) else SAME_DTYPE
+    if gradient and first == torch.float32 and second in (torch.bfloat16, torch.float16) and not interpreting():
+        return ROUND_FIRST
+    return UPCAST_BOTH
 
 
 @triton.jit
@@ -457,7 +480,7 @@ def patch_embed_forward_launch(
         HAS_MASK=mask is not None,
         HAS_PREFIX=prefix_count > 0,
         PRECISION=dot_precision(images.dtype),
-        UPCAST=dot_upcast(images.dtype, weight.dtype),
+        UPCAST=_mixing(images.dtype, weight.dtype),
     )
     return out
 
@@ -577,7 +600,7 @@ def _grad_images_launch(
             HAS_PERM=perm is not None,
             HAS_PREFIX=prefix_count > 0,
             PRECISION=dot_precision(images.dtype),
-            UPCAST=dot_upcast(grad_out.dtype, weight.dtype),
+            UPCAST=_mixing(grad_out.dtype, weight.dtype, gradient=True),
         )
     elif perm is None:
         grad_images.zero_()  # no patch: nothing to launch
@@ -623,7 +646,7 @@ def _grad_weight_launch(
             HAS_PERM=perm is not None,
             HAS_PREFIX=prefix_count > 0,
             PRECISION=dot_precision(images.dtype),
-            UPCAST=dot_upcast(grad_out.dtype, images.dtype),
+            UPCAST=_mixing(grad_out.dtype, images.dtype, gradient=True),
             BLOCK_M=block_m,
             BLOCK_D=block_d,
             BLOCK_K=block_k,

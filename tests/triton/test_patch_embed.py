@@ -98,3 +98,21 @@ def test_gemm_kernels_tune_once_per_bucket_of_the_token_count(bench_calls):
         assert len(kernel.cache) == len(buckets), f"{name}: tuned for keys {sorted(kernel.cache)}"
         assert {key[0] for key in kernel.cache} == buckets, name
         assert len(bench_calls[name]) == len(kernel.configs) * len(buckets), name
+
+
+def test_autocast_gradients_are_rounded_for_the_tensor_cores(monkeypatch):
+    """The backward's float32 gradient (the output is float32 under autocast: the table's) against bfloat16 or float16
+    images and weight: rounded to their dtype and multiplied on the tensor cores (ROUND_FIRST), as timm's convolution
+    gets its gradient, not multiplied in float32 ("ieee"), which made DeiT-S's weight gradient take 10-14 ms on an
+    H100. The interpreter keeps float32 (it multiplies bfloat16 wrongly); the forward's mixed operands too."""
+    from mjp_fast.triton import patch_embed
+
+    f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
+    monkeypatch.setattr(patch_embed, "interpreting", lambda: False)  # as on a GPU
+    assert patch_embed._mixing(f32, bf16, gradient=True) == patch_embed.ROUND_FIRST
+    assert patch_embed._mixing(f32, f16, gradient=True) == patch_embed.ROUND_FIRST
+    assert patch_embed._mixing(f32, bf16) == patch_embed.UPCAST_BOTH  # the forward's images x weight
+    assert patch_embed._mixing(bf16, f32, gradient=True) == patch_embed.UPCAST_BOTH  # a float32 weight or images
+    assert patch_embed._mixing(f32, f32, gradient=True) == patch_embed.SAME_DTYPE
+    monkeypatch.setattr(patch_embed, "interpreting", lambda: True)
+    assert patch_embed._mixing(f32, bf16, gradient=True) == patch_embed.UPCAST_BOTH
