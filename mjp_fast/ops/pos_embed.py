@@ -291,6 +291,11 @@ def _extension_backend(backend: str) -> bool:
     return backend == "cpu" or backend == "cuda"
 
 
+# The backends whose position step computes the DAL loss of the same table in the same operation
+# (:func:`mjp_position_dal_step`): the extension's and the Triton kernels'.
+STEP_WITH_DAL_BACKENDS = frozenset({"cpu", "cuda", "triton"})
+
+
 _PROMOTED: dict[tuple[torch.dtype, torch.dtype], torch.dtype] = {}
 
 
@@ -408,7 +413,7 @@ def mjp_position_dal_step(
     the DAL loss leaves out (the sampled mask; they differ without unk). ``coords`` float32 ``[N, 2]``.
     ``permutation``: as for :func:`mjp_position_step` (``triton``: the perm is known to be a permutation).
     """
-    if not _extension_backend(backend) and backend != "triton":
+    if backend not in STEP_WITH_DAL_BACKENDS:
         return None
     layers = fused_layers(regressor)
     if layers is None or torch.compiler.is_compiling():

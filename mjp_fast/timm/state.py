@@ -21,14 +21,10 @@ from mjp_fast._validate import check_int
 from mjp_fast.core import MJPCore, MJPSettings
 from mjp_fast.ops.aux_loss import attach_aux_loss, explicit_aux_loss, keep_in_graph
 from mjp_fast.ops.jigsaw_images import jigsaw_images
-from mjp_fast.ops.pos_embed import mjp_position_dal_step, mjp_position_step
+from mjp_fast.ops.pos_embed import STEP_WITH_DAL_BACKENDS, mjp_position_dal_step, mjp_position_step
 from mjp_fast.sampler.jigsaw import Jigsaw
 from mjp_fast.timm.fused import fused_patch_embed, plain_position_step
 from mjp_fast.timm.schedule import DEFAULT_DAL_WEIGHT, check_dal_weight
-
-# The backends whose position step computes the DAL loss of the same table in the same operation
-# (mjp_position_dal_step).
-_STEP_WITH_DAL_BACKENDS = frozenset({"cpu", "cuda", "triton"})
 
 
 @register_notrace_module  # timm's FX tracer (create_feature_extractor) keeps it as one call
@@ -206,7 +202,7 @@ class MJPState(MJPCore):
         training with a regressor that the fused kernels compute, the table DAL regresses), else None. The
         sampler's perms are permutations (and so is the identity of tokens jigsawed as pixels already)."""
         backend = self.backend_for(x.device)
-        if regressor is not None and backend in _STEP_WITH_DAL_BACKENDS and dal_table is pos_table:
+        if regressor is not None and backend in STEP_WITH_DAL_BACKENDS and dal_table is pos_table:
             coords = self.dal_coordinates_for(dal_grid, x.device)
             if dal_mask.shape[1] == coords.shape[0]:  # the mask is of the DAL table's grid
                 stepped = mjp_position_dal_step(

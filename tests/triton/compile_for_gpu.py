@@ -185,6 +185,18 @@ def _variants() -> list[tuple[str, object, dict[str, str], dict[str, object], di
                     options,
                 )
             )
+            # Autocast's backward: a float32 gradient (the output is float32) against bfloat16 images and weight,
+            # rounded to bfloat16 and multiplied on the tensor cores (ROUND_FIRST).
+            rounded = {**flags, "UPCAST": patch_embed.ROUND_FIRST}
+            variants.append(
+                (
+                    "patch_embed grad_images fp32 grad x bf16 weight (round the gradient)",
+                    patch_embed._grad_images_kernel.fn,
+                    {**grad_images, "grad_ptr": "*fp32", **kinds, **dict.fromkeys((*rounded, *tiles), "constexpr")},
+                    {**rounded, **tiles, **values},
+                    options,
+                )
+            )
             tiles = weight_tiles
             kinds, values = with_prefix(prefix_cases[0][1], grad_weight)
             variants.append(
@@ -196,9 +208,6 @@ def _variants() -> list[tuple[str, object, dict[str, str], dict[str, object], di
                     {},
                 )
             )
-            # Autocast's backward: a float32 gradient (the output is float32) against bfloat16 images and weight,
-            # rounded to bfloat16 and multiplied on the tensor cores (ROUND_FIRST).
-            rounded = {**flags, "UPCAST": patch_embed.ROUND_FIRST}
             variants.append(
                 (
                     "patch_embed grad_weight fp32 grad x bf16 images (round the gradient)",
@@ -206,18 +215,6 @@ def _variants() -> list[tuple[str, object, dict[str, str], dict[str, object], di
                     {**grad_weight, "grad_ptr": "*fp32", **kinds, **dict.fromkeys((*rounded, *tiles), "constexpr")},
                     {**rounded, **tiles, **values},
                     {},
-                )
-            )
-            m, d, k, warps, stages = patch_embed.GPU_GEMM_SHAPES[1]
-            tiles = {"BLOCK_M": m, "BLOCK_D": d, "BLOCK_K": k}
-            kinds, values = with_prefix(prefix_cases[0][1], grad_images)
-            variants.append(
-                (
-                    "patch_embed grad_images fp32 grad x bf16 weight (round the gradient)",
-                    patch_embed._grad_images_kernel.fn,
-                    {**grad_images, "grad_ptr": "*fp32", **kinds, **dict.fromkeys((*rounded, *tiles), "constexpr")},
-                    {**rounded, **tiles, **values},
-                    {"num_warps": warps, "num_stages": stages},
                 )
             )
         # The position gradient's tiles as position_gradient_plan gives them on an H100 at DeiT-S's sizes with a
