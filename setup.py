@@ -33,7 +33,7 @@ CPU_SOURCES = [
     "autograd_ops.cpp",
 ]
 CUDA_SOURCES = ["cuda_ops.cpp", "sampler_cuda.cu", "patch_embed_cuda.cu", "pos_embed_cuda.cu"]
-HEADERS = ["ops.h", "row_layout.h", "sampler.h", "cuda_kernels.h", "cuda_grid.cuh"]
+HEADERS = ["ops.h", "row_layout.h", "sampler.h", "sampler_lanes.h", "cuda_kernels.h", "cuda_grid.cuh"]
 
 
 def _flag(name: str) -> bool:

@@ -451,6 +451,43 @@ MJP_HOST_DEVICE MJP_FORCE_INLINE void mark_fresh_cells(bool* mask_row, int64_t n
       });
 }
 
+// The rectangle of one attempt of the block-wise mask: rows [top, top + height) x cols [left, left + width).
+struct Rectangle {
+  int64_t top, height, left, width;
+};
+
+// Draws attempt number `attempt` (round * kAttemptsPerRound + its index in the round) of a round whose area lies in
+// [low, high): false when its height or width would fill the grid (BEiT skips such an attempt), else true with `r`
+// set. The tables are sample_jigsaw_row's.
+MJP_HOST_DEVICE MJP_FORCE_INLINE bool draw_rectangle(uint64_t seed, uint32_t c1, uint32_t c2, uint32_t attempt,
+                                                     int64_t low, int64_t high, int64_t rows, int64_t cols,
+                                                     const int64_t* h_thresholds, const int64_t* w_thresholds,
+                                                     Rectangle& r) {
+  const Philox4 draw = philox4x32_10(seed, attempt, c1, c2, kTagMask);
+  // Q32 area uniform in [low, high); exact in int64 since high <= 2**30.
+  const int64_t area_q = low * (int64_t(1) << 32) + (high - low) * static_cast<int64_t>(draw.o0);
+  const int64_t bin = static_cast<int64_t>(draw.o1 >> kAspectBinShift);
+  const int64_t* h_row = h_thresholds + bin * rows;
+  const int64_t* w_row = w_thresholds + bin * cols;
+  r.height = 0;
+  for (int64_t k = 0; k < rows; ++k) r.height += area_q >= h_row[k];
+  if (r.height >= rows) return false;
+  r.width = 0;
+  for (int64_t k = 0; k < cols; ++k) r.width += area_q >= w_row[k];
+  if (r.width >= cols) return false;
+  r.top = static_cast<int64_t>((static_cast<uint64_t>(draw.o2) * (rows - r.height + 1)) >> 32);
+  r.left = static_cast<int64_t>((static_cast<uint64_t>(draw.o3) * (cols - r.width + 1)) >> 32);
+  return true;
+}
+
+// The bounds of round `round` of the block-wise mask, `count` cells masked so far: its areas lie in [low, high).
+MJP_HOST_DEVICE MJP_FORCE_INLINE void round_area_bounds(int64_t target, int64_t count, int64_t min_block,
+                                                        int64_t& low, int64_t& high) {
+  const int64_t remaining = target - count;
+  low = min_block < remaining ? min_block : remaining;
+  high = min_block < remaining ? remaining : min_block;
+}
+
 // Samples one jigsaw (docs/sampler.md, "Per sample") into mask_row[0, N) and perm_row[0, N), N = rows * cols.
 //
 // rows, cols: the grid, N <= 2**30; target: floor(ratio * N) in [0, N]; min_block in [1, 2**30];
@@ -476,29 +513,20 @@ MJP_HOST_DEVICE inline void sample_jigsaw_row(int64_t rows, int64_t cols, int64_
   int64_t count = 0;
   for (uint32_t round = 0; count < target; ++round) {
     const int64_t remaining = target - count;
-    const int64_t low = min_block < remaining ? min_block : remaining;
-    const int64_t high = min_block < remaining ? remaining : min_block;
+    int64_t low, high;
+    round_area_bounds(target, count, min_block, low, high);
     int64_t delta = 0;
     for (uint32_t attempt = 0; attempt < kAttemptsPerRound && delta == 0; ++attempt) {
-      const Philox4 r = philox4x32_10(seed, round * kAttemptsPerRound + attempt, c1, c2, kTagMask);
-      // Q32 area uniform in [low, high); exact in int64 since high <= 2**30.
-      const int64_t area_q = low * (int64_t(1) << 32) + (high - low) * static_cast<int64_t>(r.o0);
-      const int64_t bin = static_cast<int64_t>(r.o1 >> kAspectBinShift);
-      const int64_t* h_row = h_thresholds + bin * rows;
-      const int64_t* w_row = w_thresholds + bin * cols;
-      int64_t height = 0;
-      for (int64_t k = 0; k < rows; ++k) height += area_q >= h_row[k];
-      if (height >= rows) continue;
-      int64_t width = 0;
-      for (int64_t k = 0; k < cols; ++k) width += area_q >= w_row[k];
-      if (width >= cols) continue;
-      const int64_t top = static_cast<int64_t>((static_cast<uint64_t>(r.o2) * (rows - height + 1)) >> 32);
-      const int64_t left = static_cast<int64_t>((static_cast<uint64_t>(r.o3) * (cols - width + 1)) >> 32);
-      const int64_t fresh = count_fresh_cells(mask_row, num_positions, cols, top, height, left, width);
+      Rectangle r;
+      if (!draw_rectangle(seed, c1, c2, round * kAttemptsPerRound + attempt, low, high, rows, cols, h_thresholds,
+                          w_thresholds, r)) {
+        continue;
+      }
+      const int64_t fresh = count_fresh_cells(mask_row, num_positions, cols, r.top, r.height, r.left, r.width);
       if (fresh > 0 && fresh <= remaining) {
         // Mark the new cells and list them downwards from perm_row[N - 1 - count]: after the loop,
         // perm_row[N - count, N) lists every masked position (in no particular order).
-        mark_fresh_cells(mask_row, num_positions, cols, top, height, left, width,
+        mark_fresh_cells(mask_row, num_positions, cols, r.top, r.height, r.left, r.width,
                          perm_row + (num_positions - 1 - count));
         delta = fresh;
       }

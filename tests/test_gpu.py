@@ -128,6 +128,67 @@ def test_the_cuda_position_step_trains_through_its_cpp_autograd():
     )
 
 
+# The cuda sampler (sampler_cuda.cu) against the cpu backend's: one warp per sample up to 1024 positions
+# (sampler_lanes.h), one thread per sample beyond. (batch, grid, settings): DeiT's batch and grid, grids around the
+# lanes path's words and limit, thin grids, the one-thread path, the stream and prob settings.
+SAMPLER_CASES = [
+    (256, 14, dict(ratio=0.5, min_block=16)),
+    (64, 14, dict(ratio=0.1, prob=0.5, offset=2**32 - 7)),
+    (16, (7, 13), dict(ratio=0.97, min_block=1)),
+    (8, 24, dict(ratio=0.3, seed=2**64 - 1)),
+    (4, 32, dict(ratio=0.75, min_block=50)),
+    (3, (1, 1024), dict(ratio=0.5, min_block=8)),
+    (3, (1024, 1), dict(ratio=0.5, min_block=8)),
+    (5, 33, dict(ratio=0.5, min_block=16)),  # 1089 positions: the one-thread path
+    (6, (5, 9), dict(ratio=0.4, shared=True)),
+    (7, 14, dict(ratio=1.0, min_block=1)),
+]
+
+
+@pytest.mark.skipif("cuda" not in mjp_fast.available_backends(), reason="needs the extension's CUDA kernels")
+@pytest.mark.parametrize("batch, grid, settings", SAMPLER_CASES, ids=lambda case: str(case).replace(" ", ""))
+def test_the_cuda_sampler_equals_the_cpu_kernels(batch, grid, settings):
+    settings = dict(seed=5) | settings
+    got = mjp_fast.sample_jigsaw(batch, grid, **settings, device="cuda", backend="cuda")
+    want = mjp_fast.sample_jigsaw(batch, grid, **settings, backend="cpu")
+    assert torch.equal(got.mask.cpu(), want.mask) and torch.equal(got.perm.cpu(), want.perm)
+    if settings["ratio"] >= 0.3 and settings.get("prob", 1.0) == 1.0:
+        assert want.mask.any(), "a case that samples nothing checks little"
+
+
+# The cuda patch embedding's patch copies (gather and scatter) at each chunk width: 16, 8, 4 bytes and one bf16
+# element, an image whose base is not 16-byte aligned, and one with padded rows (strides wider than the image).
+def _patch_images(kind, channels, size):
+    if kind == "offset":  # storage offset of one element: the 2-byte path
+        return torch.randn(2 * channels * size * size + 1, device="cuda")[1:].view(2, channels, size, size)
+    if kind == "padded":
+        return torch.randn(2, channels, size, size + 8, device="cuda")[..., :size]
+    return torch.randn(2, channels, size, size, device="cuda")
+
+
+@pytest.mark.skipif("cuda" not in mjp_fast.available_backends(), reason="needs the extension's CUDA kernels")
+@pytest.mark.parametrize(
+    "patch, kind", [(16, "plain"), (4, "plain"), (2, "plain"), (3, "plain"), (16, "offset"), (8, "padded")]
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_cuda_patch_copies_move_every_pixel(patch, kind, dtype):
+    channels, dim, rows = 3, 24, 5
+    images = _patch_images(kind, channels, patch * rows).to(dtype).requires_grad_(True)
+    weight, pos = torch.randn(dim, channels, patch, patch, device="cuda"), torch.randn(rows * rows, dim, device="cuda")
+    weight, pos, unk = weight.to(dtype), pos.to(dtype), torch.randn(dim, device="cuda", dtype=dtype)
+    jigsaw = mjp_fast.sample_jigsaw(2, rows, 0.6, seed=3, min_block=1, device="cuda")
+    grad = torch.randn(2, rows * rows, dim, device="cuda", dtype=dtype)
+
+    def run(backend):
+        out = mjp_fast.mjp_patch_embed(images, weight, None, pos, unk, jigsaw, backend=backend)
+        return out, torch.autograd.grad(out, images, grad)[0]
+
+    (out, grad_images), (want, want_grad) = run("cuda"), run("torch")
+    tolerance = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.1, rtol=0.02)
+    torch.testing.assert_close(out, want, **tolerance)
+    torch.testing.assert_close(grad_images, want_grad, **tolerance)
+
+
 @pytest.mark.parametrize("backend", CUDA_BACKENDS)
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("variant", [{}, {"reg_tokens": 2}, {"no_embed_class": True}], ids=["cls", "reg", "no_embed"])

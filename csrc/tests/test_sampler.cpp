@@ -1,8 +1,10 @@
 // Standalone tests of csrc/sampler.h (no torch needed): Philox known-answer vectors, the sorting helpers, the
 // permutation against a plain reference, and properties of sampled jigsaws (mask count <= target, perm a
-// permutation of the masked positions, identity elsewhere, determinism, no writes outside the rows).
+// permutation of the masked positions, identity elsewhere, determinism, no writes outside the rows); the
+// cooperative path of sampler_lanes.h (a GPU warp's) against the one-thread path, its lanes run in sequence.
 // Exactness against the PyTorch oracle is tested from Python (tests/ops/test_extension.py).
 #include "sampler.h"
+#include "sampler_lanes.h"
 
 #include <algorithm>
 #include <cmath>
@@ -272,6 +274,60 @@ void test_digest_of_both_code_paths() {
         (unsigned long long)kExpectedDigest);
 }
 
+// sampler_lanes.h's group, run on the host: each phase calls its lanes one after another, in ascending or
+// descending order. A lane that read another lane's write of the same phase would see it in one order and not the
+// other, so both orders must give sample_jigsaw_row's jigsaw.
+struct SerialLanes {
+  bool descending = false;
+  template <typename Body>
+  void each(Body&& body) const {
+    for (int i = 0; i < mjp::kSamplerLanes; ++i) body(descending ? mjp::kSamplerLanes - 1 - i : i);
+  }
+  template <typename Predicate>
+  uint32_t ballot(Predicate&& predicate) const {
+    uint32_t bits = 0;
+    each([&](int lane) { bits |= static_cast<uint32_t>(predicate(lane)) << lane; });
+    return bits;
+  }
+  void sync() const {}
+};
+
+void test_lanes_path_equals_the_row_path() {
+  // Grids at and around the word (32) and lane counts, thin ones, and the largest the lanes path takes.
+  const int64_t grids[][2] = {{1, 1}, {1, 7}, {3, 5}, {4, 8}, {7, 13}, {14, 14}, {24, 24}, {31, 33}, {32, 32},
+                              {1, 1024}, {1024, 1}};
+  const double ratios[] = {0.0, 0.03, 0.1, 0.5, 0.75, 0.97, 1.0};
+  int64_t compared = 0, jigsawed = 0;
+  for_each_grid_and_ratio(grids, ratios, [&](int64_t rows, int64_t cols, int64_t num_positions, double ratio,
+                                              int64_t target, const std::vector<int64_t>& h,
+                                              const std::vector<int64_t>& w) {
+    std::vector<int64_t> scratch((mjp::lanes_scratch_bytes(num_positions) + 7) / 8, -1);
+    const mjp::LanesScratch s = mjp::lanes_scratch_at(scratch.data(), num_positions);
+    for (uint64_t stream = 0; stream < 6; ++stream) {
+      for (int64_t min_block : {int64_t(1), int64_t(8), int64_t(50)}) {
+        const uint64_t seed = 77 + stream * 0x9E3779B97F4A7C15ull;
+        const int64_t prob_threshold = stream == 5 ? int64_t(1) << 31 : int64_t(1) << 32;
+        const Row expected = sample(rows, cols, target, min_block, seed, stream, prob_threshold, h, w);
+        for (bool descending : {false, true}) {
+          Row got{std::vector<uint8_t>(num_positions + 2, 0xAB), std::vector<int64_t>(num_positions + 2, -7)};
+          mjp::sample_jigsaw_lanes(SerialLanes{descending}, rows, cols, target, min_block, seed, stream,
+                                   prob_threshold, h.data(), w.data(), s,
+                                   reinterpret_cast<bool*>(got.mask.data() + 1), got.perm.data() + 1);
+          ++compared;
+          CHECK(got.mask == expected.mask && got.perm == expected.perm,
+                "lanes path differs: grid %lldx%lld ratio %.2f min_block %lld stream %llu, lanes %s",
+                (long long)rows, (long long)cols, ratio, (long long)min_block, (unsigned long long)stream,
+                descending ? "descending" : "ascending");
+        }
+        for (int64_t n = 0; n < num_positions; ++n) jigsawed += expected.mask[n + 1] == 1 ? 1 : 0;
+      }
+    }
+  });
+  CHECK(compared > 2000 && jigsawed > compared, "too little compared: %lld rows, %lld masked cells",
+        (long long)compared, (long long)jigsawed);
+  CHECK(mjp::lanes_scratch_bytes(mjp::kLanesSamplerMaxPositions) <= 48 * 1024, "scratch over a block's static 48 KiB");
+}
+
 }  // namespace
 
 int main() {
@@ -281,6 +337,7 @@ int main() {
   test_sampled_rows();
   test_distribution_sanity();
   test_digest_of_both_code_paths();
+  test_lanes_path_equals_the_row_path();
   std::printf("%d checks, %d failures\n", checks, failures);
   return failures == 0 ? 0 : 1;
 }
