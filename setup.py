@@ -32,7 +32,7 @@ CPU_SOURCES = [
     "dal_loss.cpp",
     "autograd_ops.cpp",
 ]
-CUDA_SOURCES = ["cuda_ops.cpp", "sampler_cuda.cu", "patch_embed_cuda.cu", "pos_embed_cuda.cu"]
+CUDA_SOURCES = ["cuda_ops.cpp", "sampler_cuda.cu", "patch_embed_cuda.cu", "pos_embed_cuda.cu", "dal_loss_cuda.cu"]
 HEADERS = ["ops.h", "row_layout.h", "sampler.h", "sampler_lanes.h", "cuda_kernels.h", "cuda_grid.cuh"]
 
 

@@ -1,4 +1,5 @@
-// Launchers of the CUDA kernels (sampler_cuda.cu, patch_embed_cuda.cu, pos_embed_cuda.cu) on raw pointers.
+// Launchers of the CUDA kernels (sampler_cuda.cu, patch_embed_cuda.cu, pos_embed_cuda.cu, dal_loss_cuda.cu) on raw
+// pointers.
 //
 // No ATen here: nvcc then compiles small translation units, and the tensor-level glue (allocation, cuBLAS through
 // at::mm, device guards) lives in cuda_ops.cpp, compiled by the host compiler. Each launcher returns the launch
@@ -108,6 +109,29 @@ cudaError_t launch_position_move_back(const PositionLayout& layout, const grad_t
 template <typename grad_t, typename acc_t>
 cudaError_t launch_position_reduce(const PositionLayout& layout, const grad_t* grad, const bool* mask, acc_t* table,
                                    acc_t* unk_partial, acc_t* unk, acc_t* prefix_sum, cudaStream_t stream);
+
+// ---- The DAL loss with the nonlinear regressor (dal_loss_cuda.cu; dal_loss.cpp's contract), in T = float or double.
+
+// N regressed positions of D features, H hidden units, B samples in the mask (0 without one).
+struct DalShape {
+  int64_t positions, dim, hidden, batch;
+};
+
+// pos: the regressed rows [N, D]; w1 [H, D], b1 [H] (or null), w2 [2, H], b2 [2] (or null), coords [N, 2], mask bool
+// [B, N] (or null); all contiguous. Writes loss [], pred [N, 2], hidden [N, H] and weights [N].
+template <typename T>
+cudaError_t launch_dal_forward(const DalShape& shape, const T* pos, const T* w1, const T* b1, const T* w2,
+                               const T* b2, const T* coords, const bool* mask, double scale, T* loss, T* pred,
+                               T* hidden, T* weights, cudaStream_t stream);
+
+// grad: the loss's gradient, one element in device memory (read by the kernel: no host sync); pred, hidden and
+// weights: the forward's. Writes grad_table [skip_rows + N, D] (zeros in the skipped rows), grad_w1 [H, D], grad_b1
+// [H] (null: not wanted), grad_w2 [2, H], grad_b2 [2] (null: not wanted), through d_hidden [N, H] scratch.
+template <typename T>
+cudaError_t launch_dal_backward(const DalShape& shape, int64_t skip_rows, const T* grad, double scale, const T* pos,
+                                const T* w1, const T* w2, const T* coords, const T* pred, const T* hidden,
+                                const T* weights, T* d_hidden, T* grad_table, T* grad_w1, T* grad_b1, T* grad_w2,
+                                T* grad_b2, cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace mjp

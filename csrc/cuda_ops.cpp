@@ -1,5 +1,5 @@
 // Tensor-level CUDA operations: allocation, device guard, stream, cuBLAS GEMMs through at::mm, and the kernel
-// launches of sampler_cuda.cu / patch_embed_cuda.cu / pos_embed_cuda.cu. Compiled by the host compiler, only with
+// launches of sampler_cuda.cu / patch_embed_cuda.cu / pos_embed_cuda.cu / dal_loss_cuda.cu. Compiled by the host compiler, only with
 // MJP_WITH_CUDA.
 #include <ATen/OpMathType.h>
 #include <ATen/ops/empty.h>
@@ -280,6 +280,72 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> pos_embed_backward_cu
   auto grad_prefix = prefix_count > 0 ? finished(prefix_sums, prefix_dtype, prefix_shape)
                                       : at::empty({0}, options.dtype(prefix_dtype));
   return {grad_tokens, finished(table, pos_dtype, pos_shape), finished(unk, unk_dtype, {dim}), grad_prefix};
+}
+
+namespace {
+
+cuda::DalShape dal_shape(const at::Tensor& coords, const at::Tensor& w1, const std::optional<at::Tensor>& mask) {
+  return cuda::DalShape{coords.size(0), w1.size(1), w1.size(0), present(mask) ? mask->size(0) : 0};
+}
+
+// Dispatches `body` with T = float or double (the DAL loss's computation dtypes).
+template <typename Body>
+void dispatch_dal_dtype(at::ScalarType dtype, Body&& body) {
+  if (dtype == at::kDouble) {
+    body(double(0));
+  } else {
+    TORCH_CHECK(dtype == at::kFloat, "mjp_fast::dal_loss_extension: the CUDA kernel computes in float32 or float64, got ",
+                dtype);
+    body(float(0));
+  }
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dal_loss_forward_cuda(
+    const at::Tensor& table, int64_t skip_rows, const at::Tensor& w1, const std::optional<at::Tensor>& b1,
+    const at::Tensor& w2, const std::optional<at::Tensor>& b2, const at::Tensor& coords,
+    const std::optional<at::Tensor>& mask, double scale) {
+  const c10::cuda::CUDAGuard guard(table.device());
+  const auto shape = dal_shape(coords, w1, mask);
+  const auto options = table.options();
+  auto loss = at::empty({}, options);
+  auto pred = at::empty({shape.positions, 2}, options);
+  auto hidden = at::empty({shape.positions, shape.hidden}, options);
+  auto weights = at::empty({shape.positions}, options);
+  dispatch_dal_dtype(table.scalar_type(), [&](auto zero) {
+    using T = decltype(zero);
+    C10_CUDA_CHECK(cuda::launch_dal_forward<T>(
+        shape, table.data_ptr<T>() + skip_rows * shape.dim, w1.data_ptr<T>(), optional_data<T>(b1), w2.data_ptr<T>(),
+        optional_data<T>(b2), coords.data_ptr<T>(), optional_data<bool>(mask), scale, loss.data_ptr<T>(),
+        pred.data_ptr<T>(), hidden.data_ptr<T>(), weights.data_ptr<T>(), c10::cuda::getCurrentCUDAStream()));
+  });
+  return {loss, pred, hidden, weights};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> dal_loss_backward_cuda(
+    const at::Tensor& grad, const at::Tensor& table, int64_t skip_rows, const at::Tensor& w1, const at::Tensor& w2,
+    const at::Tensor& coords, const at::Tensor& pred, const at::Tensor& hidden, const at::Tensor& weights,
+    double scale, bool has_b1, bool has_b2) {
+  const c10::cuda::CUDAGuard guard(table.device());
+  const auto shape = dal_shape(coords, w1, std::nullopt);
+  const auto options = table.options();
+  auto grad_table = at::empty({skip_rows + shape.positions, shape.dim}, options);
+  auto grad_w1 = at::empty({shape.hidden, shape.dim}, options);
+  auto grad_b1 = at::empty({has_b1 ? shape.hidden : 0}, options);
+  auto grad_w2 = at::empty({2, shape.hidden}, options);
+  auto grad_b2 = at::empty({has_b2 ? 2 : 0}, options);
+  auto d_hidden = at::empty({shape.positions, shape.hidden}, options);
+  dispatch_dal_dtype(table.scalar_type(), [&](auto zero) {
+    using T = decltype(zero);
+    C10_CUDA_CHECK(cuda::launch_dal_backward<T>(
+        shape, skip_rows, grad.data_ptr<T>(), scale, table.data_ptr<T>() + skip_rows * shape.dim, w1.data_ptr<T>(),
+        w2.data_ptr<T>(), coords.data_ptr<T>(), pred.data_ptr<T>(), hidden.data_ptr<T>(), weights.data_ptr<T>(),
+        d_hidden.data_ptr<T>(), grad_table.data_ptr<T>(), grad_w1.data_ptr<T>(),
+        has_b1 ? grad_b1.data_ptr<T>() : nullptr, grad_w2.data_ptr<T>(), has_b2 ? grad_b2.data_ptr<T>() : nullptr,
+        c10::cuda::getCurrentCUDAStream()));
+  });
+  return {grad_table, grad_w1, grad_b1, grad_w2, grad_b2};
 }
 
 }  // namespace mjp

@@ -20,9 +20,10 @@
 //   kLoopGemmLimit multiply-adds, through ATen's BLAS above; the rest (bias and ReLU, the [N, 2] layer, the weights,
 //   the L1 and their gradients: O(N * H) work) in plain loops, in a fixed order (bitwise reproducible). At small
 //   sizes a training step's DAL is then a few microseconds of host time, and never waits for another thread.
-// - CompositeExplicitAutograd kernels (CUDA and any other device): the fewest ATen operations that compute it, 12
-//   forward and 14 backward (a view or two more for a table with skipped rows) instead of the ~40 of the
-//   nn.Sequential regressor and the weighted L1 under autograd.
+// - CUDA kernels (dal_loss_cuda.cu) for the nonlinear regressor: two launches forward, two backward.
+// - CompositeExplicitAutograd kernels (the linear regressor on CUDA, and any other device): the fewest ATen
+//   operations that compute it, 12 forward and 14 backward (a view or two more for a table with skipped rows) instead
+//   of the ~40 of the nn.Sequential regressor and the weighted L1 under autograd.
 // Meta kernels give the shapes to FakeTensor and torch.compile. The autograd is autograd_ops.cpp's
 // (dal_loss_extension_autograd) or the Python layer's.
 #include <ATen/Dispatch.h>
@@ -235,6 +236,9 @@ struct DalForward {
 
   ForwardOutputs composite() const;  // ATen operations (CompositeExplicitAutograd)
   ForwardOutputs cpu_loops() const;  // the CPU kernel
+#ifdef MJP_WITH_CUDA
+  ForwardOutputs cuda_kernels() const;  // dal_loss_cuda.cu: the nonlinear regressor (the linear one: composite)
+#endif
 };
 
 // dal_loss_extension_backward's arguments, checked, with what every kernel derives from them (as DalForward).
@@ -256,6 +260,9 @@ struct DalBackward {
 
   BackwardOutputs composite() const;  // ATen operations (CompositeExplicitAutograd)
   BackwardOutputs cpu_loops() const;  // the CPU kernel
+#ifdef MJP_WITH_CUDA
+  BackwardOutputs cuda_kernels() const;  // dal_loss_cuda.cu: the nonlinear regressor (the linear one: composite)
+#endif
 };
 
 // An operator's kernel for one backend (the registrations below): the arguments checked, then `kernel` (a member
@@ -578,6 +585,42 @@ BackwardOutputs DalBackward::cpu_loops() const {
           grad_b1_out, as_dtype(grad_w2, w2.scalar_type()), grad_b2_out};
 }
 
+#ifdef MJP_WITH_CUDA
+// ---- CUDA kernels (dal_loss_cuda.cu, through cuda_ops.cpp) for the nonlinear regressor, the default: two launches
+// each way instead of the composite's 13 and 15-18 operations. The linear regressor (rare; no hidden layer) keeps
+// the composite.
+
+// `tensor` in `dtype` and contiguous: itself, without a dispatch, in the usual case.
+at::Tensor contiguous_as(const at::Tensor& tensor, at::ScalarType dtype) {
+  const auto converted = as_dtype(tensor, dtype);
+  return converted.is_contiguous() ? converted : converted.contiguous();
+}
+
+std::optional<at::Tensor> optional_contiguous_as(const std::optional<at::Tensor>& tensor, at::ScalarType dtype) {
+  return present(tensor) ? std::optional<at::Tensor>(contiguous_as(*tensor, dtype)) : std::nullopt;
+}
+
+ForwardOutputs DalForward::cuda_kernels() const {
+  if (!present(w1)) return composite();
+  const auto mask_c = present(mask) ? std::optional<at::Tensor>(contiguous_as(*mask, at::kBool)) : std::nullopt;
+  return dal_loss_forward_cuda(contiguous_as(pos, dtype), skip_rows, contiguous_as(*w1, dtype),
+                               optional_contiguous_as(b1, dtype), contiguous_as(w2, dtype),
+                               optional_contiguous_as(b2, dtype), contiguous_as(coords, dtype), mask_c, scale);
+}
+
+BackwardOutputs DalBackward::cuda_kernels() const {
+  if (!present(w1)) return composite();
+  auto [grad_table, grad_w1, grad_b1, grad_w2, grad_b2] = dal_loss_backward_cuda(
+      contiguous_as(grad, dtype), contiguous_as(pos, dtype), skip_rows, contiguous_as(*w1, dtype),
+      contiguous_as(w2, dtype), contiguous_as(coords, dtype), contiguous_as(pred, dtype),
+      contiguous_as(hidden, dtype), contiguous_as(weights, dtype), scale, has_b1, has_b2);
+  const auto grad_pos = as_dtype(grad_table, pos.scalar_type());
+  return {pos.dim() == 2 ? grad_pos : grad_pos.view(pos.sizes()), as_dtype(grad_w1, w1->scalar_type()),
+          has_b1 ? as_dtype(grad_b1, w1->scalar_type()) : no_gradient(*w1), as_dtype(grad_w2, w2.scalar_type()),
+          has_b2 ? as_dtype(grad_b2, w2.scalar_type()) : no_gradient(w2)};
+}
+#endif
+
 // ---- Meta kernels: checks and output shapes only (symbolic sizes, for torch.compile's dynamic shapes).
 
 ForwardOutputs dal_loss_forward_meta(
@@ -631,6 +674,13 @@ TORCH_LIBRARY_IMPL(mjp_fast, CPU, m) {
   m.impl("dal_loss_extension", TORCH_FN(mjp::dal_loss_forward<&mjp::DalForward::cpu_loops>));
   m.impl("dal_loss_extension_backward", TORCH_FN(mjp::dal_loss_backward<&mjp::DalBackward::cpu_loops>));
 }
+
+#ifdef MJP_WITH_CUDA
+TORCH_LIBRARY_IMPL(mjp_fast, CUDA, m) {
+  m.impl("dal_loss_extension", TORCH_FN(mjp::dal_loss_forward<&mjp::DalForward::cuda_kernels>));
+  m.impl("dal_loss_extension_backward", TORCH_FN(mjp::dal_loss_backward<&mjp::DalBackward::cuda_kernels>));
+}
+#endif
 
 TORCH_LIBRARY_IMPL(mjp_fast, Meta, m) {
   m.impl("dal_loss_extension", TORCH_FN(mjp::dal_loss_forward_meta));

@@ -89,8 +89,8 @@ extern const int kAutogradOperators;
                                                                           &kDalLossOperators, &kAutogradOperators};
 
 #ifdef MJP_WITH_CUDA
-// ---- CUDA (cuda_ops.cpp over the kernels of sampler_cuda.cu, patch_embed_cuda.cu and pos_embed_cuda.cu): same
-// contracts, all tensors on one CUDA device, work queued on its current stream.
+// ---- CUDA (cuda_ops.cpp over the kernels of sampler_cuda.cu, patch_embed_cuda.cu, pos_embed_cuda.cu and
+// dal_loss_cuda.cu): same contracts, all tensors on one CUDA device, work queued on its current stream.
 
 std::tuple<at::Tensor, at::Tensor> sample_jigsaw_cuda(int64_t batch_size, int64_t rows, int64_t cols, int64_t target,
                                                       int64_t min_block, uint64_t seed, uint64_t offset, bool shared,
@@ -132,6 +132,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> pos_embed_backward_cu
     const at::Tensor& grad_out, const at::Tensor& perm, const at::Tensor& mask, int64_t prefix_count,
     int64_t prefix_positions, at::IntArrayRef pos_shape, at::IntArrayRef prefix_shape, at::ScalarType tokens_dtype,
     at::ScalarType pos_dtype, at::ScalarType unk_dtype, at::ScalarType prefix_dtype);
+
+// dal_loss_extension's forward with the nonlinear regressor on CUDA (dal_loss.cpp's contract and checks): table (the
+// whole position table as [skip_rows + N, D]), w1, b1, w2, b2 and coords contiguous in the computation dtype (float32
+// or float64); mask bool [B, N] contiguous. {loss, pred, hidden, weights} in that dtype.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dal_loss_forward_cuda(
+    const at::Tensor& table, int64_t skip_rows, const at::Tensor& w1, const std::optional<at::Tensor>& b1,
+    const at::Tensor& w2, const std::optional<at::Tensor>& b2, const at::Tensor& coords,
+    const std::optional<at::Tensor>& mask, double scale);
+
+// Its backward, the same tensors (grad: 0-d) in the computation dtype: {grad_table [skip_rows + N, D] (zeros in the
+// skipped rows), grad_w1, grad_b1 ([0] without b1), grad_w2, grad_b2 ([0] without b2)} in that dtype.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> dal_loss_backward_cuda(
+    const at::Tensor& grad, const at::Tensor& table, int64_t skip_rows, const at::Tensor& w1, const at::Tensor& w2,
+    const at::Tensor& coords, const at::Tensor& pred, const at::Tensor& hidden, const at::Tensor& weights,
+    double scale, bool has_b1, bool has_b2);
 #endif
 
 }  // namespace mjp

@@ -649,11 +649,59 @@ def test_dal_loss_gradient_of_an_exact_prediction_is_zero():
     _check_dal(case, torch.float32, torch.float32, scale=1.0)
 
 
+# On a GPU: the nonlinear regressor's CUDA kernels (csrc/dal_loss_cuda.cu; the linear one's composite) on every
+# shape above and DeiT-S's (N = 196, D = H = 384), with and without skipped rows.
+GPU_DAL_SHAPES = [*DAL_SHAPES, (14, 14, 384, 384)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU visible")
+@pytest.mark.parametrize(("skip_rows", "table"), [(0, "2d"), (1, "3d")], ids=str)
+@pytest.mark.parametrize("dtypes", DAL_DTYPES[:3], ids=lambda p: f"{str(p[0])[6:]}-{str(p[1])[6:]}")
+@pytest.mark.parametrize("mask_kind", MASK_KINDS, ids=str)
+@pytest.mark.parametrize("kind", ["nonlinear", "linear"])
+@pytest.mark.parametrize("shape", GPU_DAL_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_dal_loss_on_gpu(shape, kind, mask_kind, dtypes, skip_rows, table):
+    case = DalCase(*shape, kind=kind, mask_kind=mask_kind, batch=256 if shape[0] == 14 else 4, seed=5)
+    _check_dal(case, *dtypes, scale=0.5, device="cuda", skip_rows=skip_rows, table=table)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU visible")
+def test_dal_loss_on_gpu_is_deterministic_and_leaves_out_masked_rows():
+    case = DalCase(14, 14, 64, 48, kind="nonlinear", mask_kind="random", batch=32, seed=4)
+    pos, skip_rows, w1, b1, w2, b2, coords, mask = (
+        t.cuda() if isinstance(t, torch.Tensor) else t for t in case.args(torch.float32, torch.float32, skip_rows=1)
+    )
+    mask[:, 5] = True  # every sample masks position 5: out of the loss, even as inf or NaN
+    first = ops.dal_loss_extension(pos, skip_rows, w1, b1, w2, b2, coords, mask, 1.0)
+    backward_args = (torch.ones((), device="cuda"), pos, skip_rows, w1, w2, coords, *first[1:], 1.0, True, True)
+    first_grads = ops.dal_loss_extension_backward(*backward_args)
+    for again, before in zip(ops.dal_loss_extension(pos, skip_rows, w1, b1, w2, b2, coords, mask, 1.0), first):
+        assert torch.equal(again, before)
+    for again, before in zip(ops.dal_loss_extension_backward(*backward_args), first_grads):
+        assert torch.equal(again, before)
+    poisoned = pos.clone()
+    poisoned[skip_rows + 5] = float("nan")
+    poisoned[skip_rows + 5, 0] = float("inf")
+    forward = ops.dal_loss_extension(poisoned, skip_rows, w1, b1, w2, b2, coords, mask, 1.0)
+    grads = ops.dal_loss_extension_backward(
+        *backward_args[:1], poisoned, *backward_args[2:6], *forward[1:], 1.0, True, True
+    )
+    assert torch.equal(forward[0], first[0])
+    for got, want in zip(grads, first_grads):
+        assert torch.equal(got, want)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU visible")
 @pytest.mark.parametrize("kind", ["nonlinear", "linear"])
-def test_dal_loss_on_gpu(kind):
-    case = DalCase(14, 14, 64, 64, kind=kind, mask_kind="random", seed=5)
-    _check_dal(case, torch.float32, torch.float32, scale=1.0, device="cuda")
+def test_dal_loss_opcheck_on_gpu(kind):
+    case = DalCase(3, 5, 8, 6, kind=kind, mask_kind="random")
+    args = [t.cuda() if isinstance(t, torch.Tensor) else t for t in case.args(torch.float32, torch.float32, 1, "3d")]
+    torch.library.opcheck(ops.dal_loss_extension.default, (*args, 2.0))
+    _, pred, hidden, weights = ops.dal_loss_extension(*args, 2.0)
+    pos, _, w1, b1, w2, b2, coords, _ = args
+    grad = torch.tensor(0.5, device="cuda")
+    backward_args = (grad, pos, 1, w1, w2, coords, pred, hidden, weights, 2.0, b1 is not None, True)
+    torch.library.opcheck(ops.dal_loss_extension_backward.default, backward_args)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
