@@ -50,15 +50,21 @@ cudaError_t launch_sample_jigsaw(int64_t batch_size, int64_t rows, int64_t cols,
 struct PatchLayout {
   int64_t batch, positions, patch_size, patch, cols, dim;
   int64_t batch_stride, channel_stride, height_stride;  // of images [B, C, H, W]; the width stride is 1
+  // Rows of the im2col matrix in front of each sample's N patch rows, that no patch fills: the gather writes zeros
+  // there and the scatter skips them. The backward's GEMMs then take the gradient [B * (P + N), D] with its P prefix
+  // rows as it is, instead of a copy of its patch rows.
+  int64_t row_prefix = 0;
 };
 
-// columns [B * N, K] = the patches of images in perm order (perm null: identity). An out-of-range perm entry
-// gives a zero row (the Python layer never passes one; checking would need a host synchronisation).
+// columns [B * (row_prefix + N), K] = the patches of images in perm order (perm null: identity), zeros in each
+// sample's row_prefix first rows. An out-of-range perm entry gives a zero row (the Python layer never passes one;
+// checking would need a host synchronisation).
 template <typename scalar_t>
 cudaError_t launch_gather_patches(const PatchLayout& layout, const scalar_t* images, const int64_t* perm,
                                   scalar_t* columns, cudaStream_t stream);
 
-// grad_images (zero-filled, layout's strides) receives grad_columns [B * N, K] at the patches perm points to.
+// grad_images (zero-filled, layout's strides) receives grad_columns [B * (row_prefix + N), K] at the patches perm
+// points to (each sample's row_prefix first rows are not read).
 template <typename scalar_t>
 cudaError_t launch_scatter_patches(const PatchLayout& layout, const scalar_t* grad_columns, const int64_t* perm,
                                    scalar_t* grad_images, cudaStream_t stream);
@@ -72,11 +78,12 @@ cudaError_t launch_add_embeddings(const PatchLayout& layout, const scalar_t* tok
                                   const scalar_t* pos, const scalar_t* unk, const bool* mask, const scalar_t* prefix,
                                   int64_t prefix_rows, int64_t prefix_positions, scalar_t* out, cudaStream_t stream);
 
-// Deterministic sums of grad [B * N, D]: grad_pos [N, D] over unmasked tokens, grad_unk [D] over masked ones,
-// grad_bias [D] over all (null: not wanted). unk_partial / bias_partial: accumulate_t [N, D] scratch, needed
-// (non-null) when grad_unk / grad_bias are.
+// Deterministic sums of grad (B samples of N rows of D, sample b's at grad + b * sample_stride): grad_pos [N, D] over
+// unmasked tokens, grad_unk [D] over masked ones, grad_bias [D] over all (null: not wanted). unk_partial /
+// bias_partial: accumulate_t [N, D] scratch, needed (non-null) when grad_unk / grad_bias are.
 template <typename scalar_t>
-cudaError_t launch_reduce_embedding_grads(const PatchLayout& layout, const scalar_t* grad, const bool* mask,
+cudaError_t launch_reduce_embedding_grads(const PatchLayout& layout, const scalar_t* grad, int64_t sample_stride,
+                                          const bool* mask,
                                           scalar_t* grad_pos, scalar_t* grad_unk, scalar_t* grad_bias,
                                           accumulate_t<scalar_t>* unk_partial, accumulate_t<scalar_t>* bias_partial,
                                           cudaStream_t stream);

@@ -28,11 +28,13 @@ cuda::PatchLayout image_layout(const PatchGeometry& g, const at::Tensor& images)
   return patch_layout(g, images.stride(0), images.stride(1), images.stride(2));
 }
 
-// The im2col matrix [B * N, K] of images, patches in perm order.
+// The im2col matrix [B * (row_prefix + N), K] of images, patches in perm order, zeros in each sample's row_prefix
+// first rows.
 at::Tensor gather_columns(const PatchGeometry& g, const at::Tensor& images, const std::optional<at::Tensor>& perm,
-                          cudaStream_t stream) {
-  auto columns = at::empty({g.batch * g.positions, g.patch_size}, images.options());
-  const auto layout = image_layout(g, images);
+                          cudaStream_t stream, int64_t row_prefix = 0) {
+  auto columns = at::empty({g.batch * (row_prefix + g.positions), g.patch_size}, images.options());
+  auto layout = image_layout(g, images);
+  layout.row_prefix = row_prefix;
   MJP_DISPATCH_FLOATING_TYPES(images.scalar_type(), "mjp_gather_patches_cuda", [&] {
     C10_CUDA_CHECK(cuda::launch_gather_patches<scalar_t>(layout, images.data_ptr<scalar_t>(),
                                                          optional_data<int64_t>(perm),
@@ -113,22 +115,24 @@ std::vector<std::optional<at::Tensor>> patch_embed_backward_cuda(
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   std::vector<std::optional<at::Tensor>> grads(6);
   const auto options = grad_out.options();
-  // grad_out [B, P + N, D]: its patch rows [B * N, D] (a copy when prefix rows lie between them) serve the GEMMs and
-  // the reductions below as they did without a prefix; its prefix rows [B, P, D] are summed over b the same way.
-  const auto grad_3d = grad_out.view({g.batch, g.rows_per_sample(), g.dim});
-  const auto grad_2d = g.prefix_rows == 0
-                           ? grad_out.view({g.batch * g.positions, g.dim})
-                           : grad_3d.narrow(1, g.prefix_rows, g.positions).reshape({g.batch * g.positions, g.dim});
+  // grad_out [B, P + N, D] (contiguous) as it is, with no copy of its patch rows (77 MB for DeiT-S's float32 gradient
+  // at batch 256): the GEMMs take all its rows against an im2col matrix with zero rows in front of each sample's
+  // patches (their products add nothing, 1/197 more work for a class token; only a non-finite prefix gradient, where
+  // the step is lost anyway, would reach the weight's gradient as 0 * inf), and the reductions read each sample's
+  // patch rows, and its prefix rows, in place.
+  const auto grad_2d = grad_out.view({g.batch * g.rows_per_sample(), g.dim});
+  const int64_t patch_offset = g.prefix_rows * g.dim, sample_stride = g.rows_per_sample() * g.dim;
 
   if (need_weight) {
-    const auto columns = gather_columns(g, images, perm, stream);
+    const auto columns = gather_columns(g, images, perm, stream, g.prefix_rows);
     grads[1] = at::mm(grad_2d.t(), columns).view({g.dim, g.channels, g.patch, g.patch});
   }
   if (need_images) {
     const auto grad_columns = at::mm(grad_2d, weight.view({g.dim, g.patch_size}));
     const int64_t height = images.size(2), width = images.size(3);
     auto grad_images = at::zeros({g.batch, g.channels, height, width}, options);
-    const auto layout = patch_layout(g, g.channels * height * width, height * width, width);
+    auto layout = patch_layout(g, g.channels * height * width, height * width, width);
+    layout.row_prefix = g.prefix_rows;
     MJP_DISPATCH_FLOATING_TYPES(grad_out.scalar_type(), "mjp_scatter_patches_cuda", [&] {
       C10_CUDA_CHECK(cuda::launch_scatter_patches<scalar_t>(layout, grad_columns.data_ptr<scalar_t>(),
                                                             optional_data<int64_t>(perm),
@@ -139,14 +143,13 @@ std::vector<std::optional<at::Tensor>> patch_embed_backward_cuda(
   if (need_prefix && g.prefix_rows == 0) grads[5] = at::empty({0}, options);
   at::Tensor grad_prefix;  // [P, D]: grad_prefix, and the table's first Q rows
   if (g.prefix_rows > 0 && (need_prefix || (need_pos && g.prefix_positions > 0))) {
-    const auto prefix_rows = grad_3d.narrow(1, 0, g.prefix_rows).contiguous();
     grad_prefix = at::empty({g.prefix_rows, g.dim}, options);
     auto layout = patch_layout(g, 0, 0, 0);
     layout.positions = g.prefix_rows;
     MJP_DISPATCH_FLOATING_TYPES(grad_out.scalar_type(), "mjp_reduce_prefix_grads_cuda", [&] {
-      C10_CUDA_CHECK(cuda::launch_reduce_embedding_grads<scalar_t>(layout, prefix_rows.data_ptr<scalar_t>(), nullptr,
-                                                                   grad_prefix.data_ptr<scalar_t>(), nullptr, nullptr,
-                                                                   nullptr, nullptr, stream));
+      C10_CUDA_CHECK(cuda::launch_reduce_embedding_grads<scalar_t>(layout, grad_out.data_ptr<scalar_t>(), sample_stride,
+                                                                   nullptr, grad_prefix.data_ptr<scalar_t>(), nullptr,
+                                                                   nullptr, nullptr, nullptr, stream));
     });
     if (need_prefix) grads[5] = grad_prefix.view(prefix_shape);
   }
@@ -161,7 +164,7 @@ std::vector<std::optional<at::Tensor>> patch_embed_backward_cuda(
     const auto layout = patch_layout(g, 0, 0, 0);
     MJP_DISPATCH_FLOATING_TYPES(grad_out.scalar_type(), "mjp_reduce_grads_cuda", [&] {
       C10_CUDA_CHECK(cuda::launch_reduce_embedding_grads<scalar_t>(
-          layout, grad_2d.data_ptr<scalar_t>(), optional_data<bool>(mask),
+          layout, grad_out.data_ptr<scalar_t>() + patch_offset, sample_stride, optional_data<bool>(mask),
           need_pos ? grad_table.data_ptr<scalar_t>() + g.prefix_positions * g.dim : nullptr,
           need_unk ? grad_unk.data_ptr<scalar_t>() : nullptr,
           need_bias ? grad_bias.data_ptr<scalar_t>() : nullptr,

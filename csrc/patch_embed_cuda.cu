@@ -34,21 +34,24 @@ struct Chunk<2> {
   using type = uint16_t;
 };
 
-// Where chunk q of the im2col matrix comes from: its image element offset, or -1 for an out-of-range perm entry.
-// Chunk q covers the im2col elements [q * elements, (q + 1) * elements), elements = kBytes / sizeof(scalar_t); a
-// patch row holds chunks_per_row of them.
+// Where chunk q of the im2col matrix comes from: its image element offset, or -1 for a row no patch fills (a prefix
+// row, or an out-of-range perm entry). Chunk q covers the im2col elements [q * elements, (q + 1) * elements),
+// elements = kBytes / sizeof(scalar_t); a patch row holds chunks_per_row of them.
 template <typename index_t>
 __device__ __forceinline__ int64_t chunk_source(const PatchLayout& l, const int64_t* __restrict__ perm, index_t q,
                                                 index_t elements, index_t chunks_per_row, index_t rows_per_patch) {
-  const index_t segment = q / chunks_per_row;  // (b * N + n) * C * patch + c * patch + py
+  const index_t segment = q / chunks_per_row;  // (b * (P + N) + t) * C * patch + c * patch + py
   const index_t px = (q - segment * chunks_per_row) * elements;
-  const index_t row = segment / rows_per_patch;  // b * N + n
+  const index_t row = segment / rows_per_patch;  // b * (P + N) + t
   const index_t within = segment - row * rows_per_patch;
   const index_t c = within / static_cast<index_t>(l.patch);
   const index_t py = within - c * static_cast<index_t>(l.patch);
-  const index_t b = row / static_cast<index_t>(l.positions);
-  const index_t n = row - b * static_cast<index_t>(l.positions);
-  const int64_t m = perm == nullptr ? static_cast<int64_t>(n) : perm[row];
+  const index_t rows_per_sample = static_cast<index_t>(l.row_prefix + l.positions);
+  const index_t b = row / rows_per_sample;
+  const index_t t = row - b * rows_per_sample;
+  if (t < static_cast<index_t>(l.row_prefix)) return -1;
+  const index_t n = t - static_cast<index_t>(l.row_prefix);
+  const int64_t m = perm == nullptr ? static_cast<int64_t>(n) : perm[static_cast<int64_t>(b) * l.positions + n];
   if (m < 0 || m >= l.positions) return -1;
   const index_t grid_row = static_cast<index_t>(m) / static_cast<index_t>(l.cols);
   const index_t grid_col = static_cast<index_t>(m) - grid_row * static_cast<index_t>(l.cols);
@@ -83,7 +86,7 @@ template <typename scalar_t, int kBytes, bool kGather>
 cudaError_t launch_copy_chunks(const PatchLayout& l, const scalar_t* from, const int64_t* perm, scalar_t* to,
                                cudaStream_t stream) {
   constexpr int64_t elements = kBytes / static_cast<int64_t>(sizeof(scalar_t));
-  const int64_t total = l.batch * l.positions * l.patch_size;
+  const int64_t total = l.batch * (l.row_prefix + l.positions) * l.patch_size;
   const int64_t chunks = total / elements, chunks_per_row = l.patch / elements, rows_per_patch = l.patch_size / l.patch;
   // 32-bit indices when every value of chunk_source's arithmetic (at most the element count, N or a grid size) and
   // the grid-stride step stay below 2**32.
@@ -116,7 +119,7 @@ int64_t chunk_bytes(const PatchLayout& l, const void* from, const void* to) {
 template <typename scalar_t, bool kGather>
 cudaError_t launch_copy_patches(const PatchLayout& l, const scalar_t* from, const int64_t* perm, scalar_t* to,
                                 cudaStream_t stream) {
-  if (l.batch * l.positions * l.patch_size == 0) return cudaSuccess;
+  if (l.batch * (l.row_prefix + l.positions) * l.patch_size == 0) return cudaSuccess;
   constexpr int64_t size = sizeof(scalar_t);
   switch (chunk_bytes<scalar_t>(l, from, to)) {
     case 16:
@@ -193,13 +196,15 @@ __global__ void add_embeddings_kernel(index_t chunks, index_t chunks_per_row, in
   }
 }
 
-// Pass 1, one thread per (n, d), summing over b in order: grad_pos[n, d] (unmasked tokens), and the partial sums
+// Pass 1, one thread per (n, d), summing over b in order (sample b's rows at grad + b * sample_stride): grad_pos[n, d]
+// (unmasked tokens), and the partial sums
 // over b of masked tokens (unk_partial) and of all tokens (bias_partial) for pass 2. Null outputs are skipped. The
 // loop is unrolled with its loads first, so that each thread has several in flight while its sums still add in
 // order; the mask picks the sum without a branch.
 template <typename scalar_t>
 __global__ void reduce_over_batch_kernel(int64_t batch, int64_t positions, int64_t dim,
-                                         const scalar_t* __restrict__ grad, const bool* __restrict__ mask,
+                                         const scalar_t* __restrict__ grad, int64_t sample_stride,
+                                         const bool* __restrict__ mask,
                                          scalar_t* __restrict__ grad_pos,
                                          accumulate_t<scalar_t>* __restrict__ unk_partial,
                                          accumulate_t<scalar_t>* __restrict__ bias_partial) {
@@ -215,7 +220,7 @@ __global__ void reduce_over_batch_kernel(int64_t batch, int64_t positions, int64
       bool masked[kUnroll];
 #pragma unroll
       for (int j = 0; j < kUnroll; ++j) {
-        values[j] = static_cast<acc>(grad[(b + j) * cells + index]);
+        values[j] = static_cast<acc>(grad[(b + j) * sample_stride + index]);
         masked[j] = mask != nullptr && mask[(b + j) * positions + n];
       }
 #pragma unroll
@@ -228,7 +233,7 @@ __global__ void reduce_over_batch_kernel(int64_t batch, int64_t positions, int64
       }
     }
     for (; b < batch; ++b) {
-      const acc value = static_cast<acc>(grad[b * cells + index]);
+      const acc value = static_cast<acc>(grad[b * sample_stride + index]);
       if (mask != nullptr && mask[b * positions + n]) {
         unk_sum += value;
       } else {
@@ -330,14 +335,16 @@ cudaError_t launch_add_embeddings(const PatchLayout& layout, const scalar_t* tok
 }
 
 template <typename scalar_t>
-cudaError_t launch_reduce_embedding_grads(const PatchLayout& layout, const scalar_t* grad, const bool* mask,
+cudaError_t launch_reduce_embedding_grads(const PatchLayout& layout, const scalar_t* grad, int64_t sample_stride,
+                                          const bool* mask,
                                           scalar_t* grad_pos, scalar_t* grad_unk, scalar_t* grad_bias,
                                           accumulate_t<scalar_t>* unk_partial, accumulate_t<scalar_t>* bias_partial,
                                           cudaStream_t stream) {
   const int64_t cells = layout.positions * layout.dim;
   if (cells > 0) {
     reduce_over_batch_kernel<scalar_t><<<blocks_for(cells), kThreads, 0, stream>>>(
-        layout.batch, layout.positions, layout.dim, grad, mask, grad_pos, grad_unk != nullptr ? unk_partial : nullptr,
+        layout.batch, layout.positions, layout.dim, grad, sample_stride, mask, grad_pos,
+        grad_unk != nullptr ? unk_partial : nullptr,
         grad_bias != nullptr ? bias_partial : nullptr);
     const cudaError_t status = cudaGetLastError();
     if (status != cudaSuccess) return status;
@@ -359,8 +366,8 @@ cudaError_t launch_reduce_embedding_grads(const PatchLayout& layout, const scala
                                                        const scalar_t*, const scalar_t*, const bool*,                \
                                                        const scalar_t*, int64_t, int64_t, scalar_t*, cudaStream_t);  \
   template cudaError_t launch_reduce_embedding_grads<scalar_t>(                                                      \
-      const PatchLayout&, const scalar_t*, const bool*, scalar_t*, scalar_t*, scalar_t*, accumulate_t<scalar_t>*,    \
-      accumulate_t<scalar_t>*, cudaStream_t);
+      const PatchLayout&, const scalar_t*, int64_t, const bool*, scalar_t*, scalar_t*, scalar_t*,                    \
+      accumulate_t<scalar_t>*, accumulate_t<scalar_t>*, cudaStream_t);
 
 MJP_INSTANTIATE_PATCH_EMBED_LAUNCHERS(float)
 MJP_INSTANTIATE_PATCH_EMBED_LAUNCHERS(double)

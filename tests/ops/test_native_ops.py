@@ -1035,6 +1035,23 @@ def test_patch_embed_optional_arguments_and_defaults():
     assert all(g.shape == (0,) for g in grads)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU visible")
+@pytest.mark.skipif(not _C.has_cuda(), reason="the extension was built without its CUDA kernels")
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda p: f"P{p[0]}Q{p[1]}")
+def test_patch_embed_operators_on_gpu_equal_the_cpu_kernels(layout, dtype):
+    # The CUDA kernels (patch_embed_cuda.cu) against the CPU ones, every gradient, each prefix layout: the backward
+    # reads the prefix rows of the gradient in place and runs its GEMMs over them against zero im2col rows.
+    args = _patch_embed_args(3, 5, batch=3, prefix_count=layout[0], prefix_positions=layout[1], dtype=dtype)
+    backward_args = _patch_embed_backward_args(args, (True,) * 6)
+    on_gpu = lambda values: [v.cuda() if isinstance(v, torch.Tensor) else v for v in values]  # noqa: E731
+    tolerance = dict(atol=1e-12, rtol=1e-12) if dtype == torch.float64 else dict(atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ops.patch_embed_extension(*on_gpu(args)).cpu(), ops.patch_embed_extension(*args))
+    gpu_grads = ops.patch_embed_extension_backward(*on_gpu(backward_args))
+    for got, want in zip(gpu_grads, ops.patch_embed_extension_backward(*backward_args), strict=True):
+        torch.testing.assert_close(got.cpu(), want, **tolerance)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda p: f"P{p[0]}Q{p[1]}")
 def test_patch_embed_opcheck(layout, dtype):
