@@ -1,5 +1,7 @@
 // The launch shape of the elementwise CUDA kernels (patch_embed_cuda.cu, pos_embed_cuda.cu): blocks of kThreads
-// threads, each thread striding over the work, so one launch covers any size with a bounded grid. For nvcc only.
+// threads, each thread striding over the work, so one launch covers any size with a bounded grid; and the launch
+// macros of the .cu files. For nvcc, and for csrc/tests/cuda_on_threads.h, which runs the same sources on host
+// threads (it defines the macros below first).
 #pragma once
 
 #include <algorithm>
@@ -18,6 +20,16 @@ inline unsigned int blocks_for(int64_t work) {
 
 }  // namespace cuda
 }  // namespace mjp
+
+// MJP_LAUNCH(grid, block, shared_bytes, stream, kernel)(arguments...): the launch kernel<<<...>>>(arguments...),
+// the kernel last so that a template argument list's commas stay inside it.
+#ifndef MJP_LAUNCH
+#define MJP_LAUNCH(grid, block, shared_bytes, stream, ...) __VA_ARGS__<<<grid, block, shared_bytes, stream>>>
+#endif
+// A kernel's dynamic shared memory, as an array `name` of `type`.
+#ifndef MJP_DYNAMIC_SHARED
+#define MJP_DYNAMIC_SHARED(type, name) extern __shared__ type name[]
+#endif
 
 #define MJP_GRID_STRIDE_LOOP(index, count)                                                          \
   for (int64_t index = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; index < (count); \

@@ -8,7 +8,9 @@
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
+#ifndef MJP_CUDA_ON_HOST_THREADS  // csrc/tests/cuda_on_threads.h gives its own
 #include <cuda_runtime_api.h>
+#endif
 
 #include <cstdint>
 

@@ -16,6 +16,7 @@
 // 30 million multiply-adds a pass.
 #include <cstdint>
 
+#include "cuda_grid.cuh"
 #include "cuda_kernels.h"
 
 namespace mjp {
@@ -246,11 +247,12 @@ cudaError_t launch_dal_forward(const DalShape& s, const T* pos, const T* w1, con
   const int64_t hidden_tiles = tiles(s.positions) * tiles(s.hidden);
   if (hidden_tiles > 0x7FFFFFFF) return cudaErrorInvalidConfiguration;
   if (hidden_tiles > 0) {
-    dal_hidden_kernel<T><<<grid_of(hidden_tiles), kTileThreads, 0, stream>>>(s, pos, w1, b1, hidden);
+    MJP_LAUNCH(grid_of(hidden_tiles), kTileThreads, 0, stream, dal_hidden_kernel<T>)(s, pos, w1, b1, hidden);
     const cudaError_t status = cudaGetLastError();
     if (status != cudaSuccess) return status;
   }
-  dal_loss_kernel<T><<<1, kBlockThreads, 0, stream>>>(s, mask, w2, b2, coords, scale, hidden, pred, weights, loss);
+  MJP_LAUNCH(1, kBlockThreads, 0, stream, dal_loss_kernel<T>)(s, mask, w2, b2, coords, scale, hidden, pred, weights,
+                                                             loss);
   return cudaGetLastError();
 }
 
@@ -260,14 +262,15 @@ cudaError_t launch_dal_backward(const DalShape& s, int64_t skip_rows, const T* g
                                 const T* weights, T* d_hidden, T* grad_table, T* grad_w1, T* grad_b1, T* grad_w2,
                                 T* grad_b2, cudaStream_t stream) {
   const int64_t columns = s.hidden + 2;
-  dal_hidden_grad_kernel<T><<<grid_of((columns + kBlockThreads - 1) / kBlockThreads), kBlockThreads, 0, stream>>>(
+  MJP_LAUNCH(grid_of((columns + kBlockThreads - 1) / kBlockThreads), kBlockThreads, 0, stream,
+             dal_hidden_grad_kernel<T>)(
       s, grad, scale, w2, coords, pred, hidden, weights, d_hidden, grad_w2, grad_b1, grad_b2);
   cudaError_t status = cudaGetLastError();
   if (status != cudaSuccess) return status;
   const int64_t blocks = (tiles(s.hidden) + tiles(skip_rows + s.positions)) * tiles(s.dim);
   if (blocks > 0x7FFFFFFF) return cudaErrorInvalidConfiguration;
   if (blocks > 0) {
-    dal_weight_and_table_grad_kernel<T><<<grid_of(blocks), kTileThreads, 0, stream>>>(
+    MJP_LAUNCH(grid_of(blocks), kTileThreads, 0, stream, dal_weight_and_table_grad_kernel<T>)(
         s, skip_rows, pos, w1, weights, d_hidden, grad_w1, grad_table);
     status = cudaGetLastError();
   }

@@ -91,11 +91,11 @@ cudaError_t launch_copy_chunks(const PatchLayout& l, const scalar_t* from, const
   // 32-bit indices when every value of chunk_source's arithmetic (at most the element count, N or a grid size) and
   // the grid-stride step stay below 2**32.
   if (total < (int64_t(1) << 31)) {
-    copy_patches_kernel<scalar_t, kBytes, uint32_t, kGather><<<blocks_for(chunks), kThreads, 0, stream>>>(
+    MJP_LAUNCH(blocks_for(chunks), kThreads, 0, stream, copy_patches_kernel<scalar_t, kBytes, uint32_t, kGather>)(
         l, static_cast<uint32_t>(chunks), static_cast<uint32_t>(chunks_per_row), static_cast<uint32_t>(rows_per_patch),
         from, perm, to);
   } else {
-    copy_patches_kernel<scalar_t, kBytes, int64_t, kGather><<<blocks_for(chunks), kThreads, 0, stream>>>(
+    MJP_LAUNCH(blocks_for(chunks), kThreads, 0, stream, copy_patches_kernel<scalar_t, kBytes, int64_t, kGather>)(
         l, chunks, chunks_per_row, rows_per_patch, from, perm, to);
   }
   return cudaGetLastError();
@@ -287,12 +287,12 @@ cudaError_t launch_add_embeddings_packed(const PatchLayout& layout, const scalar
   const int64_t total = layout.batch * (prefix_rows + layout.positions) * layout.dim;
   const int64_t chunks = total / V, chunks_per_row = layout.dim / V;
   if (total < (int64_t(1) << 31)) {
-    add_embeddings_kernel<scalar_t, V, uint32_t><<<blocks_for(chunks), kThreads, 0, stream>>>(
+    MJP_LAUNCH(blocks_for(chunks), kThreads, 0, stream, add_embeddings_kernel<scalar_t, V, uint32_t>)(
         static_cast<uint32_t>(chunks), static_cast<uint32_t>(chunks_per_row), static_cast<uint32_t>(layout.positions),
         static_cast<uint32_t>(prefix_rows), static_cast<uint32_t>(prefix_positions), tokens, bias, pos, unk, mask,
         prefix, out);
   } else {
-    add_embeddings_kernel<scalar_t, V, int64_t><<<blocks_for(chunks), kThreads, 0, stream>>>(
+    MJP_LAUNCH(blocks_for(chunks), kThreads, 0, stream, add_embeddings_kernel<scalar_t, V, int64_t>)(
         chunks, chunks_per_row, layout.positions, prefix_rows, prefix_positions, tokens, bias, pos, unk, mask, prefix,
         out);
   }
@@ -342,7 +342,7 @@ cudaError_t launch_reduce_embedding_grads(const PatchLayout& layout, const scala
                                           cudaStream_t stream) {
   const int64_t cells = layout.positions * layout.dim;
   if (cells > 0) {
-    reduce_over_batch_kernel<scalar_t><<<blocks_for(cells), kThreads, 0, stream>>>(
+    MJP_LAUNCH(blocks_for(cells), kThreads, 0, stream, reduce_over_batch_kernel<scalar_t>)(
         layout.batch, layout.positions, layout.dim, grad, sample_stride, mask, grad_pos,
         grad_unk != nullptr ? unk_partial : nullptr,
         grad_bias != nullptr ? bias_partial : nullptr);
@@ -350,7 +350,7 @@ cudaError_t launch_reduce_embedding_grads(const PatchLayout& layout, const scala
     if (status != cudaSuccess) return status;
   }
   if ((grad_unk != nullptr || grad_bias != nullptr) && layout.dim > 0) {
-    reduce_over_positions_kernel<scalar_t><<<blocks_for(layout.dim), kThreads, 0, stream>>>(
+    MJP_LAUNCH(blocks_for(layout.dim), kThreads, 0, stream, reduce_over_positions_kernel<scalar_t>)(
         layout.positions, layout.dim, unk_partial, bias_partial, grad_unk, grad_bias);
     return cudaGetLastError();
   }

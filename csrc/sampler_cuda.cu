@@ -1,5 +1,6 @@
 // CUDA path of the jigsaw sampler. Grids of up to kLanesSamplerMaxPositions positions (every ViT grid in use):
 // one warp per sample, sampler_lanes.h, on shared memory. Larger grids: one thread per sample, sampler.h.
+#include "cuda_grid.cuh"
 #include "cuda_kernels.h"
 #include "sampler.h"
 #include "sampler_lanes.h"
@@ -47,7 +48,7 @@ __global__ void __launch_bounds__(kSamplerLanes)
                                bool shared, const int64_t* __restrict__ h_thresholds,
                                const int64_t* __restrict__ w_thresholds, bool* __restrict__ mask,
                                int64_t* __restrict__ perm) {
-  extern __shared__ int64_t scratch_memory[];  // int64: LanesScratch's first array is int64
+  MJP_DYNAMIC_SHARED(int64_t, scratch_memory);  // int64: LanesScratch's first array is int64
   const int64_t i = blockIdx.x;
   const int64_t num_positions = rows * cols;
   const StreamStart start = stream_start(source);
@@ -83,7 +84,7 @@ cudaError_t launch_sample_jigsaw(int64_t batch_size, int64_t rows, int64_t cols,
   if (num_positions <= kLanesSamplerMaxPositions) {
     if (batch_size > 0x7FFFFFFF) return cudaErrorInvalidConfiguration;
     const size_t scratch = static_cast<size_t>(lanes_scratch_bytes(num_positions));  // <= 12.3 KiB: no opt-in
-    sample_jigsaw_lanes_kernel<<<static_cast<unsigned int>(batch_size), kSamplerLanes, scratch, stream>>>(
+    MJP_LAUNCH(static_cast<unsigned int>(batch_size), kSamplerLanes, scratch, stream, sample_jigsaw_lanes_kernel)(
         rows, cols, target, min_block, source, shared, h_thresholds, w_thresholds, mask, perm);
     return cudaGetLastError();
   }
@@ -91,7 +92,7 @@ cudaError_t launch_sample_jigsaw(int64_t batch_size, int64_t rows, int64_t cols,
   constexpr int threads = 64;
   const int64_t blocks = (batch_size + threads - 1) / threads;
   if (blocks > 0x7FFFFFFF) return cudaErrorInvalidConfiguration;
-  sample_jigsaw_kernel<<<static_cast<unsigned int>(blocks), threads, 0, stream>>>(
+  MJP_LAUNCH(static_cast<unsigned int>(blocks), threads, 0, stream, sample_jigsaw_kernel)(
       batch_size, rows, cols, target, min_block, source, shared, h_thresholds, w_thresholds, mask, perm);
   return cudaGetLastError();
 }

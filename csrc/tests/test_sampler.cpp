@@ -5,6 +5,7 @@
 // Exactness against the PyTorch oracle is tested from Python (tests/ops/test_extension.py).
 #include "sampler.h"
 #include "sampler_lanes.h"
+#include "test_support.h"
 
 #include <algorithm>
 #include <cmath>
@@ -16,20 +17,6 @@
 namespace {
 
 constexpr uint64_t kExpectedDigest = 0xe5f5611724eae3d4ull;
-
-int failures = 0;
-int checks = 0;
-
-#define CHECK(condition, ...)                                          \
-  do {                                                                 \
-    ++checks;                                                          \
-    if (!(condition)) {                                                \
-      ++failures;                                                      \
-      std::printf("FAILED %s:%d: %s: ", __FILE__, __LINE__, #condition); \
-      std::printf(__VA_ARGS__);                                        \
-      std::printf("\n");                                               \
-    }                                                                  \
-  } while (0)
 
 // ---- Philox known-answer vectors (Random123's kat_vectors for philox4x32-10; key = (seed low, seed high)).
 void test_philox_known_answers() {
@@ -136,19 +123,6 @@ void test_permute_masked() {
   }
 }
 
-// Threshold tables of docs/sampler.md, computed here in double as the Python side does.
-void build_tables(int64_t rows, int64_t cols, double min_aspect, std::vector<int64_t>& h, std::vector<int64_t>& w) {
-  const double low = std::log(min_aspect), high = std::log(1.0 / min_aspect);
-  h.assign(mjp::kAspectBins * rows, 0);
-  w.assign(mjp::kAspectBins * cols, 0);
-  for (int j = 0; j < mjp::kAspectBins; ++j) {
-    const double aspect = std::exp(low + (j + 0.5) / mjp::kAspectBins * (high - low));
-    const auto threshold = [](double area) { return static_cast<int64_t>(std::min(std::ceil(area * 0x1p32), 0x1p62)); };
-    for (int64_t k = 0; k < rows; ++k) h[j * rows + k] = threshold((k + 0.5) * (k + 0.5) / aspect);
-    for (int64_t k = 0; k < cols; ++k) w[j * cols + k] = threshold((k + 0.5) * (k + 0.5) * aspect);
-  }
-}
-
 struct Row {
   std::vector<uint8_t> mask;  // bool storage, with one guard byte on each side
   std::vector<int64_t> perm;  // with one guard on each side
@@ -170,7 +144,7 @@ void for_each_grid_and_ratio(const int64_t (&grids)[kGrids][2], const double (&r
   for (const auto& grid : grids) {
     const int64_t rows = grid[0], cols = grid[1], num_positions = rows * cols;
     std::vector<int64_t> h, w;
-    build_tables(rows, cols, 0.3, h, w);
+    mjp_tests::build_tables(rows, cols, 0.3, h, w);
     for (double ratio : ratios) {
       body(rows, cols, num_positions, ratio, static_cast<int64_t>(std::floor(ratio * num_positions)), h, w);
     }
@@ -234,7 +208,7 @@ void test_sampled_rows() {
 // Masks reach their target on a roomy grid at a modest ratio most of the time, and differ across streams.
 void test_distribution_sanity() {
   std::vector<int64_t> h, w;
-  build_tables(14, 14, 0.3, h, w);
+  mjp_tests::build_tables(14, 14, 0.3, h, w);
   const int64_t target = 19;  // floor(0.1 * 196)
   int64_t total = 0, distinct = 0;
   std::vector<uint8_t> previous;
@@ -338,6 +312,6 @@ int main() {
   test_distribution_sanity();
   test_digest_of_both_code_paths();
   test_lanes_path_equals_the_row_path();
-  std::printf("%d checks, %d failures\n", checks, failures);
-  return failures == 0 ? 0 : 1;
+  std::printf("%d checks, %d failures\n", mjp_tests::checks, mjp_tests::failures);
+  return mjp_tests::failures == 0 ? 0 : 1;
 }
