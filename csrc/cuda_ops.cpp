@@ -1,6 +1,6 @@
 // Tensor-level CUDA operations: allocation, device guard, stream, cuBLAS GEMMs through at::mm, and the kernel
-// launches of sampler_cuda.cu / patch_embed_cuda.cu / pos_embed_cuda.cu / dal_loss_cuda.cu. Compiled by the host compiler, only with
-// MJP_WITH_CUDA.
+// launches of sampler_cuda.cu / patch_embed_cuda.cu / pos_embed_cuda.cu / dal_loss_cuda.cu. Compiled by the host
+// compiler, only with MJP_WITH_CUDA.
 #include <ATen/OpMathType.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
@@ -297,8 +297,8 @@ void dispatch_dal_dtype(at::ScalarType dtype, Body&& body) {
   if (dtype == at::kDouble) {
     body(double(0));
   } else {
-    TORCH_CHECK(dtype == at::kFloat, "mjp_fast::dal_loss_extension: the CUDA kernel computes in float32 or float64, got ",
-                dtype);
+    TORCH_CHECK(dtype == at::kFloat,
+                "mjp_fast::dal_loss_extension: the CUDA kernel computes in float32 or float64, got ", dtype);
     body(float(0));
   }
 }

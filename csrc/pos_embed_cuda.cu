@@ -142,8 +142,8 @@ cudaError_t launch_position_forward(const PositionLayout& layout, const token_t*
                                     out_t* out, cudaStream_t stream) {
   const int64_t total = layout.batch * (layout.prefix_rows + layout.positions) * layout.dim;
   if (total == 0) return cudaSuccess;
-  position_forward_kernel<token_t, out_t>
-      <<<blocks_for(total), kThreads, 0, stream>>>(layout, total, tokens, perm, mask, pos, unk, prefix, out);
+  MJP_LAUNCH(blocks_for(total), kThreads, 0, stream, position_forward_kernel<token_t, out_t>)(
+      layout, total, tokens, perm, mask, pos, unk, prefix, out);
   return cudaGetLastError();
 }
 
@@ -155,12 +155,12 @@ cudaError_t launch_position_move_back(const PositionLayout& layout, const grad_t
   // Every byte 0xFF: -1 in each int32, "no position shows this token".
   cudaError_t status = cudaMemsetAsync(inverse, 0xFF, rows * sizeof(int32_t), stream);
   if (status != cudaSuccess) return status;
-  inverse_perm_kernel<<<blocks_for(rows), kThreads, 0, stream>>>(rows, layout.positions, perm, inverse);
+  MJP_LAUNCH(blocks_for(rows), kThreads, 0, stream, inverse_perm_kernel)(rows, layout.positions, perm, inverse);
   status = cudaGetLastError();
   if (status != cudaSuccess) return status;
   const int64_t total = rows * layout.dim;
-  position_move_back_kernel<grad_t, token_t>
-      <<<blocks_for(total), kThreads, 0, stream>>>(layout, total, grad, perm, inverse, grad_tokens);
+  MJP_LAUNCH(blocks_for(total), kThreads, 0, stream, position_move_back_kernel<grad_t, token_t>)(
+      layout, total, grad, perm, inverse, grad_tokens);
   return cudaGetLastError();
 }
 
@@ -169,14 +169,14 @@ cudaError_t launch_position_reduce(const PositionLayout& layout, const grad_t* g
                                    acc_t* unk_partial, acc_t* unk, acc_t* prefix_sum, cudaStream_t stream) {
   const int64_t cells = (layout.prefix_rows + layout.positions) * layout.dim;
   if (cells > 0) {
-    position_reduce_kernel<grad_t, acc_t><<<blocks_for(cells), kThreads, 0, stream>>>(
+    MJP_LAUNCH(blocks_for(cells), kThreads, 0, stream, position_reduce_kernel<grad_t, acc_t>)(
         layout, grad, mask, table, unk != nullptr ? unk_partial : nullptr, prefix_sum);
     const cudaError_t status = cudaGetLastError();
     if (status != cudaSuccess) return status;
   }
   if (unk != nullptr && layout.dim > 0) {
-    sum_over_positions_kernel<acc_t>
-        <<<blocks_for(layout.dim), kThreads, 0, stream>>>(layout.positions, layout.dim, unk_partial, unk);
+    MJP_LAUNCH(blocks_for(layout.dim), kThreads, 0, stream, sum_over_positions_kernel<acc_t>)(
+        layout.positions, layout.dim, unk_partial, unk);
     return cudaGetLastError();
   }
   return cudaSuccess;

@@ -9,7 +9,8 @@
 // The threads run truly concurrently, so a missing barrier shows as a wrong result (most of the time), a barrier
 // that some threads skip as a hang (ctest's timeout). Block shapes are one-dimensional, as in csrc/.
 //
-// Include this first, then the .cu file under test. The memory is the host's: "device pointers" are host pointers.
+// Include this first, then the .cu file under test. The memory is the host's: "device pointers" are host pointers, and
+// the atomics are std::atomic_ref.
 #pragma once
 
 #define MJP_CUDA_ON_HOST_THREADS 1
@@ -28,6 +29,10 @@
 enum cudaError_t { cudaSuccess = 0, cudaErrorInvalidConfiguration = 9 };
 using cudaStream_t = void*;
 inline cudaError_t cudaGetLastError() { return cudaSuccess; }
+inline cudaError_t cudaMemsetAsync(void* memory, int value, size_t bytes, cudaStream_t) {
+  std::memset(memory, value, bytes);
+  return cudaSuccess;
+}
 
 struct alignas(16) uint4 {
   unsigned x, y, z, w;
@@ -167,6 +172,17 @@ inline unsigned __ballot_sync(unsigned, bool predicate) {
 }
 
 inline int __popc(unsigned word) { return __builtin_popcount(word); }
+
+template <typename T>
+T atomicCAS(T* address, T compare, T value) {
+  std::atomic_ref<T>(*address).compare_exchange_strong(compare, value);
+  return compare;  // the old value, as CUDA's: compare_exchange_strong leaves it in `compare`
+}
+
+template <typename T>
+T atomicExch(T* address, T value) {
+  return std::atomic_ref<T>(*address).exchange(value);
+}
 
 template <typename T>
 T __ldg(const T* address) {

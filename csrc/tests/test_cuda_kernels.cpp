@@ -1,18 +1,21 @@
-// The CUDA kernels of sampler_cuda.cu, patch_embed_cuda.cu and dal_loss_cuda.cu, run through their own launchers on
-// host threads (cuda_on_threads.h: every CUDA thread a std::thread, barriers for __syncthreads and the warp
-// operations), against plain loops: the sampler against sample_jigsaw_row, bit for bit; the patch copies, the
-// epilogue and the reductions against the same sums in the same order, bit for bit; the DAL loss against a float64
-// reference. So a kernel's indexing, synchronisation and launch choices are tested here, without a GPU; what only a
-// GPU shows (speed, the real memory model, the compiler's device code) stays with tests/test_gpu.py on a lent one.
+// The CUDA kernels of sampler_cuda.cu, patch_embed_cuda.cu, pos_embed_cuda.cu and dal_loss_cuda.cu, run through their
+// own launchers on host threads (cuda_on_threads.h: every CUDA thread a std::thread, barriers for __syncthreads and
+// the warp operations), against plain loops: the sampler against sample_jigsaw_row, bit for bit; the patch copies,
+// the epilogue, the position step and the reductions against the same sums in the same order, bit for bit; the DAL
+// loss against a float64 reference. So a kernel's indexing, synchronisation and launch choices are tested here,
+// without a GPU; what only a GPU shows (speed, the real memory model, the compiler's device code) stays with
+// tests/test_gpu.py on a lent one.
 #include "cuda_on_threads.h"  // first: it defines the launch macros and the CUDA names the sources use
 
 #include "../dal_loss_cuda.cu"
 #include "../patch_embed_cuda.cu"
+#include "../pos_embed_cuda.cu"
 #include "../sampler_cuda.cu"
 #include "test_support.h"
 
 #include <limits>
 #include <random>
+#include <type_traits>
 
 namespace {
 
@@ -208,8 +211,8 @@ void check_epilogue_and_reductions(int64_t batch, int64_t positions, int64_t dim
     return values;
   };
   const int64_t shift = misaligned ? 1 : 0, rows_per_sample = prefix_rows + positions;
-  auto tokens = randoms(batch * positions * dim), bias = randoms(dim), pos = randoms((prefix_positions + positions) * dim),
-       unk = randoms(dim), prefix = randoms(prefix_rows * dim);
+  auto tokens = randoms(batch * positions * dim), bias = randoms(dim), unk = randoms(dim);
+  auto pos = randoms((prefix_positions + positions) * dim), prefix = randoms(prefix_rows * dim);
   std::vector<uint8_t> mask(batch * positions);
   for (auto& m : mask) m = rng() % 3 == 0;
   const bool* mask_data = masked ? reinterpret_cast<const bool*>(mask.data()) : nullptr;
@@ -296,6 +299,137 @@ void test_epilogue_and_reductions() {
         check_epilogue_and_reductions<double>(11, 5, dim, prefix_rows, prefix_positions, bias_on, masked, false, rng);
       }
       check_epilogue_and_reductions<float>(3, 4, dim, prefix_rows, prefix_positions, true, true, true, rng);
+    }
+  }
+}
+
+// ---- The position step on embedded tokens (pos_embed_cuda.cu): forward, the inverse move (with validate=False's
+// duplicates and gaps), the ordered sums.
+
+template <typename token_t, typename out_t>
+void check_position_step(int64_t batch, int64_t positions, int64_t dim, int64_t prefix_rows, int64_t prefix_positions,
+                         bool invalid, std::mt19937_64& rng) {
+  using acc = mjp::cuda::sum_t<token_t, out_t>;
+  std::normal_distribution<double> normal;
+  const auto randoms = [&](auto zero, int64_t count) {
+    std::vector<decltype(zero)> values(count);
+    for (auto& v : values) v = static_cast<decltype(zero)>(normal(rng));
+    return values;
+  };
+  const int64_t rows_per_sample = prefix_rows + positions;
+  const auto tokens = randoms(token_t(0), batch * positions * dim);
+  const auto pos = randoms(out_t(0), (prefix_positions + positions) * dim), unk = randoms(out_t(0), dim),
+             prefix = randoms(out_t(0), std::max<int64_t>(prefix_rows * dim, 1));
+  auto perm = shuffled_perm(batch, positions, false, rng);
+  if (invalid && positions > 2) {  // a token shown twice, one never, an entry out of range
+    perm[0] = perm[1];
+    perm[positions - 1] = -4;
+  }
+  std::vector<uint8_t> mask(batch * positions);
+  for (auto& m : mask) m = rng() % 3 == 0;
+  const mjp::cuda::PositionLayout layout{batch, positions, dim, prefix_rows, prefix_positions};
+  std::vector<out_t> out(batch * rows_per_sample * dim);
+  // (each launch's status through a variable: a template argument list's comma would split CHECK's argument)
+  cudaError_t status = mjp::cuda::launch_position_forward<token_t, out_t>(
+      layout, tokens.data(), perm.data(), reinterpret_cast<const bool*>(mask.data()), pos.data(), unk.data(),
+      prefix.data(), out.data(), nullptr);
+  CHECK(status == cudaSuccess, "position forward launch");
+  bool forward_ok = true;
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t t = 0; t < rows_per_sample; ++t) {
+      for (int64_t d = 0; d < dim; ++d) {
+        out_t want;
+        if (t < prefix_rows) {
+          want = t < prefix_positions ? static_cast<out_t>(static_cast<acc>(prefix[t * dim + d]) +
+                                                           static_cast<acc>(pos[t * dim + d]))
+                                      : prefix[t * dim + d];
+        } else {
+          const int64_t n = t - prefix_rows, flat = b * positions + n, source = perm[flat];
+          const out_t term = mask[flat] ? unk[d] : pos[(prefix_positions + n) * dim + d];
+          want = source < 0 || source >= positions
+                     ? term
+                     : static_cast<out_t>(static_cast<acc>(tokens[(b * positions + source) * dim + d]) +
+                                          static_cast<acc>(term));
+        }
+        forward_ok &= out[(b * rows_per_sample + t) * dim + d] == want;
+      }
+    }
+  }
+
+  const auto grad = randoms(out_t(0), batch * rows_per_sample * dim);
+  std::vector<int32_t> inverse(batch * positions);
+  std::vector<token_t> grad_tokens(batch * positions * dim);
+  status = mjp::cuda::launch_position_move_back<out_t, token_t>(layout, grad.data(), perm.data(), inverse.data(),
+                                                                grad_tokens.data(), nullptr);
+  CHECK(status == cudaSuccess, "position move-back launch");
+  bool move_ok = true;
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t m = 0; m < positions; ++m) {
+      int64_t shown = 0;
+      for (int64_t n = 0; n < positions; ++n) shown += perm[b * positions + n] == m;
+      for (int64_t d = 0; d < dim; ++d) {
+        using move_acc = mjp::cuda::sum_t<out_t, token_t>;
+        move_acc sum = 0;
+        out_t only = out_t(0);
+        for (int64_t n = 0; n < positions; ++n) {
+          if (perm[b * positions + n] != m) continue;
+          const out_t value = grad[(b * rows_per_sample + prefix_rows + n) * dim + d];
+          sum += static_cast<move_acc>(value);
+          only = value;
+        }
+        const token_t want = shown == 1 ? static_cast<token_t>(only) : static_cast<token_t>(sum);
+        move_ok &= grad_tokens[(b * positions + m) * dim + d] == want;
+      }
+    }
+  }
+
+  using sum_type = std::conditional_t<std::is_same_v<out_t, double>, double, float>;
+  std::vector<sum_type> table((prefix_positions + positions) * dim, sum_type(-1)), unk_partial(positions * dim),
+      unk_sum(dim), prefix_sum(std::max<int64_t>(prefix_rows * dim, 1));
+  status = mjp::cuda::launch_position_reduce<out_t, sum_type>(
+      layout, grad.data(), reinterpret_cast<const bool*>(mask.data()), table.data(), unk_partial.data(),
+      unk_sum.data(), prefix_rows > 0 ? prefix_sum.data() : nullptr, nullptr);
+  CHECK(status == cudaSuccess, "position reduce launch");
+  bool reduce_ok = true;
+  std::vector<sum_type> unk_parts(positions * dim, 0);
+  for (int64_t t = 0; t < rows_per_sample; ++t) {
+    for (int64_t d = 0; d < dim; ++d) {
+      sum_type kept = 0, masked = 0;
+      for (int64_t b = 0; b < batch; ++b) {
+        const sum_type value = static_cast<sum_type>(grad[(b * rows_per_sample + t) * dim + d]);
+        if (t >= prefix_rows && mask[b * positions + t - prefix_rows]) {
+          masked += value;
+        } else {
+          kept += value;
+        }
+      }
+      if (t < prefix_rows) {
+        reduce_ok &= prefix_sum[t * dim + d] == kept;
+        if (t < prefix_positions) reduce_ok &= table[t * dim + d] == kept;
+      } else {
+        reduce_ok &= table[(prefix_positions + t - prefix_rows) * dim + d] == kept;
+        unk_parts[(t - prefix_rows) * dim + d] = masked;
+      }
+    }
+  }
+  for (int64_t d = 0; d < dim; ++d) {
+    sum_type total = 0;
+    for (int64_t n = 0; n < positions; ++n) total += unk_parts[n * dim + d];
+    reduce_ok &= unk_sum[d] == total;
+  }
+  CHECK(forward_ok && move_ok && reduce_ok,
+        "position step: B %lld N %lld D %lld P %lld Q %lld invalid %d: forward %d, move back %d, sums %d",
+        (long long)batch, (long long)positions, (long long)dim, (long long)prefix_rows, (long long)prefix_positions,
+        invalid, forward_ok, move_ok, reduce_ok);
+}
+
+void test_position_step() {
+  std::mt19937_64 rng(7);
+  for (auto [prefix_rows, prefix_positions] : {std::pair<int64_t, int64_t>{0, 0}, {1, 1}, {3, 0}}) {
+    for (bool invalid : {false, true}) {
+      check_position_step<float, float>(3, 7, 5, prefix_rows, prefix_positions, invalid, rng);
+      check_position_step<double, double>(2, 12, 3, prefix_rows, prefix_positions, invalid, rng);
+      check_position_step<c10::BFloat16, float>(2, 6, 4, prefix_rows, prefix_positions, invalid, rng);
     }
   }
 }
@@ -486,6 +620,7 @@ int main() {
   test_sampler();
   test_patch_copies();
   test_epilogue_and_reductions();
+  test_position_step();
   test_dal();
   std::printf("%d checks, %d failures (%lld blocks run on host threads)\n", mjp_tests::checks, mjp_tests::failures,
               static_cast<long long>(blocks_run.load()));
