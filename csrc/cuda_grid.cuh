@@ -18,6 +18,18 @@ inline unsigned int blocks_for(int64_t work) {
   return static_cast<unsigned int>(std::max<int64_t>(1, std::min<int64_t>(blocks, int64_t(1) << 20)));
 }
 
+// V contiguous elements, aligned to their size: one 16-byte load or store for 16 bytes.
+template <typename scalar_t, int V>
+struct alignas(sizeof(scalar_t) * V) Pack {
+  scalar_t v[V];
+};
+
+// Whether every pointer given (null ones aside) starts on a 16-byte boundary.
+template <typename... Pointers>
+bool aligned_16(const Pointers*... pointers) {
+  return ((reinterpret_cast<uintptr_t>(pointers) % 16 == 0) && ...);
+}
+
 }  // namespace cuda
 }  // namespace mjp
 

@@ -136,12 +136,6 @@ cudaError_t launch_copy_patches(const PatchLayout& l, const scalar_t* from, cons
   return launch_copy_chunks<scalar_t, size, kGather>(l, from, perm, to, stream);
 }
 
-// V contiguous elements, aligned to their size: one 16-byte load or store for 16 bytes.
-template <typename scalar_t, int V>
-struct alignas(sizeof(scalar_t) * V) Pack {
-  scalar_t v[V];
-};
-
 // One thread per V elements (a chunk) of out [B, P + N, D]: a prefix row t < P gets prefix[t, d] + (pos[t, d] if t <
 // Q), a patch row P + n gets tokens[b * N + n, d] + bias[d] + (unk[d] if mask[b, n] else pos[Q + n, d]); in
 // accumulate_t, rounded once. tokens and out may be the same memory (P = 0: each chunk is read and written by one
@@ -320,13 +314,7 @@ cudaError_t launch_add_embeddings(const PatchLayout& layout, const scalar_t* tok
   if (layout.batch * (prefix_rows + layout.positions) * layout.dim == 0) return cudaSuccess;
   // 16-byte packs when D fills them and every row of every tensor starts on a 16-byte boundary.
   constexpr int kPack = 16 / sizeof(scalar_t);
-  bool packed = layout.dim % kPack == 0;
-  for (const void* pointer : {static_cast<const void*>(tokens), static_cast<const void*>(bias),
-                              static_cast<const void*>(pos), static_cast<const void*>(unk),
-                              static_cast<const void*>(prefix), static_cast<const void*>(out)}) {
-    packed = packed && reinterpret_cast<uintptr_t>(pointer) % 16 == 0;
-  }
-  if (packed) {
+  if (layout.dim % kPack == 0 && aligned_16(tokens, bias, pos, unk, prefix, out)) {
     return launch_add_embeddings_packed<scalar_t, kPack>(layout, tokens, bias, pos, unk, mask, prefix, prefix_rows,
                                                          prefix_positions, out, stream);
   }

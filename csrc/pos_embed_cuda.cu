@@ -16,37 +16,60 @@ namespace {
 template <typename A, typename B>
 using sum_t = std::conditional_t<std::is_same_v<A, double> || std::is_same_v<B, double>, double, float>;
 
-// One thread per element of out [B, P + N, D]. A prefix row t < P: prefix[t] + pos[t] when t < Q, else prefix[t]; a
-// patch row P + n: tokens[b, perm[b, n]] + (unk if mask[b, n] else pos[Q + n]), or the term alone when perm[b, n] is
+// The elementwise kernels (forward, move back) take V elements of a row per thread (16 bytes of the wider dtype
+// where D and every pointer allow, cuda_ops.cpp's launchers decide) and index in 32 bits below 2**31 elements: the
+// patch embedding's epilogue, written as one element per thread with 64-bit divisions, took five times its traffic's
+// time on an H100, and these were written the same way.
+
+// One thread per V elements of out [B, P + N, D]. A prefix row t < P: prefix[t] + pos[t] when t < Q, else prefix[t];
+// a patch row P + n: tokens[b, perm[b, n]] + (unk if mask[b, n] else pos[Q + n]), or the term alone when perm[b, n] is
 // outside [0, N) (validate=False only); each sum rounded once.
-template <typename token_t, typename out_t>
-__global__ void position_forward_kernel(PositionLayout l, int64_t total, const token_t* __restrict__ tokens,
-                                        const int64_t* __restrict__ perm, const bool* __restrict__ mask,
-                                        const out_t* __restrict__ pos, const out_t* __restrict__ unk,
-                                        const out_t* __restrict__ prefix, out_t* __restrict__ out) {
+template <typename token_t, typename out_t, int V, typename index_t>
+__global__ void position_forward_kernel(PositionLayout l, index_t chunks, index_t chunks_per_row,
+                                        const token_t* __restrict__ tokens, const int64_t* __restrict__ perm,
+                                        const bool* __restrict__ mask, const out_t* __restrict__ pos,
+                                        const out_t* __restrict__ unk, const out_t* __restrict__ prefix,
+                                        out_t* __restrict__ out) {
   using acc = sum_t<token_t, out_t>;
-  const int64_t rows_per_sample = l.prefix_rows + l.positions;
-  MJP_GRID_STRIDE_LOOP(index, total) {
-    const int64_t row = index / l.dim;  // b * (P + N) + t
-    const int64_t d = index - row * l.dim;
-    const int64_t b = row / rows_per_sample;
-    const int64_t t = row - b * rows_per_sample;
-    if (t < l.prefix_rows) {
-      const out_t value = prefix[t * l.dim + d];
-      out[index] = t < l.prefix_positions
-                       ? static_cast<out_t>(static_cast<acc>(value) + static_cast<acc>(pos[t * l.dim + d]))
-                       : value;
-      continue;
+  using out_pack = Pack<out_t, V>;
+  using token_pack = Pack<token_t, V>;
+  const index_t positions = static_cast<index_t>(l.positions), prefix_rows = static_cast<index_t>(l.prefix_rows);
+  const index_t rows_per_sample = prefix_rows + positions;
+  const auto* pos_packs = reinterpret_cast<const out_pack*>(pos);
+  for (index_t q = static_cast<index_t>(blockIdx.x) * blockDim.x + threadIdx.x; q < chunks;
+       q += static_cast<index_t>(blockDim.x) * gridDim.x) {
+    const index_t row = q / chunks_per_row;  // b * (P + N) + t
+    const index_t chunk = q - row * chunks_per_row;
+    const index_t b = row / rows_per_sample;
+    const index_t t = row - b * rows_per_sample;
+    out_pack result;
+    if (t < prefix_rows) {
+      result = reinterpret_cast<const out_pack*>(prefix)[static_cast<int64_t>(t) * chunks_per_row + chunk];
+      if (t < static_cast<index_t>(l.prefix_positions)) {
+        const out_pack row_pos = pos_packs[static_cast<int64_t>(t) * chunks_per_row + chunk];
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+          result.v[j] = static_cast<out_t>(static_cast<acc>(result.v[j]) + static_cast<acc>(row_pos.v[j]));
+        }
+      }
+    } else {
+      const int64_t flat = static_cast<int64_t>(b) * positions + (t - prefix_rows);  // b * N + n
+      const out_pack term =
+          mask[flat] ? reinterpret_cast<const out_pack*>(unk)[chunk]
+                     : pos_packs[(l.prefix_positions + static_cast<int64_t>(t - prefix_rows)) * chunks_per_row + chunk];
+      const int64_t source = perm[flat];
+      if (source < 0 || source >= l.positions) {
+        result = term;
+      } else {
+        const token_pack token = reinterpret_cast<const token_pack*>(
+            tokens)[(static_cast<int64_t>(b) * positions + source) * chunks_per_row + chunk];
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+          result.v[j] = static_cast<out_t>(static_cast<acc>(token.v[j]) + static_cast<acc>(term.v[j]));
+        }
+      }
     }
-    const int64_t flat = b * l.positions + (t - l.prefix_rows);  // b * N + n
-    const out_t term = mask[flat] ? unk[d] : pos[(l.prefix_positions + t - l.prefix_rows) * l.dim + d];
-    const int64_t source = perm[flat];
-    if (source < 0 || source >= l.positions) {
-      out[index] = term;
-      continue;
-    }
-    const token_t token = tokens[(b * l.positions + source) * l.dim + d];
-    out[index] = static_cast<out_t>(static_cast<acc>(token) + static_cast<acc>(term));
+    reinterpret_cast<out_pack*>(out)[static_cast<int64_t>(q)] = result;
   }
 }
 
@@ -63,31 +86,49 @@ __global__ void inverse_perm_kernel(int64_t total, int64_t positions, const int6
   }
 }
 
-// One thread per element of grad_tokens [B, N, D]: the gradient of the patch row that showed token m, zero where no
-// row did, and where several did (validate=False only) the sum of theirs, positions in order.
-template <typename grad_t, typename token_t>
-__global__ void position_move_back_kernel(PositionLayout l, int64_t total, const grad_t* __restrict__ grad,
-                                          const int64_t* __restrict__ perm, const int32_t* __restrict__ inverse,
-                                          token_t* __restrict__ grad_tokens) {
+// One thread per V elements of grad_tokens [B, N, D]: the gradient of the patch row that showed token m, zero where
+// no row did, and where several did (validate=False only) the sum of theirs, positions in order.
+template <typename grad_t, typename token_t, int V, typename index_t>
+__global__ void position_move_back_kernel(PositionLayout l, index_t chunks, index_t chunks_per_row,
+                                          const grad_t* __restrict__ grad, const int64_t* __restrict__ perm,
+                                          const int32_t* __restrict__ inverse, token_t* __restrict__ grad_tokens) {
   using acc = sum_t<grad_t, token_t>;
-  MJP_GRID_STRIDE_LOOP(index, total) {
-    const int64_t row = index / l.dim;  // b * N + m
-    const int64_t d = index - row * l.dim;
-    const int64_t b = row / l.positions;
-    const int64_t m = row - b * l.positions;
-    const grad_t* sample = grad + (b * (l.prefix_rows + l.positions) + l.prefix_rows) * l.dim + d;
+  using grad_pack = Pack<grad_t, V>;
+  using token_pack = Pack<token_t, V>;
+  const index_t positions = static_cast<index_t>(l.positions);
+  for (index_t q = static_cast<index_t>(blockIdx.x) * blockDim.x + threadIdx.x; q < chunks;
+       q += static_cast<index_t>(blockDim.x) * gridDim.x) {
+    const index_t row = q / chunks_per_row;  // b * N + m
+    const index_t chunk = q - row * chunks_per_row;
+    const index_t b = row / positions;
+    const index_t m = row - b * positions;
+    // sample b's patch rows, in packs: row n of them at sample[n * chunks_per_row]
+    const grad_pack* sample = reinterpret_cast<const grad_pack*>(grad) +
+                              (static_cast<int64_t>(b) * (l.prefix_rows + l.positions) + l.prefix_rows) *
+                                  chunks_per_row + chunk;
     const int32_t n = inverse[row];
+    token_pack result;
     if (n >= 0) {
-      grad_tokens[index] = static_cast<token_t>(sample[n * l.dim]);
+      const grad_pack value = sample[static_cast<int64_t>(n) * chunks_per_row];
+#pragma unroll
+      for (int j = 0; j < V; ++j) result.v[j] = static_cast<token_t>(value.v[j]);
     } else if (n == -1) {
-      grad_tokens[index] = static_cast<token_t>(0.0f);
+#pragma unroll
+      for (int j = 0; j < V; ++j) result.v[j] = static_cast<token_t>(0.0f);
     } else {
-      acc sum = 0;
+      acc sums[V];
+#pragma unroll
+      for (int j = 0; j < V; ++j) sums[j] = 0;
       for (int64_t k = 0; k < l.positions; ++k) {
-        if (perm[b * l.positions + k] == m) sum += static_cast<acc>(sample[k * l.dim]);
+        if (perm[static_cast<int64_t>(b) * positions + k] != m) continue;
+        const grad_pack value = sample[k * chunks_per_row];
+#pragma unroll
+        for (int j = 0; j < V; ++j) sums[j] += static_cast<acc>(value.v[j]);
       }
-      grad_tokens[index] = static_cast<token_t>(sum);
+#pragma unroll
+      for (int j = 0; j < V; ++j) result.v[j] = static_cast<token_t>(sums[j]);
     }
+    reinterpret_cast<token_pack*>(grad_tokens)[static_cast<int64_t>(q)] = result;
   }
 }
 
@@ -110,7 +151,27 @@ __global__ void position_reduce_kernel(PositionLayout l, const grad_t* __restric
       continue;
     }
     const int64_t n = t - l.prefix_rows;
-    for (int64_t b = 0; b < l.batch; ++b) {
+    // Loads first, 8 samples at a time, so that each thread has several in flight; the sums still add in order.
+    constexpr int kUnroll = 8;
+    int64_t b = 0;
+    for (; b + kUnroll <= l.batch; b += kUnroll) {
+      acc_t values[kUnroll];
+      bool shuffled[kUnroll];
+#pragma unroll
+      for (int j = 0; j < kUnroll; ++j) {
+        values[j] = static_cast<acc_t>(grad[(b + j) * rows_per_sample * l.dim + index]);
+        shuffled[j] = mask[(b + j) * l.positions + n];
+      }
+#pragma unroll
+      for (int j = 0; j < kUnroll; ++j) {
+        if (shuffled[j]) {
+          masked += values[j];
+        } else {
+          kept += values[j];
+        }
+      }
+    }
+    for (; b < l.batch; ++b) {
       const acc_t value = static_cast<acc_t>(grad[b * rows_per_sample * l.dim + index]);
       if (mask[b * l.positions + n]) {
         masked += value;
@@ -129,6 +190,7 @@ __global__ void sum_over_positions_kernel(int64_t positions, int64_t dim, const 
                                           acc_t* __restrict__ unk) {
   MJP_GRID_STRIDE_LOOP(d, dim) {
     acc_t sum = 0;
+#pragma unroll 8
     for (int64_t n = 0; n < positions; ++n) sum += unk_partial[n * dim + d];
     unk[d] = sum;
   }
@@ -136,14 +198,57 @@ __global__ void sum_over_positions_kernel(int64_t positions, int64_t dim, const 
 
 }  // namespace
 
+// The pack width of two dtypes: 16 bytes of the wider one.
+template <typename first_t, typename second_t>
+constexpr int pack_of() {
+  return 16 / static_cast<int>(sizeof(first_t) > sizeof(second_t) ? sizeof(first_t) : sizeof(second_t));
+}
+
+template <typename token_t, typename out_t, int V>
+cudaError_t launch_position_forward_packed(const PositionLayout& layout, const token_t* tokens, const int64_t* perm,
+                                           const bool* mask, const out_t* pos, const out_t* unk, const out_t* prefix,
+                                           out_t* out, cudaStream_t stream) {
+  const int64_t total = layout.batch * (layout.prefix_rows + layout.positions) * layout.dim;
+  const int64_t chunks = total / V, chunks_per_row = layout.dim / V;
+  if (total < (int64_t(1) << 31)) {
+    MJP_LAUNCH(blocks_for(chunks), kThreads, 0, stream, position_forward_kernel<token_t, out_t, V, uint32_t>)(
+        layout, static_cast<uint32_t>(chunks), static_cast<uint32_t>(chunks_per_row), tokens, perm, mask, pos, unk,
+        prefix, out);
+  } else {
+    MJP_LAUNCH(blocks_for(chunks), kThreads, 0, stream, position_forward_kernel<token_t, out_t, V, int64_t>)(
+        layout, chunks, chunks_per_row, tokens, perm, mask, pos, unk, prefix, out);
+  }
+  return cudaGetLastError();
+}
+
 template <typename token_t, typename out_t>
 cudaError_t launch_position_forward(const PositionLayout& layout, const token_t* tokens, const int64_t* perm,
                                     const bool* mask, const out_t* pos, const out_t* unk, const out_t* prefix,
                                     out_t* out, cudaStream_t stream) {
   const int64_t total = layout.batch * (layout.prefix_rows + layout.positions) * layout.dim;
   if (total == 0) return cudaSuccess;
-  MJP_LAUNCH(blocks_for(total), kThreads, 0, stream, position_forward_kernel<token_t, out_t>)(
-      layout, total, tokens, perm, mask, pos, unk, prefix, out);
+  constexpr int kPack = pack_of<token_t, out_t>();
+  if (layout.dim % kPack == 0 && aligned_16(tokens, pos, unk, prefix, out)) {
+    return launch_position_forward_packed<token_t, out_t, kPack>(layout, tokens, perm, mask, pos, unk, prefix, out,
+                                                                  stream);
+  }
+  return launch_position_forward_packed<token_t, out_t, 1>(layout, tokens, perm, mask, pos, unk, prefix, out, stream);
+}
+
+template <typename grad_t, typename token_t, int V>
+cudaError_t launch_move_back_packed(const PositionLayout& layout, const grad_t* grad, const int64_t* perm,
+                                    const int32_t* inverse, token_t* grad_tokens, cudaStream_t stream) {
+  const int64_t total = layout.batch * layout.positions * layout.dim;
+  const int64_t chunks = total / V, chunks_per_row = layout.dim / V;
+  // 32 bits: the chunk index, and the rows of grad [B, P + N, D] (its element count may exceed the tokens')
+  if (layout.batch * (layout.prefix_rows + layout.positions) * layout.dim < (int64_t(1) << 31)) {
+    MJP_LAUNCH(blocks_for(chunks), kThreads, 0, stream, position_move_back_kernel<grad_t, token_t, V, uint32_t>)(
+        layout, static_cast<uint32_t>(chunks), static_cast<uint32_t>(chunks_per_row), grad, perm, inverse,
+        grad_tokens);
+  } else {
+    MJP_LAUNCH(blocks_for(chunks), kThreads, 0, stream, position_move_back_kernel<grad_t, token_t, V, int64_t>)(
+        layout, chunks, chunks_per_row, grad, perm, inverse, grad_tokens);
+  }
   return cudaGetLastError();
 }
 
@@ -158,10 +263,11 @@ cudaError_t launch_position_move_back(const PositionLayout& layout, const grad_t
   MJP_LAUNCH(blocks_for(rows), kThreads, 0, stream, inverse_perm_kernel)(rows, layout.positions, perm, inverse);
   status = cudaGetLastError();
   if (status != cudaSuccess) return status;
-  const int64_t total = rows * layout.dim;
-  MJP_LAUNCH(blocks_for(total), kThreads, 0, stream, position_move_back_kernel<grad_t, token_t>)(
-      layout, total, grad, perm, inverse, grad_tokens);
-  return cudaGetLastError();
+  constexpr int kPack = pack_of<grad_t, token_t>();
+  if (layout.dim % kPack == 0 && aligned_16(grad, grad_tokens)) {
+    return launch_move_back_packed<grad_t, token_t, kPack>(layout, grad, perm, inverse, grad_tokens, stream);
+  }
+  return launch_move_back_packed<grad_t, token_t, 1>(layout, grad, perm, inverse, grad_tokens, stream);
 }
 
 template <typename grad_t, typename acc_t>

@@ -427,9 +427,13 @@ void test_position_step() {
   std::mt19937_64 rng(7);
   for (auto [prefix_rows, prefix_positions] : {std::pair<int64_t, int64_t>{0, 0}, {1, 1}, {3, 0}}) {
     for (bool invalid : {false, true}) {
+      // D that fills the 16-byte packs (8 floats, 4 doubles, 4 bf16 on a float table, 16 bf16) and D that does not
       check_position_step<float, float>(3, 7, 5, prefix_rows, prefix_positions, invalid, rng);
+      check_position_step<float, float>(3, 7, 8, prefix_rows, prefix_positions, invalid, rng);
       check_position_step<double, double>(2, 12, 3, prefix_rows, prefix_positions, invalid, rng);
+      check_position_step<double, double>(2, 12, 4, prefix_rows, prefix_positions, invalid, rng);
       check_position_step<c10::BFloat16, float>(2, 6, 4, prefix_rows, prefix_positions, invalid, rng);
+      check_position_step<c10::BFloat16, c10::BFloat16>(2, 5, 16, prefix_rows, prefix_positions, invalid, rng);
     }
   }
 }
