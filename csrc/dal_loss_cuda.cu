@@ -8,8 +8,8 @@
 // - forward 1 (grid): hidden = relu(pos @ w1^T + b1), 32x32 tiles over [N, H], each output summed over D in order;
 // - forward 2 (one block): the weights from the mask, the rows of weight 0 of hidden set to zeros (out of the loss:
 //   their table rows, even inf or NaN, reach nothing), pred = hidden @ w2^T + b2 (one warp a row), and the loss;
-// - backward 1 (grid, one thread per hidden unit k, and two for b2): d_hidden[:, k] into scratch, grad_w2[:, k],
-//   grad_b1[k], grad_b2, each a sum over n in order;
+// - backward 1 (grid, 4 threads per hidden unit k): d_hidden[:, k] into scratch, grad_w2[:, k], grad_b1[k] and
+//   grad_b2, each a sum over n in a fixed order;
 // - backward 2 (grid): grad_w1 = d_hidden^T pos and the table's gradient d_hidden @ w1 (zeros in its skipped rows),
 //   both in 32x32 tiles.
 // Sizes are small (DeiT-S: N = 196, D = H = 384), so these are plain shared-memory tiles, not tensor-core GEMMs: about
@@ -26,7 +26,7 @@ namespace {
 constexpr int kTile = 32;
 constexpr int kTileThreads = 256;               // 8 rows of 32 threads: 4 outputs each
 constexpr int kRowsPerThread = kTile * kTile / kTileThreads;
-constexpr int kBlockThreads = 512;              // forward 2 (one block) and backward 1
+constexpr int kBlockThreads = 512;              // forward 2: one block
 
 // One 32x32 tile of C = A B, C[i, j] = sum_r A(i, r) B(r, j) over r in [0, R) in order, at rows i0.. and columns
 // j0.. of an [M, J] result: store(i, j, value) for each of its elements inside. a(i, r) and b(r, j) load an operand
@@ -112,15 +112,37 @@ __global__ void __launch_bounds__(kBlockThreads)
                     const T* __restrict__ coords, double scale, T* __restrict__ hidden, T* __restrict__ pred,
                     T* __restrict__ weights, T* __restrict__ loss) {
   __shared__ T partials[32];
+  __shared__ int64_t counts[kBlockThreads];
   const int64_t n_count = s.positions, h_count = s.hidden;
   if (mask != nullptr) {
+    // u[n], the samples keeping n. Up to blockDim positions, every thread counts: `parts` threads a position, each
+    // every parts-th sample (for a 14x14 grid, 2 threads a position instead of 196 of the 512 threads working); then
+    // a position's parts are added (integers: exact in any order). More positions: one thread a position at a time.
+    const int64_t parts = n_count <= blockDim.x && n_count > 0 ? blockDim.x / n_count : 1;
     T kept = T(0);
-    for (int64_t n = threadIdx.x; n < n_count; n += blockDim.x) {
+    if (parts > 1) {
       int64_t count = 0;
+      if (threadIdx.x < parts * n_count) {
+        const int64_t n = threadIdx.x % n_count;
 #pragma unroll 8
-      for (int64_t b = 0; b < s.batch; ++b) count += !mask[b * n_count + n];
-      weights[n] = static_cast<T>(count);
-      kept += static_cast<T>(count);
+        for (int64_t b = threadIdx.x / n_count; b < s.batch; b += parts) count += !mask[b * n_count + n];
+      }
+      counts[threadIdx.x] = count;
+      __syncthreads();
+      if (threadIdx.x < n_count) {
+        int64_t total = 0;
+        for (int64_t part = 0; part < parts; ++part) total += counts[part * n_count + threadIdx.x];
+        weights[threadIdx.x] = static_cast<T>(total);
+        kept = static_cast<T>(total);
+      }
+    } else {
+      for (int64_t n = threadIdx.x; n < n_count; n += blockDim.x) {
+        int64_t count = 0;
+#pragma unroll 8
+        for (int64_t b = 0; b < s.batch; ++b) count += !mask[b * n_count + n];
+        weights[n] = static_cast<T>(count);
+        kept += static_cast<T>(count);
+      }
     }
     const T total = block_sum(kept, partials);
     const T divisor = total < T(1) ? T(1) : total;
@@ -165,47 +187,72 @@ __device__ __forceinline__ T d_pred(const T* pred, const T* coords, T factor, T 
   return factor * weight * sign_of(pred[n * 2 + j] - coords[n * 2 + j]);
 }
 
-// Thread k < H: d_hidden[:, k] (relu's backward; zeros in rows of weight 0), grad_w2[:, k], grad_b1[k]. Threads H and
-// H + 1: grad_b2[0], grad_b2[1]. Each a sum over n in order.
+// kSlices threads per hidden unit k, each over every kSlices-th position, then their sums added in slice order:
+// d_hidden[:, k] (relu's backward; zeros in rows of weight 0), grad_w2[:, k], grad_b1[k]; block 0's first warp also
+// sums grad_b2 (lanes over n, then the warp's shuffles). A thread a unit would leave most of the GPU idle (384
+// threads for DeiT-S) and walk all N positions in sequence.
+constexpr int kSlices = 4;
+constexpr int kUnitsPerBlock = kTileThreads / kSlices;
+
 template <typename T>
-__global__ void __launch_bounds__(kBlockThreads)
+__global__ void __launch_bounds__(kTileThreads)
     dal_hidden_grad_kernel(DalShape s, const T* __restrict__ grad, double scale, const T* __restrict__ w2,
                            const T* __restrict__ coords, const T* __restrict__ pred, const T* __restrict__ hidden,
                            const T* __restrict__ weights, T* __restrict__ d_hidden, T* __restrict__ grad_w2,
                            T* __restrict__ grad_b1, T* __restrict__ grad_b2) {
-  const int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  __shared__ T sums[3][kSlices][kUnitsPerBlock];
   const int64_t h_count = s.hidden;
-  if (k >= h_count + 2) return;
   const T factor = *grad * static_cast<T>(scale);
-  if (k >= h_count) {
-    const int j = static_cast<int>(k - h_count);
-    T sum = T(0);
-    for (int64_t n = 0; n < s.positions; ++n) {
-      const T weight = weights[n];
-      if (weight != T(0)) sum += d_pred(pred, coords, factor, weight, n, j);
-    }
-    if (grad_b2 != nullptr) grad_b2[j] = sum;
-    return;
-  }
-  const T w2_0 = w2[k], w2_1 = w2[h_count + k];
+  const int unit = threadIdx.x % kUnitsPerBlock, slice = threadIdx.x / kUnitsPerBlock;
+  const int64_t k = static_cast<int64_t>(blockIdx.x) * kUnitsPerBlock + unit;
   T sum_w2_0 = T(0), sum_w2_1 = T(0), sum_b1 = T(0);
+  if (k < h_count) {
+    const T w2_0 = w2[k], w2_1 = w2[h_count + k];
 #pragma unroll 4
-  for (int64_t n = 0; n < s.positions; ++n) {
-    const T weight = weights[n];
-    T d = T(0);
-    if (weight != T(0)) {
-      const T g0 = d_pred(pred, coords, factor, weight, n, 0), g1 = d_pred(pred, coords, factor, weight, n, 1);
-      const T value = hidden[n * h_count + k];
-      sum_w2_0 += g0 * value;
-      sum_w2_1 += g1 * value;
-      d = value > T(0) ? g0 * w2_0 + g1 * w2_1 : T(0);
-      sum_b1 += d;
+    for (int64_t n = slice; n < s.positions; n += kSlices) {
+      const T weight = weights[n];
+      T d = T(0);
+      if (weight != T(0)) {
+        const T g0 = d_pred(pred, coords, factor, weight, n, 0), g1 = d_pred(pred, coords, factor, weight, n, 1);
+        const T value = hidden[n * h_count + k];
+        sum_w2_0 += g0 * value;
+        sum_w2_1 += g1 * value;
+        d = value > T(0) ? g0 * w2_0 + g1 * w2_1 : T(0);
+        sum_b1 += d;
+      }
+      d_hidden[n * h_count + k] = d;
     }
-    d_hidden[n * h_count + k] = d;
   }
-  grad_w2[k] = sum_w2_0;
-  grad_w2[h_count + k] = sum_w2_1;
-  if (grad_b1 != nullptr) grad_b1[k] = sum_b1;
+  sums[0][slice][unit] = sum_w2_0;
+  sums[1][slice][unit] = sum_w2_1;
+  sums[2][slice][unit] = sum_b1;
+  __syncthreads();
+  if (slice == 0 && k < h_count) {
+    T total[3] = {T(0), T(0), T(0)};
+    for (int q = 0; q < 3; ++q) {
+      for (int part = 0; part < kSlices; ++part) total[q] += sums[q][part][unit];
+    }
+    grad_w2[k] = total[0];
+    grad_w2[h_count + k] = total[1];
+    if (grad_b1 != nullptr) grad_b1[k] = total[2];
+  }
+  if (blockIdx.x == 0 && threadIdx.x < 32 && grad_b2 != nullptr) {
+    T b2_0 = T(0), b2_1 = T(0);
+    for (int64_t n = threadIdx.x; n < s.positions; n += 32) {
+      const T weight = weights[n];
+      if (weight == T(0)) continue;
+      b2_0 += d_pred(pred, coords, factor, weight, n, 0);
+      b2_1 += d_pred(pred, coords, factor, weight, n, 1);
+    }
+    for (int offset = 16; offset > 0; offset /= 2) {
+      b2_0 += __shfl_down_sync(0xFFFFFFFFu, b2_0, offset);
+      b2_1 += __shfl_down_sync(0xFFFFFFFFu, b2_1, offset);
+    }
+    if (threadIdx.x == 0) {
+      grad_b2[0] = b2_0;
+      grad_b2[1] = b2_1;
+    }
+  }
 }
 
 // Blocks [0, w1_tiles): grad_w1[k, d] = sum_n d_hidden[n, k] pos[n, d] over the rows of weight > 0 (a row of weight 0
@@ -261,9 +308,8 @@ cudaError_t launch_dal_backward(const DalShape& s, int64_t skip_rows, const T* g
                                 const T* w1, const T* w2, const T* coords, const T* pred, const T* hidden,
                                 const T* weights, T* d_hidden, T* grad_table, T* grad_w1, T* grad_b1, T* grad_w2,
                                 T* grad_b2, cudaStream_t stream) {
-  const int64_t columns = s.hidden + 2;
-  MJP_LAUNCH(grid_of((columns + kBlockThreads - 1) / kBlockThreads), kBlockThreads, 0, stream,
-             dal_hidden_grad_kernel<T>)(
+  const int64_t unit_blocks = (s.hidden + kUnitsPerBlock - 1) / kUnitsPerBlock;
+  MJP_LAUNCH(grid_of(unit_blocks > 0 ? unit_blocks : 1), kTileThreads, 0, stream, dal_hidden_grad_kernel<T>)(
       s, grad, scale, w2, coords, pred, hidden, weights, d_hidden, grad_w2, grad_b1, grad_b2);
   cudaError_t status = cudaGetLastError();
   if (status != cudaSuccess) return status;

@@ -607,9 +607,11 @@ void test_dal() {
     int64_t positions, dim, hidden, batch, skip_rows;
     bool biases;
   };
-  // Tiles' edges (32), a single position, no mask (batch 0), prefix rows, no biases; DeiT-S's N at a small D.
-  const Shape shapes[] = {{7, 5, 3, 4, 0, true},   {1, 1, 1, 0, 0, true},     {20, 40, 33, 6, 1, true},
-                          {33, 32, 31, 3, 2, false}, {196, 48, 40, 16, 1, true}, {12, 9, 65, 0, 1, true}};
+  // Tiles' edges (32), a single position, no mask (batch 0), prefix rows, no biases; DeiT-S's N at a small D; more
+  // positions than the loss kernel's threads (its mask count's other path).
+  const Shape shapes[] = {{7, 5, 3, 4, 0, true},     {1, 1, 1, 0, 0, true},      {20, 40, 33, 6, 1, true},
+                          {33, 32, 31, 3, 2, false}, {196, 48, 40, 16, 1, true}, {12, 9, 65, 0, 1, true},
+                          {600, 4, 3, 5, 1, true}};
   for (const Shape& s : shapes) {
     const DalProblem p = dal_problem(s.positions, s.dim, s.hidden, s.batch, s.skip_rows, s.biases, rng);
     check_dal<float>(p, 2e-5, false);
