@@ -60,8 +60,8 @@ __device__ __forceinline__ int64_t chunk_source(const PatchLayout& l, const int6
          static_cast<int64_t>(grid_col) * l.patch + px;
 }
 
-// kGather: columns [B * N, K] (to) from the images (from); else grad_images (to) from grad_columns (from), writing
-// nothing for an out-of-range perm entry.
+// kGather: columns [B * (P + N), K] (to) from the images (from), zero rows where no patch is shown; else grad_images
+// (to) from grad_columns (from), writing nothing for those rows.
 template <typename scalar_t, int kBytes, typename index_t, bool kGather>
 __global__ void copy_patches_kernel(PatchLayout l, index_t chunks, index_t chunks_per_row, index_t rows_per_patch,
                                     const scalar_t* __restrict__ from, const int64_t* __restrict__ perm,
@@ -191,10 +191,9 @@ __global__ void add_embeddings_kernel(index_t chunks, index_t chunks_per_row, in
 }
 
 // Pass 1, one thread per (n, d), summing over b in order (sample b's rows at grad + b * sample_stride): grad_pos[n, d]
-// (unmasked tokens), and the partial sums
-// over b of masked tokens (unk_partial) and of all tokens (bias_partial) for pass 2. Null outputs are skipped. The
-// loop is unrolled with its loads first, so that each thread has several in flight while its sums still add in
-// order; the mask picks the sum without a branch.
+// (unmasked tokens), and the partial sums over b of masked tokens (unk_partial) and of all tokens (bias_partial) for
+// pass 2. Null outputs are skipped. The loop is unrolled with its loads first (gradient and mask), so that each
+// thread has several in flight while its sums still add in order.
 template <typename scalar_t>
 __global__ void reduce_over_batch_kernel(int64_t batch, int64_t positions, int64_t dim,
                                          const scalar_t* __restrict__ grad, int64_t sample_stride,

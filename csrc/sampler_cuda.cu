@@ -1,5 +1,6 @@
-// CUDA path of the jigsaw sampler. Grids of up to kLanesSamplerMaxPositions positions (every ViT grid in use):
-// one warp per sample, sampler_lanes.h, on shared memory. Larger grids: one thread per sample, sampler.h.
+// CUDA path of the jigsaw sampler. Grids of up to kLanesSamplerMaxPositions = 1024 positions (32x32: DeiT's 14x14,
+// 24x24 at 384 px): one warp per sample, sampler_lanes.h, on shared memory. Larger grids (DINOv2's 37x37 at 518 px):
+// one thread per sample, sampler.h.
 #include "cuda_grid.cuh"
 #include "cuda_kernels.h"
 #include "sampler.h"
