@@ -649,20 +649,36 @@ def test_dal_loss_gradient_of_an_exact_prediction_is_zero():
     _check_dal(case, torch.float32, torch.float32, scale=1.0)
 
 
-# On a GPU: the nonlinear regressor's CUDA kernels (csrc/dal_loss_cuda.cu; the linear one's composite) on every
-# shape above and DeiT-S's (N = 196, D = H = 384), with and without skipped rows.
+# On a GPU: the nonlinear regressor's CUDA kernels (csrc/dal_loss_cuda.cu; their logic also runs on host threads in
+# csrc/tests/test_cuda_kernels.cpp) on every shape above and DeiT-S's (N = 196, D = H = 384), with and without skipped
+# rows; a few cases of the autocast dtypes and of the linear regressor (the composite). Lean: the device check's GPU
+# tests share one stage of a few minutes.
 GPU_DAL_SHAPES = [*DAL_SHAPES, (14, 14, 384, 384)]
+GPU_DAL_CASES = [
+    *[
+        (shape, "nonlinear", mask_kind, dtypes, layout)
+        for shape in GPU_DAL_SHAPES
+        for mask_kind in MASK_KINDS
+        for dtypes in DAL_DTYPES[:2]
+        for layout in [(0, "2d"), (1, "3d")]
+    ],
+    *[((14, 14, 384, 384), "nonlinear", mask_kind, DAL_DTYPES[2], (1, "3d")) for mask_kind in (None, "random")],
+    *[((14, 14, 48, 24), "linear", mask_kind, DAL_DTYPES[0], (1, "3d")) for mask_kind in (None, "random")],
+]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU visible")
-@pytest.mark.parametrize(("skip_rows", "table"), [(0, "2d"), (1, "3d")], ids=str)
-@pytest.mark.parametrize("dtypes", DAL_DTYPES[:3], ids=lambda p: f"{str(p[0])[6:]}-{str(p[1])[6:]}")
-@pytest.mark.parametrize("mask_kind", MASK_KINDS, ids=str)
-@pytest.mark.parametrize("kind", ["nonlinear", "linear"])
-@pytest.mark.parametrize("shape", GPU_DAL_SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_dal_loss_on_gpu(shape, kind, mask_kind, dtypes, skip_rows, table):
+@pytest.mark.parametrize(
+    ("shape", "kind", "mask_kind", "dtypes", "layout"),
+    GPU_DAL_CASES,
+    ids=[
+        f"{'x'.join(map(str, shape))}-{kind}-{mask}-{str(dtypes[0])[6:]}-{str(dtypes[1])[6:]}-skip{layout[0]}"
+        for shape, kind, mask, dtypes, layout in GPU_DAL_CASES
+    ],
+)
+def test_dal_loss_on_gpu(shape, kind, mask_kind, dtypes, layout):
     case = DalCase(*shape, kind=kind, mask_kind=mask_kind, batch=256 if shape[0] == 14 else 4, seed=5)
-    _check_dal(case, *dtypes, scale=0.5, device="cuda", skip_rows=skip_rows, table=table)
+    _check_dal(case, *dtypes, scale=0.5, device="cuda", skip_rows=layout[0], table=layout[1])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU visible")
