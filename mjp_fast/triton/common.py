@@ -174,6 +174,19 @@ def _cuda_multiprocessors(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+@functools.cache
+def _cuda_shared_memory_optin(index: int) -> int:
+    return torch.cuda.get_device_properties(index).shared_memory_per_block_optin
+
+
+def shared_memory_optin(device: torch.device) -> int:
+    """The most shared memory one block of a CUDA device may use (opt-in), in bytes, asked once per device; 0 for
+    other devices."""
+    if device.type != "cuda":
+        return 0
+    return _cuda_shared_memory_optin(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def multiprocessors(device: torch.device) -> int:
     """SMs of a CUDA device (asked once per device: the query costs host time on every launch); 1 otherwise."""
     if device.type != "cuda":

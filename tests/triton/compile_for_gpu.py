@@ -142,6 +142,8 @@ def _variants() -> list[tuple[str, object, dict[str, str], dict[str, object], di
                     )
                 )
         tiles = weight_tiles
+        # the weight gradient's launch with a perm (HAS_PERM) on a GPU with a large shared memory
+        weight_options = {"num_stages": patch_embed.GRAD_WEIGHT_PERM_STAGES}
         for prefix, case in prefix_cases:
             kinds, values = with_prefix(case, grad_weight)
             variants.append(
@@ -150,7 +152,7 @@ def _variants() -> list[tuple[str, object, dict[str, str], dict[str, object], di
                     patch_embed._grad_weight_kernel,
                     {**grad_weight, **kinds, **dict.fromkeys((*flags, *tiles), "constexpr")},
                     {**flags, **tiles, **values},
-                    {},
+                    weight_options,
                 )
             )
         if dtype == "bf16":
@@ -205,7 +207,7 @@ def _variants() -> list[tuple[str, object, dict[str, str], dict[str, object], di
                     patch_embed._grad_weight_kernel,
                     {**grad_weight, "images_ptr": "*fp32", **kinds, **dict.fromkeys((*mixed, *tiles), "constexpr")},
                     {**mixed, **tiles, **values},
-                    {},
+                    weight_options,
                 )
             )
             variants.append(
@@ -214,7 +216,7 @@ def _variants() -> list[tuple[str, object, dict[str, str], dict[str, object], di
                     patch_embed._grad_weight_kernel,
                     {**grad_weight, "grad_ptr": "*fp32", **kinds, **dict.fromkeys((*rounded, *tiles), "constexpr")},
                     {**rounded, **tiles, **values},
-                    {},
+                    weight_options,
                 )
             )
         # The position gradient's tiles as position_gradient_plan gives them on an H100 at DeiT-S's sizes with a
@@ -442,6 +444,52 @@ def _dal_loss_variants(dal_loss) -> list[tuple[str, object, dict[str, str], dict
     return variants
 
 
+def _tile_buffers(kernel, signature, constexprs, options, target) -> list[int]:
+    """How many buffers the software pipeliner gives each tile that the kernel stages in shared memory, compiled as a
+    GPU launch specializes it: an int argument equal to 1 becomes a constexpr (the images' width stride), pointers
+    and the ints that are multiples of 16 at DeiT-S's sizes are marked divisible by 16 (without those marks the loads
+    are not vectorized, nor pipelined the same way)."""
+    import re
+
+    import triton
+    from triton.compiler import ASTSource
+
+    signature = {argument: signature[argument] for argument in kernel.arg_names}
+    signature["stride_w"] = "constexpr"
+    constexprs = {**constexprs, "stride_w": 1}
+    multiples_of_16 = ("D", "K", "stride_b", "stride_c", "stride_h", "total_tokens", "tokens_per_split")
+    attrs = {
+        (index,): [["tt.divisibility", 16]]
+        for index, argument in enumerate(kernel.arg_names)
+        if signature[argument].startswith("*") or argument in multiples_of_16
+    }
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    ttgir = triton.compile(source, target=target, options=options).asm["ttgir"]
+    # a tile's buffers: the leading dim of a rank-3 shared allocation (a multi-buffered 2-D tile)
+    shapes = re.findall(r"ttg\.local_alloc[^\n]*?-> !ttg\.memdesc<(\d+)x\d+x\d+x", ttgir)
+    return sorted(int(buffers) for buffers in shapes)
+
+
+def check_weight_gradient_pipelining(target) -> bool:
+    """With a perm, the weight gradient at GRAD_WEIGHT_PERM_STAGES pipelines its tiles as deep as without one at the
+    default stages (see patch_embed.GRAD_WEIGHT_PERM_STAGES). Autocast's variant: a float32 gradient, bf16 images."""
+    from mjp_fast.triton import patch_embed
+
+    name = "patch_embed grad_weight fp32 grad x bf16 images (round the gradient)"
+    _, kernel, signature, constexprs, _ = next(variant for variant in _variants() if variant[0] == name)
+    plain = _tile_buffers(
+        kernel, signature, {**constexprs, "HAS_PERM": False}, {"num_stages": patch_embed.GRAD_WEIGHT_STAGES}, target
+    )
+    jigsaw = _tile_buffers(
+        kernel, signature, {**constexprs, "HAS_PERM": True}, {"num_stages": patch_embed.GRAD_WEIGHT_PERM_STAGES}, target
+    )
+    ok = jigsaw == plain and min(plain, default=0) >= 2
+    verdict = "ok  " if ok else "FAIL"
+    print(f"{verdict} sm_{target.arch} pipelining of the weight gradient: tile buffers {jigsaw} with a perm, {plain} "
+          "without", flush=True)  # fmt: skip
+    return ok
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", default="80,90", help="compute capabilities, comma-separated")
@@ -474,6 +522,8 @@ def main(argv: list[str] | None = None) -> int:
             except Exception:  # noqa: BLE001 - report every kernel, then fail
                 failures += 1
                 print(f"FAIL sm_{arch} {name}:\n{traceback.format_exc()}", flush=True)
+        if arch >= 90:  # the pipeliner of Hopper's TTGIR, where it was measured
+            failures += not check_weight_gradient_pipelining(target)
     print(f"{failures} failed")
     return 1 if failures else 0
 

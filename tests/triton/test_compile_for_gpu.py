@@ -24,6 +24,8 @@ def test_every_triton_kernel_compiles_for_hopper():
     )
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
     assert result.stdout.count("ok   sm_90") >= 18 and "\n0 failed" in result.stdout
+    # with a perm, the weight gradient's tiles are pipelined as deep as without one (GRAD_WEIGHT_PERM_STAGES)
+    assert "ok   sm_90 pipelining of the weight gradient" in result.stdout
     # the DAL loss: forward (partial and finish) and backward, nonlinear and linear, float32, bfloat16 and mixed,
     # with the sizes of 1 that a launch makes constexpr, a class token's row skipped (skip_rows = 1), and the float
     # scale typed fp64 as inductor launches the kernels under torch.compile

@@ -100,6 +100,21 @@ def test_gemm_kernels_tune_once_per_bucket_of_the_token_count(bench_calls):
         assert len(bench_calls[name]) == len(kernel.configs) * len(buckets), name
 
 
+def test_the_weight_gradient_pipelines_deeper_with_a_perm_where_shared_memory_allows(monkeypatch):
+    # The rule of the launch's num_stages (its effect on the pipeline: tests/triton/compile_for_gpu.py, in
+    # test_compile_for_gpu.py): five stages with a perm on a GPU whose block may use 160 KiB or more (A100, H100),
+    # the default three otherwise, and on a smaller GPU (an RTX 4090's 99 KiB), where five might not fit.
+    cuda = torch.device("cuda")
+    for optin, with_perm in ((232448, patch_kernels.GRAD_WEIGHT_PERM_STAGES), (166912, 5), (101376, 3), (0, 3)):
+        monkeypatch.setattr(patch_kernels, "shared_memory_optin", lambda device, optin=optin: optin)
+        assert patch_kernels.grad_weight_stages(True, cuda) == with_perm
+        assert patch_kernels.grad_weight_stages(False, cuda) == patch_kernels.GRAD_WEIGHT_STAGES == 3
+    assert patch_kernels.GRAD_WEIGHT_PERM_STAGES == 5
+    # a CPU tensor (the interpreter): no shared memory to ask about
+    monkeypatch.undo()
+    assert patch_kernels.grad_weight_stages(True, torch.device("cpu")) == patch_kernels.GRAD_WEIGHT_STAGES
+
+
 def test_autocast_gradients_are_rounded_for_the_tensor_cores(monkeypatch):
     """The backward's float32 gradient (the output is float32 under autocast: the table's) against bfloat16 or float16
     images and weight: rounded to their dtype and multiplied on the tensor cores (ROUND_FIRST), as timm's convolution
