@@ -24,6 +24,23 @@ struct alignas(sizeof(scalar_t) * V) Pack {
   scalar_t v[V];
 };
 
+// Where chunk q of a row-major [rows, chunks_per_row] array lies, its rows grouped rows_per_sample to a sample: its
+// row, its chunk in the row, its sample and its row within the sample.
+template <typename index_t>
+struct ChunkPlace {
+  index_t row, chunk, sample, within;
+};
+
+template <typename index_t>
+__device__ __forceinline__ ChunkPlace<index_t> place_of(index_t q, index_t chunks_per_row, index_t rows_per_sample) {
+  ChunkPlace<index_t> place;
+  place.row = q / chunks_per_row;
+  place.chunk = q - place.row * chunks_per_row;
+  place.sample = place.row / rows_per_sample;
+  place.within = place.row - place.sample * rows_per_sample;
+  return place;
+}
+
 // Whether every pointer given (null ones aside) starts on a 16-byte boundary.
 template <typename... Pointers>
 bool aligned_16(const Pointers*... pointers) {
@@ -42,6 +59,12 @@ bool aligned_16(const Pointers*... pointers) {
 #ifndef MJP_DYNAMIC_SHARED
 #define MJP_DYNAMIC_SHARED(type, name) extern __shared__ type name[]
 #endif
+
+// The same loop with an index of type index_t: 32 bits where the launcher can (the kernels' divisions are then
+// 32-bit, several times cheaper than 64-bit ones).
+#define MJP_GRID_STRIDE_LOOP_AS(index_t, index, count)                                                            \
+  for (index_t index = static_cast<index_t>(blockIdx.x) * blockDim.x + threadIdx.x; index < (count);             \
+       index += static_cast<index_t>(blockDim.x) * gridDim.x)
 
 #define MJP_GRID_STRIDE_LOOP(index, count)                                                          \
   for (int64_t index = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; index < (count); \

@@ -2,6 +2,7 @@
 // gradient, and the deterministic (fixed-order, atomic-free) reductions of the embedding gradients. The GEMMs
 // are cuBLAS, called through at::mm in cuda_ops.cpp.
 #include <algorithm>
+#include <type_traits>
 
 #include "cuda_grid.cuh"
 #include "cuda_kernels.h"
@@ -16,23 +17,8 @@ namespace {
 // the first version, one thread per element with five 64-bit divisions each, took 0.8 ms for DeiT-S's batch of 256
 // on an H100, about 15 times the time its 154 MB of traffic need.
 template <int kBytes>
-struct Chunk;
-template <>
-struct Chunk<16> {
-  using type = uint4;
-};
-template <>
-struct Chunk<8> {
-  using type = uint2;
-};
-template <>
-struct Chunk<4> {
-  using type = uint32_t;
-};
-template <>
-struct Chunk<2> {
-  using type = uint16_t;
-};
+using Chunk = std::conditional_t<
+    kBytes == 16, uint4, std::conditional_t<kBytes == 8, uint2, std::conditional_t<kBytes == 4, uint32_t, uint16_t>>>;
 
 // Where chunk q of the im2col matrix comes from: its image element offset, or -1 for a row no patch fills (a prefix
 // row, or an out-of-range perm entry). Chunk q covers the im2col elements [q * elements, (q + 1) * elements),
@@ -66,10 +52,9 @@ template <typename scalar_t, int kBytes, typename index_t, bool kGather>
 __global__ void copy_patches_kernel(PatchLayout l, index_t chunks, index_t chunks_per_row, index_t rows_per_patch,
                                     const scalar_t* __restrict__ from, const int64_t* __restrict__ perm,
                                     scalar_t* __restrict__ to) {
-  using chunk_t = typename Chunk<kBytes>::type;
+  using chunk_t = Chunk<kBytes>;
   constexpr index_t elements = kBytes / sizeof(scalar_t);
-  for (index_t q = static_cast<index_t>(blockIdx.x) * blockDim.x + threadIdx.x; q < chunks;
-       q += static_cast<index_t>(blockDim.x) * gridDim.x) {
+  MJP_GRID_STRIDE_LOOP_AS(index_t, q, chunks) {
     const int64_t offset = chunk_source(l, perm, q, elements, chunks_per_row, rows_per_patch);
     const int64_t column = static_cast<int64_t>(q) * elements;
     if constexpr (kGather) {
@@ -154,12 +139,8 @@ __global__ void add_embeddings_kernel(index_t chunks, index_t chunks_per_row, in
   const auto load = [](const scalar_t* from, int64_t row, index_t chunk, int64_t chunks_in_row) {
     return reinterpret_cast<const pack*>(from)[row * chunks_in_row + chunk];
   };
-  for (index_t q = static_cast<index_t>(blockIdx.x) * blockDim.x + threadIdx.x; q < chunks;
-       q += static_cast<index_t>(blockDim.x) * gridDim.x) {
-    const index_t row = q / chunks_per_row;  // b * (P + N) + t
-    const index_t chunk = q - row * chunks_per_row;
-    const index_t b = row / rows_per_sample;
-    const index_t t = row - b * rows_per_sample;
+  MJP_GRID_STRIDE_LOOP_AS(index_t, q, chunks) {
+    const auto [row, chunk, b, t] = place_of(q, chunks_per_row, rows_per_sample);  // row = b * (P + N) + t
     acc value[V];
     const auto start = [&](const pack& term) {
 #pragma unroll

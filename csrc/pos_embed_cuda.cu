@@ -36,12 +36,8 @@ __global__ void position_forward_kernel(PositionLayout l, index_t chunks, index_
   const index_t positions = static_cast<index_t>(l.positions), prefix_rows = static_cast<index_t>(l.prefix_rows);
   const index_t rows_per_sample = prefix_rows + positions;
   const auto* pos_packs = reinterpret_cast<const out_pack*>(pos);
-  for (index_t q = static_cast<index_t>(blockIdx.x) * blockDim.x + threadIdx.x; q < chunks;
-       q += static_cast<index_t>(blockDim.x) * gridDim.x) {
-    const index_t row = q / chunks_per_row;  // b * (P + N) + t
-    const index_t chunk = q - row * chunks_per_row;
-    const index_t b = row / rows_per_sample;
-    const index_t t = row - b * rows_per_sample;
+  MJP_GRID_STRIDE_LOOP_AS(index_t, q, chunks) {
+    const auto [row, chunk, b, t] = place_of(q, chunks_per_row, rows_per_sample);  // row = b * (P + N) + t
     out_pack result;
     if (t < prefix_rows) {
       result = reinterpret_cast<const out_pack*>(prefix)[static_cast<int64_t>(t) * chunks_per_row + chunk];
@@ -96,12 +92,8 @@ __global__ void position_move_back_kernel(PositionLayout l, index_t chunks, inde
   using grad_pack = Pack<grad_t, V>;
   using token_pack = Pack<token_t, V>;
   const index_t positions = static_cast<index_t>(l.positions);
-  for (index_t q = static_cast<index_t>(blockIdx.x) * blockDim.x + threadIdx.x; q < chunks;
-       q += static_cast<index_t>(blockDim.x) * gridDim.x) {
-    const index_t row = q / chunks_per_row;  // b * N + m
-    const index_t chunk = q - row * chunks_per_row;
-    const index_t b = row / positions;
-    const index_t m = row - b * positions;
+  MJP_GRID_STRIDE_LOOP_AS(index_t, q, chunks) {
+    const auto [row, chunk, b, m] = place_of(q, chunks_per_row, positions);  // row = b * N + m
     // sample b's patch rows, in packs: row n of them at sample[n * chunks_per_row]
     const grad_pack* sample = reinterpret_cast<const grad_pack*>(grad) +
                               (static_cast<int64_t>(b) * (l.prefix_rows + l.positions) + l.prefix_rows) *
