@@ -149,8 +149,8 @@ void check_patch_copies(const Images& im, int64_t row_prefix, bool with_perm, bo
       }
     }
   }
-  CHECK(gather_ok, "gather: %s patch %lld offset %lld pad %lld prefix %lld perm %d invalid %d",
-        sizeof(T) == 4 ? "float" : "double", (long long)im.patch, (long long)im.offset, (long long)im.pad,
+  CHECK(gather_ok, "gather: %d-byte elements, patch %lld offset %lld pad %lld prefix %lld perm %d invalid %d",
+        static_cast<int>(sizeof(T)), (long long)im.patch, (long long)im.offset, (long long)im.pad,
         (long long)row_prefix, with_perm, invalid);
 
   // The scatter into a zero-filled gradient: each shown patch gets its row's values, the rest stays zero.
@@ -169,8 +169,8 @@ void check_patch_copies(const Images& im, int64_t row_prefix, bool with_perm, bo
   CHECK(mjp::cuda::launch_scatter_patches<T>(layout, grad_columns.data(), perm_data, grad_images.data() + im.offset,
                                              nullptr) == cudaSuccess,
         "scatter launch");
-  CHECK(grad_images == want, "scatter: %s patch %lld offset %lld pad %lld prefix %lld perm %d invalid %d",
-        sizeof(T) == 4 ? "float" : "double", (long long)im.patch, (long long)im.offset, (long long)im.pad,
+  CHECK(grad_images == want, "scatter: %d-byte elements, patch %lld offset %lld pad %lld prefix %lld perm %d bad %d",
+        static_cast<int>(sizeof(T)), (long long)im.patch, (long long)im.offset, (long long)im.pad,
         (long long)row_prefix, with_perm, invalid);
 }
 
@@ -187,6 +187,7 @@ void test_patch_copies() {
       for (int kind = 0; kind < 3; ++kind) {  // no perm; a permutation; one entry out of range
         check_patch_copies<float>(im, row_prefix, kind > 0, kind == 2, rng);
         check_patch_copies<double>(im, row_prefix, kind > 0, kind == 2, rng);
+        check_patch_copies<c10::BFloat16>(im, row_prefix, kind > 0, kind == 2, rng);  // 2-byte chunks too
       }
     }
   }
