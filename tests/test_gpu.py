@@ -158,12 +158,14 @@ def test_the_cuda_sampler_equals_the_cpu_kernels(batch, grid, settings):
 
 # The cuda patch embedding's patch copies (gather and scatter) at each chunk width: 16, 8, 4 bytes and one bf16
 # element, an image whose base is not 16-byte aligned, and one with padded rows (strides wider than the image).
-def _patch_images(kind, channels, size):
-    if kind == "offset":  # storage offset of one element: the 2-byte path
-        return torch.randn(2 * channels * size * size + 1, device="cuda")[1:].view(2, channels, size, size)
+def _patch_images(kind, channels, size, dtype):
+    """Images [2, C, size, size] in ``dtype``, made in it: a conversion would give a contiguous copy."""
+    if kind == "offset":  # storage offset of one element: one-element chunks
+        flat = torch.randn(2 * channels * size * size + 1, device="cuda", dtype=dtype)
+        return flat[1:].view(2, channels, size, size)
     if kind == "padded":
-        return torch.randn(2, channels, size, size + 8, device="cuda")[..., :size]
-    return torch.randn(2, channels, size, size, device="cuda")
+        return torch.randn(2, channels, size, size + 8, device="cuda", dtype=dtype)[..., :size]
+    return torch.randn(2, channels, size, size, device="cuda", dtype=dtype)
 
 
 @pytest.mark.skipif("cuda" not in mjp_fast.available_backends(), reason="needs the extension's CUDA kernels")
@@ -173,7 +175,8 @@ def _patch_images(kind, channels, size):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_the_cuda_patch_copies_move_every_pixel(patch, kind, dtype):
     channels, dim, rows = 3, 24, 5
-    images = _patch_images(kind, channels, patch * rows).to(dtype).requires_grad_(True)
+    images = _patch_images(kind, channels, patch * rows, dtype).requires_grad_(True)
+    assert images.storage_offset() == (kind == "offset") and images.is_contiguous() == (kind != "padded")
     weight, pos = torch.randn(dim, channels, patch, patch, device="cuda"), torch.randn(rows * rows, dim, device="cuda")
     weight, pos, unk = weight.to(dtype), pos.to(dtype), torch.randn(dim, device="cuda", dtype=dtype)
     jigsaw = mjp_fast.sample_jigsaw(2, rows, 0.6, seed=3, min_block=1, device="cuda")
