@@ -587,8 +587,8 @@ BackwardOutputs DalBackward::cpu_loops() const {
 
 #ifdef MJP_WITH_CUDA
 // ---- CUDA kernels (dal_loss_cuda.cu, through cuda_ops.cpp) for the nonlinear regressor, the default: two launches
-// each way instead of the composite's 13 and 15-18 operations. The linear regressor (rare; no hidden layer) keeps
-// the composite.
+// each way instead of the composite's 12 and 14 operations (and their views). The linear regressor (rare; no hidden
+// layer) keeps the composite.
 
 // `tensor` in `dtype` and contiguous: itself, without a dispatch, in the usual case.
 at::Tensor contiguous_as(const at::Tensor& tensor, at::ScalarType dtype) {
