@@ -41,6 +41,51 @@ __device__ __forceinline__ ChunkPlace<index_t> place_of(index_t q, index_t chunk
   return place;
 }
 
+// Calls launch(index_t{}) with index_t = uint32_t when every index the kernel computes stays below `largest` < 2**31
+// (its grid-stride step then stays below 2**32), else int64_t: 32-bit divisions are several times cheaper.
+template <typename Launch>
+void with_index_type(int64_t largest, Launch&& launch) {
+  if (largest < (int64_t(1) << 31)) {
+    launch(uint32_t{0});
+  } else {
+    launch(int64_t{0});
+  }
+}
+
+// Adds value(b) for b = 0, 1, ..., batch - 1, in that order, to `shuffled` where masked(b), else to `kept`; the loop
+// unrolled with its loads first (value and mask), so that a thread has several in flight while its sums add in order.
+template <typename acc_t, typename Value, typename Masked>
+__device__ __forceinline__ void split_sum_in_order(int64_t batch, Value&& value, Masked&& masked, acc_t& kept,
+                                                   acc_t& shuffled) {
+  constexpr int kUnroll = 8;
+  int64_t b = 0;
+  for (; b + kUnroll <= batch; b += kUnroll) {
+    acc_t values[kUnroll];
+    bool flags[kUnroll];
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j) {
+      values[j] = value(b + j);
+      flags[j] = masked(b + j);
+    }
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j) {
+      if (flags[j]) {
+        shuffled += values[j];
+      } else {
+        kept += values[j];
+      }
+    }
+  }
+  for (; b < batch; ++b) {
+    const acc_t one = value(b);
+    if (masked(b)) {
+      shuffled += one;
+    } else {
+      kept += one;
+    }
+  }
+}
+
 // Whether every pointer given (null ones aside) starts on a 16-byte boundary.
 template <typename... Pointers>
 bool aligned_16(const Pointers*... pointers) {

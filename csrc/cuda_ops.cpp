@@ -291,18 +291,6 @@ cuda::DalShape dal_shape(const at::Tensor& coords, const at::Tensor& w1, const s
   return cuda::DalShape{coords.size(0), w1.size(1), w1.size(0), present(mask) ? mask->size(0) : 0};
 }
 
-// Dispatches `body` with T = float or double (the DAL loss's computation dtypes).
-template <typename Body>
-void dispatch_dal_dtype(at::ScalarType dtype, Body&& body) {
-  if (dtype == at::kDouble) {
-    body(double(0));
-  } else {
-    TORCH_CHECK(dtype == at::kFloat,
-                "mjp_fast::dal_loss_extension: the CUDA kernel computes in float32 or float64, got ", dtype);
-    body(float(0));
-  }
-}
-
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dal_loss_forward_cuda(
@@ -316,8 +304,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dal_loss_forward_cuda
   auto pred = at::empty({shape.positions, 2}, options);
   auto hidden = at::empty({shape.positions, shape.hidden}, options);
   auto weights = at::empty({shape.positions}, options);
-  dispatch_dal_dtype(table.scalar_type(), [&](auto zero) {
-    using T = decltype(zero);
+  AT_DISPATCH_FLOATING_TYPES(table.scalar_type(), "mjp_dal_loss_forward_cuda", [&] {  // the computation dtypes
+    using T = scalar_t;
     C10_CUDA_CHECK(cuda::launch_dal_forward<T>(
         shape, table.data_ptr<T>() + skip_rows * shape.dim, w1.data_ptr<T>(), optional_data<T>(b1), w2.data_ptr<T>(),
         optional_data<T>(b2), coords.data_ptr<T>(), optional_data<bool>(mask), scale, loss.data_ptr<T>(),
@@ -339,8 +327,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> dal_loss_
   auto grad_w2 = at::empty({2, shape.hidden}, options);
   auto grad_b2 = at::empty({has_b2 ? 2 : 0}, options);
   auto d_hidden = at::empty({shape.positions, shape.hidden}, options);
-  dispatch_dal_dtype(table.scalar_type(), [&](auto zero) {
-    using T = decltype(zero);
+  AT_DISPATCH_FLOATING_TYPES(table.scalar_type(), "mjp_dal_loss_backward_cuda", [&] {
+    using T = scalar_t;
     C10_CUDA_CHECK(cuda::launch_dal_backward<T>(
         shape, skip_rows, grad.data_ptr<T>(), scale, table.data_ptr<T>() + skip_rows * shape.dim, w1.data_ptr<T>(),
         w2.data_ptr<T>(), coords.data_ptr<T>(), pred.data_ptr<T>(), hidden.data_ptr<T>(), weights.data_ptr<T>(),

@@ -73,16 +73,13 @@ cudaError_t launch_copy_chunks(const PatchLayout& l, const scalar_t* from, const
   constexpr int64_t elements = kBytes / static_cast<int64_t>(sizeof(scalar_t));
   const int64_t total = l.batch * (l.row_prefix + l.positions) * l.patch_size;
   const int64_t chunks = total / elements, chunks_per_row = l.patch / elements, rows_per_patch = l.patch_size / l.patch;
-  // 32-bit indices when every value of chunk_source's arithmetic (at most the element count, N or a grid size) and
-  // the grid-stride step stay below 2**32.
-  if (total < (int64_t(1) << 31)) {
-    MJP_LAUNCH(blocks_for(chunks), kThreads, 0, stream, copy_patches_kernel<scalar_t, kBytes, uint32_t, kGather>)(
-        l, static_cast<uint32_t>(chunks), static_cast<uint32_t>(chunks_per_row), static_cast<uint32_t>(rows_per_patch),
+  // chunk_source's arithmetic reaches at most the element count, N or a grid size
+  with_index_type(total, [&](auto zero) {
+    using index_t = decltype(zero);
+    MJP_LAUNCH(blocks_for(chunks), kThreads, 0, stream, copy_patches_kernel<scalar_t, kBytes, index_t, kGather>)(
+        l, static_cast<index_t>(chunks), static_cast<index_t>(chunks_per_row), static_cast<index_t>(rows_per_patch),
         from, perm, to);
-  } else {
-    MJP_LAUNCH(blocks_for(chunks), kThreads, 0, stream, copy_patches_kernel<scalar_t, kBytes, int64_t, kGather>)(
-        l, chunks, chunks_per_row, rows_per_patch, from, perm, to);
-  }
+  });
   return cudaGetLastError();
 }
 
@@ -173,8 +170,7 @@ __global__ void add_embeddings_kernel(index_t chunks, index_t chunks_per_row, in
 
 // Pass 1, one thread per (n, d), summing over b in order (sample b's rows at grad + b * sample_stride): grad_pos[n, d]
 // (unmasked tokens), and the partial sums over b of masked tokens (unk_partial) and of all tokens (bias_partial) for
-// pass 2. Null outputs are skipped. The loop is unrolled with its loads first (gradient and mask), so that each
-// thread has several in flight while its sums still add in order.
+// pass 2. Null outputs are skipped.
 template <typename scalar_t>
 __global__ void reduce_over_batch_kernel(int64_t batch, int64_t positions, int64_t dim,
                                          const scalar_t* __restrict__ grad, int64_t sample_stride,
@@ -183,37 +179,13 @@ __global__ void reduce_over_batch_kernel(int64_t batch, int64_t positions, int64
                                          accumulate_t<scalar_t>* __restrict__ unk_partial,
                                          accumulate_t<scalar_t>* __restrict__ bias_partial) {
   using acc = accumulate_t<scalar_t>;
-  constexpr int kUnroll = 8;
   const int64_t cells = positions * dim;
   MJP_GRID_STRIDE_LOOP(index, cells) {
     const int64_t n = index / dim;
     acc pos_sum = 0, unk_sum = 0;
-    int64_t b = 0;
-    for (; b + kUnroll <= batch; b += kUnroll) {
-      acc values[kUnroll];
-      bool masked[kUnroll];
-#pragma unroll
-      for (int j = 0; j < kUnroll; ++j) {
-        values[j] = static_cast<acc>(grad[(b + j) * sample_stride + index]);
-        masked[j] = mask != nullptr && mask[(b + j) * positions + n];
-      }
-#pragma unroll
-      for (int j = 0; j < kUnroll; ++j) {
-        if (masked[j]) {
-          unk_sum += values[j];
-        } else {
-          pos_sum += values[j];
-        }
-      }
-    }
-    for (; b < batch; ++b) {
-      const acc value = static_cast<acc>(grad[b * sample_stride + index]);
-      if (mask != nullptr && mask[b * positions + n]) {
-        unk_sum += value;
-      } else {
-        pos_sum += value;
-      }
-    }
+    split_sum_in_order(
+        batch, [&](int64_t b) { return static_cast<acc>(grad[b * sample_stride + index]); },
+        [&](int64_t b) { return mask != nullptr && mask[b * positions + n]; }, pos_sum, unk_sum);
     if (grad_pos != nullptr) grad_pos[index] = static_cast<scalar_t>(pos_sum);
     if (unk_partial != nullptr) unk_partial[index] = unk_sum;
     if (bias_partial != nullptr) bias_partial[index] = pos_sum + unk_sum;
@@ -260,16 +232,13 @@ cudaError_t launch_add_embeddings_packed(const PatchLayout& layout, const scalar
                                          scalar_t* out, cudaStream_t stream) {
   const int64_t total = layout.batch * (prefix_rows + layout.positions) * layout.dim;
   const int64_t chunks = total / V, chunks_per_row = layout.dim / V;
-  if (total < (int64_t(1) << 31)) {
-    MJP_LAUNCH(blocks_for(chunks), kThreads, 0, stream, add_embeddings_kernel<scalar_t, V, uint32_t>)(
-        static_cast<uint32_t>(chunks), static_cast<uint32_t>(chunks_per_row), static_cast<uint32_t>(layout.positions),
-        static_cast<uint32_t>(prefix_rows), static_cast<uint32_t>(prefix_positions), tokens, bias, pos, unk, mask,
+  with_index_type(total, [&](auto zero) {
+    using index_t = decltype(zero);
+    MJP_LAUNCH(blocks_for(chunks), kThreads, 0, stream, add_embeddings_kernel<scalar_t, V, index_t>)(
+        static_cast<index_t>(chunks), static_cast<index_t>(chunks_per_row), static_cast<index_t>(layout.positions),
+        static_cast<index_t>(prefix_rows), static_cast<index_t>(prefix_positions), tokens, bias, pos, unk, mask,
         prefix, out);
-  } else {
-    MJP_LAUNCH(blocks_for(chunks), kThreads, 0, stream, add_embeddings_kernel<scalar_t, V, int64_t>)(
-        chunks, chunks_per_row, layout.positions, prefix_rows, prefix_positions, tokens, bias, pos, unk, mask, prefix,
-        out);
-  }
+  });
   return cudaGetLastError();
 }
 

@@ -143,34 +143,9 @@ __global__ void position_reduce_kernel(PositionLayout l, const grad_t* __restric
       continue;
     }
     const int64_t n = t - l.prefix_rows;
-    // Loads first, 8 samples at a time, so that each thread has several in flight; the sums still add in order.
-    constexpr int kUnroll = 8;
-    int64_t b = 0;
-    for (; b + kUnroll <= l.batch; b += kUnroll) {
-      acc_t values[kUnroll];
-      bool shuffled[kUnroll];
-#pragma unroll
-      for (int j = 0; j < kUnroll; ++j) {
-        values[j] = static_cast<acc_t>(grad[(b + j) * rows_per_sample * l.dim + index]);
-        shuffled[j] = mask[(b + j) * l.positions + n];
-      }
-#pragma unroll
-      for (int j = 0; j < kUnroll; ++j) {
-        if (shuffled[j]) {
-          masked += values[j];
-        } else {
-          kept += values[j];
-        }
-      }
-    }
-    for (; b < l.batch; ++b) {
-      const acc_t value = static_cast<acc_t>(grad[b * rows_per_sample * l.dim + index]);
-      if (mask[b * l.positions + n]) {
-        masked += value;
-      } else {
-        kept += value;
-      }
-    }
+    split_sum_in_order(
+        l.batch, [&](int64_t b) { return static_cast<acc_t>(grad[b * rows_per_sample * l.dim + index]); },
+        [&](int64_t b) { return mask[b * l.positions + n]; }, kept, masked);
     if (table != nullptr) table[(l.prefix_positions + n) * l.dim + d] = kept;
     if (unk_partial != nullptr) unk_partial[n * l.dim + d] = masked;
   }
@@ -202,14 +177,12 @@ cudaError_t launch_position_forward_packed(const PositionLayout& layout, const t
                                            out_t* out, cudaStream_t stream) {
   const int64_t total = layout.batch * (layout.prefix_rows + layout.positions) * layout.dim;
   const int64_t chunks = total / V, chunks_per_row = layout.dim / V;
-  if (total < (int64_t(1) << 31)) {
-    MJP_LAUNCH(blocks_for(chunks), kThreads, 0, stream, position_forward_kernel<token_t, out_t, V, uint32_t>)(
-        layout, static_cast<uint32_t>(chunks), static_cast<uint32_t>(chunks_per_row), tokens, perm, mask, pos, unk,
+  with_index_type(total, [&](auto zero) {
+    using index_t = decltype(zero);
+    MJP_LAUNCH(blocks_for(chunks), kThreads, 0, stream, position_forward_kernel<token_t, out_t, V, index_t>)(
+        layout, static_cast<index_t>(chunks), static_cast<index_t>(chunks_per_row), tokens, perm, mask, pos, unk,
         prefix, out);
-  } else {
-    MJP_LAUNCH(blocks_for(chunks), kThreads, 0, stream, position_forward_kernel<token_t, out_t, V, int64_t>)(
-        layout, chunks, chunks_per_row, tokens, perm, mask, pos, unk, prefix, out);
-  }
+  });
   return cudaGetLastError();
 }
 
@@ -232,15 +205,13 @@ cudaError_t launch_move_back_packed(const PositionLayout& layout, const grad_t* 
                                     const int32_t* inverse, token_t* grad_tokens, cudaStream_t stream) {
   const int64_t total = layout.batch * layout.positions * layout.dim;
   const int64_t chunks = total / V, chunks_per_row = layout.dim / V;
-  // 32 bits: the chunk index, and the rows of grad [B, P + N, D] (its element count may exceed the tokens')
-  if (layout.batch * (layout.prefix_rows + layout.positions) * layout.dim < (int64_t(1) << 31)) {
-    MJP_LAUNCH(blocks_for(chunks), kThreads, 0, stream, position_move_back_kernel<grad_t, token_t, V, uint32_t>)(
-        layout, static_cast<uint32_t>(chunks), static_cast<uint32_t>(chunks_per_row), grad, perm, inverse,
+  // the chunk index, and the rows of grad [B, P + N, D] (its element count may exceed the tokens')
+  with_index_type(layout.batch * (layout.prefix_rows + layout.positions) * layout.dim, [&](auto zero) {
+    using index_t = decltype(zero);
+    MJP_LAUNCH(blocks_for(chunks), kThreads, 0, stream, position_move_back_kernel<grad_t, token_t, V, index_t>)(
+        layout, static_cast<index_t>(chunks), static_cast<index_t>(chunks_per_row), grad, perm, inverse,
         grad_tokens);
-  } else {
-    MJP_LAUNCH(blocks_for(chunks), kThreads, 0, stream, position_move_back_kernel<grad_t, token_t, V, int64_t>)(
-        layout, chunks, chunks_per_row, grad, perm, inverse, grad_tokens);
-  }
+  });
   return cudaGetLastError();
 }
 
