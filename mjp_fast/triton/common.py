@@ -170,13 +170,12 @@ def power_of_two_tile(size: int, smallest: int, largest: int) -> int:
 
 
 @functools.cache
-def _cuda_multiprocessors(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+def _cuda_properties(index: int):
+    return torch.cuda.get_device_properties(index)
 
 
-@functools.cache
-def _cuda_shared_memory_optin(index: int) -> int:
-    return torch.cuda.get_device_properties(index).shared_memory_per_block_optin
+def _cuda_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def shared_memory_optin(device: torch.device) -> int:
@@ -184,14 +183,14 @@ def shared_memory_optin(device: torch.device) -> int:
     other devices."""
     if device.type != "cuda":
         return 0
-    return _cuda_shared_memory_optin(device.index if device.index is not None else torch.cuda.current_device())
+    return _cuda_properties(_cuda_index(device)).shared_memory_per_block_optin
 
 
 def multiprocessors(device: torch.device) -> int:
     """SMs of a CUDA device (asked once per device: the query costs host time on every launch); 1 otherwise."""
     if device.type != "cuda":
         return 1
-    return _cuda_multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
+    return _cuda_properties(_cuda_index(device)).multi_processor_count
 
 
 def dot_precision(dtype: torch.dtype) -> str:

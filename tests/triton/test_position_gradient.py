@@ -149,13 +149,13 @@ def test_multiprocessors_are_asked_once_per_device(monkeypatch):
         return type("Properties", (), {"multi_processor_count": 132})()
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", properties)
-    common._cuda_multiprocessors.cache_clear()
+    common._cuda_properties.cache_clear()
     try:
         assert [common.multiprocessors(torch.device("cuda", 0)) for _ in range(3)] == [132] * 3
         assert common.multiprocessors(torch.device("cpu")) == 1
         assert queries == [0]
     finally:
-        common._cuda_multiprocessors.cache_clear()
+        common._cuda_properties.cache_clear()
 
 
 # -- the kernels -------------------------------------------------------------------------------------------------
