@@ -100,9 +100,15 @@ def test_fused_eval_equals_the_plain_model(variant):
         assert torch.equal(fused.mjp.last_jigsaw.perm, reference.mjp.last_jigsaw.perm)
 
 
-def test_image_gradients_and_the_dal_loss_match():
+BACKENDS = ["cpu", pytest.param("triton", marks=pytest.mark.skipif(not HAS_TRITON, reason="needs the interpreter"))]
+
+
+@pytest.mark.parametrize("dal", ["linear", "nonlinear"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_image_gradients_and_the_dal_loss_match(backend, dal):
+    # the loop's explicit mjp_aux_loss(): on triton the embedding and the DAL loss are one node (its loss claimed)
     torch.manual_seed(0)
-    fused, reference = fused_and_reference(small_vit(reg_tokens=1), dal="linear")
+    fused, reference = fused_and_reference(small_vit(reg_tokens=1), backend=backend, dal=dal)
     images = torch.randn(2, 3, 32, 32, requires_grad=True)
     grads = []
     for model in (fused, reference):
@@ -115,12 +121,18 @@ def test_image_gradients_and_the_dal_loss_match():
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton (the interpreter runs its kernels on the CPU)")
+@pytest.mark.parametrize("dal", [None, "nonlinear", "linear"])
 @pytest.mark.parametrize("variant", ["class_token", "no_embed_class"])
-def test_triton_backend_equals_the_unfused_path(variant):
+def test_triton_backend_equals_the_unfused_path(variant, dal):
+    # with DAL in training, the embedding and the DAL loss run as one node (its backward adds DAL's share of the
+    # table's gradient into the embedding's): every gradient, the regressor's too, as timm's path with the torch one
     torch.manual_seed(0)
-    fused, reference = fused_and_reference(small_vit(**VARIANTS[variant], embed_dim=16), backend="triton")
+    plain = small_vit(**VARIANTS[variant], embed_dim=16)
+    fused, reference = fused_and_reference(plain, backend="triton", dal=dal)
     images = torch.randn(2, 3, 32, 32)
-    assert_same_step(fused, reference, images, **FLOAT32)
+    grads = assert_same_step(fused, reference, images, **FLOAT32)
+    if dal is not None:
+        assert grads["mjp.dal_regressor.net.weight" if dal == "linear" else "mjp.dal_regressor.net.2.weight"].any()
     fused.eval(), reference.eval()
     assert_same_step(fused, reference, images, **FLOAT32)
 
@@ -129,10 +141,13 @@ def _relative_error(value, reference):
     return ((value.float() - reference.float()).norm() / reference.float().norm()).item()
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("mode", ["train", "eval"])
-def test_autocast_bfloat16_dtypes_and_error(mode):
+def test_autocast_bfloat16_dtypes_and_error(mode, backend):
+    # triton: autocast's bfloat16 rounding done in the kernels' loads (compute_dtype), the float32 weight's gradient
+    # returned as it is; with the DAL loss of the training step in the same node
     torch.manual_seed(0)
-    fused, reference = fused_and_reference(small_vit(reg_tokens=1))
+    fused, reference = fused_and_reference(small_vit(reg_tokens=1), backend=backend, dal="nonlinear")
     getattr(fused, mode)(), getattr(reference, mode)()
     images = torch.randn(4, 3, 32, 32)
     counter = reference.mjp.sampler.sample_counter.clone()

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from mjp_fast import backend as backend_module
 from mjp_fast._validate import check_float_dtype, check_position_table, check_same_device, check_tensor
+from mjp_fast.ops.dal_regressor import fused_layers
 from mjp_fast.ops.pos_embed import (
     check_unk_embed,
     mjp_pos_embed_torch,
@@ -186,26 +187,31 @@ def _mjp_patch_embed_torch(
 
 
 if backend_module.triton_usable():
+    from mjp_fast.triton import dal_loss as _triton_dal_kernels
     from mjp_fast.triton import patch_embed as _triton_patch_embed
 
 
-def _setup_context(ctx, inputs: tuple, output: torch.Tensor, kernels: str | None = None) -> None:
+def _setup_context(
+    ctx, inputs: tuple, output: torch.Tensor, kernels: str | None = None, more_saved: tuple = ()
+) -> None:
     """What a backward of the kernels keeps, for both ways in: :class:`_PatchEmbedKernels` (``kernels`` None: its
     last input names the backend) and the operators' own autograd (``kernels``: ``"extension"`` or ``"triton"``).
 
-    ``inputs``: ``(images, weight, bias, pos_embed, unk_embed, perm, mask, prefix, prefix_positions, ...)``, the
-    operators' order; a caller of an operator may leave the defaults (prefix, Q) out. The images are saved, not the
-    gathered patches: nothing of size ``B*N*C*P*P`` is kept.
+    ``inputs``: ``(images, weight, bias, pos_embed, unk_embed, perm, mask, prefix, prefix_positions, out_dtype,
+    compute_dtype, ...)``, the operators' order (the extension's end at ``prefix_positions``); a caller of an
+    operator may leave the defaults out. The images are saved, not the gathered patches: nothing of size
+    ``B*N*C*P*P`` is kept. ``more_saved``: tensors saved after those (a node that also computes the DAL loss).
     """
     images, weight, bias, pos_embed, unk_embed, perm, mask, *layout = inputs
     prefix = layout[0] if layout else None
     prefix_positions = layout[1] if len(layout) > 1 else 0
     ctx.num_inputs = len(inputs)
-    ctx.kernels = kernels if kernels is not None else ("triton" if layout[3] == "triton" else "extension")
+    ctx.kernels = kernels if kernels is not None else ("triton" if layout[4] == "triton" else "extension")
+    ctx.compute_dtype = layout[3] if len(layout) > 3 else None
     # The node's eager backward launches the Triton kernels itself; an operator's autograd calls the backward
     # operator (it may run under tracing: fake tensors have no memory to launch on).
     ctx.launch_directly = kernels is None
-    ctx.save_for_backward(images, weight, perm, mask)
+    ctx.save_for_backward(images, weight, perm, mask, *more_saved)
     # The Triton kernels take the position terms and the prefix in their own dtype: their gradients come back in
     # those dtypes (a float32 table under autocast gets a float32 gradient, no cast).
     ctx.dtypes = (
@@ -222,7 +228,7 @@ def _setup_context(ctx, inputs: tuple, output: torch.Tensor, kernels: str | None
 def _backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     """The gradients of the inputs :func:`_setup_context` saw, one backward call: the compiled kernels as their C++
     operator; the Triton kernels through their launcher (eager :class:`_PatchEmbedKernels`), else their operator."""
-    images, weight, perm, mask = ctx.saved_tensors
+    images, weight, perm, mask = ctx.saved_tensors[:4]
     needs = ctx.needs_input_grad
     has_bias, has_unk, has_prefix = ctx.present
     wanted = (needs[0], needs[1], needs[2] and has_bias, needs[3], needs[4] and has_unk, has_prefix and needs[7])
@@ -230,11 +236,11 @@ def _backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     if ctx.kernels == "triton":
         direct = ctx.launch_directly and not torch.compiler.is_compiling()
         launch = _triton_patch_embed.patch_embed_backward_launch if direct else None
-        grads = (launch or torch.ops.mjp_fast.patch_embed_triton_backward)(*arguments, *ctx.dtypes)
+        grads = (launch or torch.ops.mjp_fast.patch_embed_triton_backward)(*arguments, *ctx.dtypes, ctx.compute_dtype)
     else:
         grads = torch.ops.mjp_fast.patch_embed_extension_backward(*arguments)
     grads = [grad if want else None for grad, want in zip(grads, wanted)]
-    return (*grads[:5], None, None, grads[5], None, None, None)[: ctx.num_inputs]
+    return (*grads[:5], None, None, grads[5], None, None, None, None)[: ctx.num_inputs]
 
 
 class _PatchEmbedKernels(torch.autograd.Function):
@@ -242,26 +248,69 @@ class _PatchEmbedKernels(torch.autograd.Function):
 
     The compiled kernels run as their C++ operators, eager or compiled: one dispatcher call each way. The Triton
     kernels run eagerly through their launchers (the Python operator wrappers cost host time a GPU step feels),
-    under torch.compile as their operators. Inputs: the operators' (see :func:`_setup_context`), then ``out_dtype``
-    and the backend. The operators themselves get the same autograd (:func:`_setup_context`, :func:`_backward`),
-    for a caller of ``torch.ops.mjp_fast.patch_embed_*``.
+    under torch.compile as their operators. Inputs: the operators' (see :func:`_setup_context`), then ``out_dtype``,
+    ``compute_dtype`` (Triton's) and the backend. The operators themselves get the same autograd
+    (:func:`_setup_context`, :func:`_backward`), for a caller of ``torch.ops.mjp_fast.patch_embed_*``.
     """
 
     @staticmethod
     def forward(
-        ctx, images, weight, bias, pos_embed, unk_embed, perm, mask, prefix, prefix_positions, out_dtype, backend
-    ):  # type: ignore[override]
+        ctx, images, weight, bias, pos_embed, unk_embed, perm, mask, prefix, prefix_positions, out_dtype,
+        compute_dtype, backend,
+    ):  # type: ignore[override]  # fmt: skip
         arguments = (images, weight, bias, pos_embed, unk_embed, perm, mask, prefix, prefix_positions)
         # The context of the operators' own autograd, set here: a Function with a separate setup_context costs
         # about 0.1 ms more host time per step on the CPU.
-        _setup_context(ctx, (*arguments, out_dtype, backend), None)
+        _setup_context(ctx, (*arguments, out_dtype, compute_dtype, backend), None)
         if backend == "triton":
             if torch.compiler.is_compiling():
-                return torch.ops.mjp_fast.patch_embed_triton(*arguments, out_dtype)
-            return _triton_patch_embed.patch_embed_forward_launch(*arguments, out_dtype)
+                return torch.ops.mjp_fast.patch_embed_triton(*arguments, out_dtype, compute_dtype)
+            return _triton_patch_embed.patch_embed_forward_launch(*arguments, out_dtype, compute_dtype)
         return torch.ops.mjp_fast.patch_embed_extension(*arguments)
 
     backward = staticmethod(_backward)
+
+
+class _PatchEmbedWithDALTriton(torch.autograd.Function):
+    """The ``triton`` patch embedding (as :class:`_PatchEmbedKernels`) and the DAL loss of its position table as one
+    autograd node (eager only), as :class:`mjp_fast.ops.pos_embed._StepWithDALTriton` is for the token path: the
+    same launches as the two nodes, one node's bookkeeping, and the DAL backward adds its share of the table's
+    gradient into the embedding's in the same pass (no second tensor, no add).
+
+    Inputs: :class:`_PatchEmbedKernels`'s without the backend, then the regressor's layers ``w1, b1, w2, b2``
+    (``w1`` and ``b1`` None for the linear one), ``coords`` float32 ``[N, 2]``, ``dal_mask`` bool ``[B, N]`` and
+    ``scale``. Outputs ``(tokens [B, P + N, D], loss [])``: DAL skips the table's first ``prefix_positions`` rows.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx, images, weight, bias, pos_embed, unk_embed, perm, mask, prefix, prefix_positions, out_dtype,
+        compute_dtype, w1, b1, w2, b2, coords, dal_mask, scale,
+    ):  # fmt: skip
+        arguments = (images, weight, bias, pos_embed, unk_embed, perm, mask, prefix, prefix_positions)
+        out = _triton_patch_embed.patch_embed_forward_launch(*arguments, out_dtype, compute_dtype)
+        loss, saved = _triton_dal_kernels.dal_forward_launch(
+            pos_embed, prefix_positions, w1, b1, w2, b2, coords, dal_mask, scale
+        )
+        inputs = (*arguments, out_dtype, compute_dtype, "triton")
+        _setup_context(ctx, inputs, out, more_saved=(pos_embed, w1, w2, coords, saved))
+        ctx.num_inputs = len(inputs) - 1  # no backend among this node's inputs
+        ctx.scale, ctx.has_bias = scale, (b1 is not None, b2 is not None)
+        return out, loss
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_loss):  # type: ignore[override]
+        grads = _backward(ctx, grad_out)
+        pos_embed, w1, w2, coords, saved = ctx.saved_tensors[4:]
+        grad_pos = grads[3]
+        _, grad_w1, grad_b1, grad_w2, grad_b2 = _triton_dal_kernels.dal_backward_launch(
+            grad_loss, pos_embed, ctx.layout[1], w1, w2, coords, saved, ctx.scale, *ctx.has_bias, grad_pos=grad_pos
+        )
+        has_b1, has_b2 = ctx.has_bias
+        return (
+            *grads, grad_w1 if w1 is not None else None, grad_b1 if has_b1 else None, grad_w2,
+            grad_b2 if has_b2 else None, None, None, None,
+        )  # fmt: skip
 
 
 if backend_module.extension() is not None:
@@ -278,7 +327,7 @@ if backend_module.triton_usable():
 def patch_embed_step(
     images: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pos_embed: torch.Tensor,
     unk_embed: torch.Tensor | None, jigsaw: Jigsaw | None, backend: str, prefix: torch.Tensor | None = None,
-    prefix_positions: int = 0, out_dtype: torch.dtype | None = None,
+    prefix_positions: int = 0, out_dtype: torch.dtype | None = None, compute_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """A ViT's patch embedding and whole position step in one operation each way, for callers that checked the
     arguments and resolved the backend (the timm models' per-step path).
@@ -292,10 +341,17 @@ def patch_embed_step(
         out_dtype: the output's dtype (default the images'). The Triton kernels add the position terms and the prefix
             in float32 from their own dtype and write it directly; the compiled ones take everything in the images'
             dtype, and the result is cast.
+        compute_dtype: autocast's dtype, or None: the patch projection runs in it as timm's convolution would under
+            autocast (its floating inputs but float64 ones rounded to it). The Triton kernels take the images,
+            weight and bias as they are and round each tile as they load it; the other backends get the cast
+            tensors.
 
     Returns:
         ``[B, P + N, D]``.
     """
+    if compute_dtype is not None and (backend != "triton" or images.dtype == torch.float64):
+        images, weight, bias = (autocast_like_conv(tensor, compute_dtype) for tensor in (images, weight, bias))
+        compute_dtype = None
     dtype = images.dtype
     out_dtype = out_dtype or dtype
     perm, mask = (None, None) if jigsaw is None else (jigsaw.perm, jigsaw.mask)
@@ -309,8 +365,9 @@ def patch_embed_step(
     if backend == "triton":
         pos_embed, prefix = pos_embed.contiguous(), prefix.contiguous() if prefix is not None else None
         return _PatchEmbedKernels.apply(
-            images, weight, bias, pos_embed, unk_embed, perm, mask, prefix, prefix_positions, out_dtype, backend
-        )
+            images, weight, bias, pos_embed, unk_embed, perm, mask, prefix, prefix_positions, out_dtype,
+            compute_dtype, backend,
+        )  # fmt: skip
     tokens = _PatchEmbedKernels.apply(
         images,
         weight,
@@ -322,9 +379,52 @@ def patch_embed_step(
         prefix.to(dtype).contiguous() if prefix is not None else None,
         prefix_positions,
         None,
+        None,
         backend,
     )
     return tokens.to(out_dtype)
+
+
+# The backends whose fused patch embedding computes the DAL loss of its table in the same node
+# (:func:`patch_embed_dal_step`).
+EMBED_WITH_DAL_BACKENDS = frozenset({"triton"})
+
+
+def patch_embed_dal_step(
+    images: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pos_embed: torch.Tensor,
+    unk_embed: torch.Tensor | None, jigsaw: Jigsaw, backend: str, prefix: torch.Tensor | None,
+    prefix_positions: int, regressor: torch.nn.Module, coords: torch.Tensor, dal_mask: torch.Tensor, scale: float,
+    out_dtype: torch.dtype | None = None, compute_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
+    """:func:`patch_embed_step` and the DAL loss of the same table (``pos_embed``, its first ``prefix_positions``
+    rows skipped) as one autograd node, for the timm models' training step: ``(tokens, dal_loss)``, or None where
+    that does not apply (then call the two functions): a backend other than ``triton`` (the extension's backends
+    run their two operators), a regressor the fused kernels do not compute, float64, or torch.compile (which sees
+    the two operators and fuses what it likes).
+
+    The arguments are :func:`patch_embed_step`'s, then the DAL loss's: ``regressor``, ``coords`` float32 ``[N, 2]``,
+    ``dal_mask`` bool ``[B, N]`` (the positions the loss leaves out: the sampled mask) and ``scale``.
+    """
+    if backend not in EMBED_WITH_DAL_BACKENDS or torch.compiler.is_compiling():
+        return None
+    if torch.float64 in (images.dtype, pos_embed.dtype):
+        return None
+    layers = fused_layers(regressor)
+    if layers is None:
+        return None
+    prefix = prefix.contiguous() if prefix is not None else None
+    return _PatchEmbedWithDALTriton.apply(
+        images, weight, bias, pos_embed.contiguous(), unk_embed, jigsaw.perm, jigsaw.mask, prefix, prefix_positions,
+        out_dtype or images.dtype, compute_dtype, *layers, coords, dal_mask, scale,
+    )  # fmt: skip
+
+
+def autocast_like_conv(tensor: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """``tensor`` as autocast gives it to a convolution running in ``dtype``: floating tensors but float64 ones
+    cast, anything else as it is."""
+    if tensor is None or not tensor.is_floating_point() or tensor.dtype in (dtype, torch.float64):
+        return tensor
+    return tensor.to(dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------------

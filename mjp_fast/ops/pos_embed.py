@@ -299,7 +299,7 @@ STEP_WITH_DAL_BACKENDS = frozenset({"cpu", "cuda", "triton"})
 _PROMOTED: dict[tuple[torch.dtype, torch.dtype], torch.dtype] = {}
 
 
-def _promoted(first: torch.dtype, second: torch.dtype) -> torch.dtype:
+def promoted_dtype(first: torch.dtype, second: torch.dtype) -> torch.dtype:
     """``torch.promote_types``, remembered: the function is a dispatched operator, and this runs every step."""
     key = (first, second)
     if key not in _PROMOTED:
@@ -352,7 +352,7 @@ def mjp_position_step(
         ``[B, P + N, D]`` in the dtype ``tokens + pos_embed`` promotes to (timm's add under autocast: float32).
     """
     dim = tokens.shape[2]
-    dtype = _promoted(tokens.dtype, pos_embed.dtype)  # as timm's own add (autocast: bfloat16 + float32 table)
+    dtype = promoted_dtype(tokens.dtype, pos_embed.dtype)  # as timm's own add (autocast: bfloat16 + float32 table)
     if not has_kernels(backend, dtype):
         patch_rows = pos_embed[..., prefix_positions:, :].reshape(tokens.shape[1], dim)  # not -1: D may be 0
         moved = mjp_pos_embed_torch(tokens, patch_rows, unk_embed, jigsaw)
@@ -418,7 +418,7 @@ def mjp_position_dal_step(
     layers = fused_layers(regressor)
     if layers is None or torch.compiler.is_compiling():
         return None
-    dtype = _promoted(tokens.dtype, pos_embed.dtype)
+    dtype = promoted_dtype(tokens.dtype, pos_embed.dtype)
     if dtype != pos_embed.dtype:  # DAL regresses the table as it is, the step would round it
         return None
     inputs = _kernel_inputs(tokens, pos_embed, unk_embed, jigsaw, prefix, prefix_positions, dtype)

@@ -21,9 +21,10 @@ from mjp_fast._validate import check_int
 from mjp_fast.core import MJPCore, MJPSettings
 from mjp_fast.ops.aux_loss import attach_aux_loss, explicit_aux_loss, keep_in_graph
 from mjp_fast.ops.jigsaw_images import jigsaw_images
+from mjp_fast.ops.patch_embed import EMBED_WITH_DAL_BACKENDS
 from mjp_fast.ops.pos_embed import STEP_WITH_DAL_BACKENDS, mjp_position_dal_step, mjp_position_step
 from mjp_fast.sampler.jigsaw import Jigsaw
-from mjp_fast.timm.fused import fused_patch_embed, plain_position_step
+from mjp_fast.timm.fused import fused_patch_embed, fused_patch_embed_with_dal, plain_position_step
 from mjp_fast.timm.schedule import DEFAULT_DAL_WEIGHT, check_dal_weight
 
 
@@ -159,7 +160,12 @@ class MJPState(MJPCore):
         if weight is not None:
             # The jigsaw is applied where the patches are cut, the position terms in the GEMM's epilogue.
             unk_embed = unk_embed if jigsaw is not None else None
-            out = fused_patch_embed(x, weight, bias, pos_table, unk_embed, jigsaw, self, prefix, prefix_positions)
+            embed = (x, weight, bias, pos_table, unk_embed, jigsaw, prefix, prefix_positions)
+            stepped = self._embedded_with_dal(*embed, regressor, dal_table, dal_grid, sampled)
+            if stepped is None:
+                out = fused_patch_embed(x, weight, bias, pos_table, unk_embed, jigsaw, self, prefix, prefix_positions)
+            else:
+                out, loss = stepped
         elif jigsaw is None:
             out = plain_position_step(x, pos_table, prefix, prefix_positions)
         else:
@@ -189,6 +195,27 @@ class MJPState(MJPCore):
         # The sampler's forward, not its __call__: a submodule of ours, with no hooks to run (a step's host time).
         sampled = sampler.forward(x.shape[0], x.device, grid)
         return sampled, sampled
+
+    def _embedded_with_dal(
+        self, images: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pos_table: torch.Tensor,
+        unk_embed: torch.Tensor | None, jigsaw: Jigsaw | None, prefix: torch.Tensor | None, prefix_positions: int,
+        regressor: torch.nn.Module | None, dal_table: torch.Tensor, dal_grid: tuple[int, int] | None,
+        sampled: Jigsaw | None,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
+        """The fused patch embedding and the DAL loss of its table as one operation, ``(out, loss)``, where the
+        backend has one (``triton``) and the step has both (training with a regressor, a jigsaw, DAL regressing the
+        position table of the step's grid); else None."""
+        if regressor is None or jigsaw is None or sampled is None or dal_table is not pos_table:
+            return None
+        if self.backend_for(images.device) not in EMBED_WITH_DAL_BACKENDS:
+            return None
+        coords = self.dal_coordinates_for(dal_grid, images.device)
+        if sampled.mask.shape[1] != coords.shape[0]:  # the mask is of another grid than the DAL table's
+            return None
+        return fused_patch_embed_with_dal(
+            images, weight, bias, pos_table, unk_embed, jigsaw, self, prefix, prefix_positions, regressor, coords,
+            sampled.mask, self.dal_scale,
+        )  # fmt: skip
 
     def _moved_tokens(
         self, x: torch.Tensor, pos_table: torch.Tensor, unk_embed: torch.Tensor, jigsaw: Jigsaw,

@@ -60,39 +60,69 @@ from mjp_fast.triton.common import (
     tile_size,
 )
 
-# How _dot multiplies its two tiles (its UPCAST argument, from :func:`_mixing`).
-SAME_DTYPE, UPCAST_BOTH, ROUND_FIRST = 0, 1, 2
+# How _dot multiplies its two tiles (from :func:`_mixing`): UPCAST, after the rounding.
+SAME_DTYPE, UPCAST_BOTH = 0, 1
+# ROUND: the dtype _dot rounds both tiles to first (autocast's dtype, or the half-precision operand's). The
+# interpreter's own conversion to bfloat16 rounds wrongly (a carry out of the mantissa is lost; triton 3.8), so there
+# the tiles are rounded to bfloat16 values by their bits and kept in float32 (BFLOAT16_IN_FLOAT32).
+KEEP, TO_BFLOAT16, TO_FLOAT16, BFLOAT16_IN_FLOAT32 = 0, 1, 2, 3
+_ROUNDING = {torch.bfloat16: TO_BFLOAT16, torch.float16: TO_FLOAT16}
 
 
 @triton.jit
-def _dot(a, b, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+def _bfloat16_in_float32(x):
+    """``x`` rounded to the nearest bfloat16 (ties to even), as float32; NaN stays NaN."""
+    x = x.to(tl.float32)
+    bits = x.to(tl.uint32, bitcast=True)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    return tl.where(x == x, rounded, x)
+
+
+@triton.jit
+def _dot(a, b, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr, ROUND: tl.constexpr):
+    # Both tiles rounded first (ROUND): autocast's cast of the convolution's operands, done as they are loaded.
+    if ROUND == 1:  # TO_BFLOAT16
+        a = a.to(tl.bfloat16)
+        b = b.to(tl.bfloat16)
+    elif ROUND == 2:  # TO_FLOAT16
+        a = a.to(tl.float16)
+        b = b.to(tl.float16)
+    elif ROUND == 3:  # BFLOAT16_IN_FLOAT32 (the interpreter's)
+        a = _bfloat16_in_float32(a)
+        b = _bfloat16_in_float32(b)
     # One return after the branches: the compiler builds every statement that follows a constexpr `if` whose body
     # returns, so `return` inside the `if` would still compile tl.dot on the raw (possibly mixed-dtype) tiles.
     if UPCAST == 1:  # UPCAST_BOTH: mixed operand dtypes, or bfloat16 in the interpreter (which multiplies it wrongly)
         acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    elif UPCAST == 2:  # ROUND_FIRST: a float32 gradient against autocast's half-precision operand
-        acc = tl.dot(a.to(b.dtype), b, acc, input_precision=PRECISION)
     else:
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
     return acc
 
 
-def _mixing(first: torch.dtype, second: torch.dtype, *, gradient: bool = False) -> int:
-    """How a kernel multiplies a tile of ``first`` by one of ``second`` (:func:`_dot`'s UPCAST); ``gradient``:
-    ``first`` is the output's gradient (the backward's kernels).
+def _mixing(
+    first: torch.dtype, second: torch.dtype, *, gradient: bool = False, compute: torch.dtype | None = None
+) -> tuple[int, int]:
+    """How a kernel multiplies a tile of ``first`` by one of ``second``: :func:`_dot`'s ``(UPCAST, ROUND)``.
+    ``gradient``: ``first`` is the output's gradient (the backward's kernels); ``compute``: the dtype the op
+    multiplies in, when the caller names one (autocast's).
 
-    The backward's float32 gradient against the images or weight that autocast gave the op in bfloat16 or float16
-    (the output is float32: the position terms are the float32 table's): the gradient is rounded to that dtype and
-    multiplied on the tensor cores, as timm's convolution gets its gradient (the add of the float32 table hands it
-    back in the convolution's dtype). Multiplying in float32 instead ("ieee": no tensor cores) made the weight's
-    gradient of DeiT-S at batch 256 take 9.7 ms (14 ms with the jigsaw's gather) of GPU time on an H100
-    (2026-11-27), most of a 54 ms step. The interpreter keeps float32 (it multiplies bfloat16 wrongly); other mixed
-    pairs multiply in float32."""
-    if first == second:
-        return UPCAST_BOTH if dot_upcast(first, second) else SAME_DTYPE
-    if gradient and first == torch.float32 and second in (torch.bfloat16, torch.float16) and not interpreting():
-        return ROUND_FIRST
-    return UPCAST_BOTH
+    With ``compute`` bfloat16 or float16, both tiles are rounded to it as they are loaded and multiplied on the
+    tensor cores: under autocast the op takes the float32 images and weight as they are, and does in its loads what
+    autocast's casts of timm's convolution do (no cast of the images before the op, none of the weight's gradient
+    after it). Without ``compute``, a float32 gradient against bfloat16 or float16 images or weight (the output is
+    float32: the position terms are the float32 table's) is rounded to their dtype, as timm's convolution gets its
+    gradient (the add of the float32 table hands it back in the convolution's dtype). Multiplying in float32
+    instead ("ieee": no tensor cores) made the weight's gradient of DeiT-S at batch 256 take 9.7 ms (14 ms with the
+    jigsaw's gather) of GPU time on an H100 (2026-11-27), most of a 54 ms step. The interpreter rounds as a GPU
+    does but multiplies rounded bfloat16 tiles in float32 (it multiplies bfloat16 wrongly: the products are the
+    same, the sums' order differs); other mixed pairs multiply in float32."""
+    if compute is None and gradient and first == torch.float32 and second in _ROUNDING:
+        compute = second
+    if compute == torch.bfloat16 and interpreting():
+        return UPCAST_BOTH, BFLOAT16_IN_FLOAT32
+    if compute in _ROUNDING:
+        return SAME_DTYPE, _ROUNDING[compute]
+    return (UPCAST_BOTH if dot_upcast(first, second) else SAME_DTYPE), KEEP
 
 
 @triton.jit
@@ -202,7 +232,7 @@ def _forward_patch_tile(
     images_ptr, weight_ptr, bias_ptr, pos_ptr, unk_ptr, perm_ptr, mask_ptr, out_ptr, program, total_tokens,
     num_positions, cols, K, D, stride_b, stride_c, stride_h, stride_w, prefix_count, prefix_positions,
     PATCH: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_PERM: tl.constexpr, HAS_MASK: tl.constexpr,
-    HAS_PREFIX: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_PREFIX: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, ROUND: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """A tile of patch tokens: the GEMM of their patches, then bias and ``unk`` or ``pos[Q + n]``. The arguments
@@ -223,7 +253,7 @@ def _forward_patch_tile(
             mask=(k_index[:, None] < K) & (channels[None, :] < D),
             other=0.0,
         )
-        acc = _dot(patches, w_tile, acc, PRECISION, UPCAST)
+        acc = _dot(patches, w_tile, acc, PRECISION, UPCAST, ROUND)
     token_ok = tokens < total_tokens
     channel_ok = channels < D
     position = tokens % num_positions
@@ -273,7 +303,7 @@ def _forward_kernel(
     prefix_positions,  # Q: 0 or P (HAS_PREFIX)
     token_bucket,  # tuning_bucket(B * N): the autotuning key, never read
     PATCH: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_PERM: tl.constexpr, HAS_MASK: tl.constexpr,
-    HAS_PREFIX: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_PREFIX: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, ROUND: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     # Programs along axis 0: first the patch tokens' tiles (GEMM and epilogue), then (HAS_PREFIX) the prefix rows'
@@ -285,8 +315,8 @@ def _forward_kernel(
             _forward_patch_tile(
                 images_ptr, weight_ptr, bias_ptr, pos_ptr, unk_ptr, perm_ptr, mask_ptr, out_ptr, tl.program_id(0),
                 total_tokens, num_positions, cols, K, D, stride_b, stride_c, stride_h, stride_w, prefix_count,
-                prefix_positions, PATCH, HAS_BIAS, HAS_PERM, HAS_MASK, HAS_PREFIX, PRECISION, UPCAST, BLOCK_M,
-                BLOCK_D, BLOCK_K,
+                prefix_positions, PATCH, HAS_BIAS, HAS_PERM, HAS_MASK, HAS_PREFIX, PRECISION, UPCAST, ROUND,
+                BLOCK_M, BLOCK_D, BLOCK_K,
             )  # fmt: skip
         else:
             prefix_rows_tile(
@@ -298,8 +328,8 @@ def _forward_kernel(
         _forward_patch_tile(
             images_ptr, weight_ptr, bias_ptr, pos_ptr, unk_ptr, perm_ptr, mask_ptr, out_ptr, tl.program_id(0),
             total_tokens, num_positions, cols, K, D, stride_b, stride_c, stride_h, stride_w, prefix_count,
-            prefix_positions, PATCH, HAS_BIAS, HAS_PERM, HAS_MASK, HAS_PREFIX, PRECISION, UPCAST, BLOCK_M, BLOCK_D,
-            BLOCK_K,
+            prefix_positions, PATCH, HAS_BIAS, HAS_PERM, HAS_MASK, HAS_PREFIX, PRECISION, UPCAST, ROUND, BLOCK_M,
+            BLOCK_D, BLOCK_K,
         )  # fmt: skip
 
 
@@ -316,7 +346,7 @@ def _grad_weight_kernel(
     stride_b, stride_c, stride_h, stride_w,  # images'
     prefix_count,  # P (HAS_PREFIX): rows of each sample of grad before its patch rows
     PATCH: tl.constexpr, HAS_PERM: tl.constexpr, HAS_PREFIX: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr, ROUND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     channels = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
     k_index = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -338,7 +368,7 @@ def _grad_weight_kernel(
             stride_w, last, K, HAS_PERM,
         )  # fmt: skip
         patches = tl.load(address, mask=valid, other=0.0)
-        acc = _dot(grad_t, patches, acc, PRECISION, UPCAST)
+        acc = _dot(grad_t, patches, acc, PRECISION, UPCAST, ROUND)
     tl.store(
         partial_ptr + split.to(tl.int64) * D * K + channels[:, None].to(tl.int64) * K + k_index[None, :],
         acc,
@@ -360,7 +390,7 @@ def _grad_images_kernel(
     prefix_count,  # P (HAS_PREFIX): rows of each sample of grad before its patch rows
     token_bucket,  # tuning_bucket(B * N): the autotuning key, never read
     PATCH: tl.constexpr, HAS_PERM: tl.constexpr, HAS_PREFIX: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr, ROUND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     tokens = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     k_index = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -379,7 +409,7 @@ def _grad_images_kernel(
             mask=(channels[:, None] < D) & (k_index[None, :] < K),
             other=0.0,
         )
-        acc = _dot(grad, w_tile, acc, PRECISION, UPCAST)
+        acc = _dot(grad, w_tile, acc, PRECISION, UPCAST, ROUND)
     # The token shows the patch at perm: its gradient goes back there. A permutation: no collisions (any other perm:
     # one of the tokens that show a patch wins, see mjp_fast/_validate.py).
     address, valid = _patch_addresses(
@@ -434,6 +464,7 @@ def patch_embed_forward_launch(
     prefix: torch.Tensor | None = None,
     prefix_positions: int = 0,
     out_dtype: torch.dtype | None = None,
+    compute_dtype: torch.dtype | None = None,
     *,
     traced: bool = False,
 ) -> torch.Tensor:
@@ -451,6 +482,10 @@ def patch_embed_forward_launch(
         prefix: the prefix tokens (class, registers), contiguous, ``P * D`` elements (``[1, P, D]``, ``[P, D]``);
             None when ``P = 0``.
         prefix_positions: ``Q``, 0 or ``P``: the leading rows of ``pos_embed`` that belong to the prefix tokens.
+        out_dtype: the output's dtype (default the images').
+        compute_dtype: the dtype the GEMM multiplies in (default: the images' and weight's, see :func:`_mixing`).
+            bfloat16 or float16 under autocast: the images and weight may be float32, each tile is rounded to it as
+            it is loaded (autocast's casts, fused into the loads).
         traced: launch through ``torch.library.wrap_triton`` (inside the torch operator).
 
     ``out[b, t] = prefix[t] + (pos[t] if t < Q else 0)`` for ``t < P``; ``out[b, P + n] = patch(b, perm[b, n]) @
@@ -498,10 +533,16 @@ def patch_embed_forward_launch(
         HAS_PERM=perm is not None,
         HAS_MASK=mask is not None,
         HAS_PREFIX=prefix_count > 0,
-        PRECISION=dot_precision(images.dtype),
-        UPCAST=_mixing(images.dtype, weight.dtype),
+        PRECISION=dot_precision(compute_dtype or images.dtype),
+        **_dot_flags(images.dtype, weight.dtype, compute=compute_dtype),
     )
     return out
+
+
+def _dot_flags(first: torch.dtype, second: torch.dtype, **mixing) -> dict[str, int]:
+    """:func:`_dot`'s ``UPCAST`` and ``ROUND`` for a launch (:func:`_mixing`'s arguments)."""
+    upcast, rounding = _mixing(first, second, **mixing)
+    return {"UPCAST": upcast, "ROUND": rounding}
 
 
 def patch_embed_backward_launch(
@@ -523,13 +564,16 @@ def patch_embed_backward_launch(
     pos_dtype: torch.dtype | None = None,
     unk_dtype: torch.dtype | None = None,
     prefix_dtype: torch.dtype | None = None,
+    compute_dtype: torch.dtype | None = None,
     *,
     traced: bool = False,
-) -> list[torch.Tensor]:
-    """``[grad_images, grad_weight, grad_bias, grad_pos, grad_unk, grad_prefix]``: an empty ``[0]`` tensor where
-    not asked for; else in the shape of the input (``pos_shape``, ``prefix_shape``: the forward's table and prefix)
-    and in the dtype of images (grad_images), of weight (grad_weight, grad_bias), or ``pos_dtype``, ``unk_dtype``,
-    ``prefix_dtype`` (default weight's): a float32 table under autocast gets its float32 gradient, no cast after.
+) -> list[torch.Tensor]:  # the operator's schema (its outputs are all tensors); an eager call's may hold None
+    """``[grad_images, grad_weight, grad_bias, grad_pos, grad_unk, grad_prefix]``: where not asked for, None (an
+    eager call) or an empty ``[0]`` tensor (the operator's, ``traced``); else in the shape of the input
+    (``pos_shape``, ``prefix_shape``: the forward's table and prefix) and in the dtype of images (grad_images), of
+    weight (grad_weight, grad_bias), or ``pos_dtype``, ``unk_dtype``, ``prefix_dtype`` (default weight's): a
+    float32 table under autocast gets its float32 gradient, no cast after. ``compute_dtype``: the forward's (the
+    GEMMs round their tiles to it, see :func:`_mixing`).
 
     grad_out ``[B, P + N, D]``. The weight, bias and image gradients come from the patch rows only; grad_pos's
     rows and grad_prefix from the same one pass over grad_out (:func:`launch_position_gradient`).
@@ -544,9 +588,9 @@ def patch_embed_backward_launch(
     weight = weight.contiguous()
     grads: list[torch.Tensor | None] = [None] * 6
     if need_images:
-        grads[0] = _grad_images_launch(grad_out, weight, perm, images, prefix_count, traced)
+        grads[0] = _grad_images_launch(grad_out, weight, perm, images, prefix_count, compute_dtype, traced)
     if need_weight:
-        grads[1] = _grad_weight_launch(grad_out, images, perm, weight, prefix_count, traced)
+        grads[1] = _grad_weight_launch(grad_out, images, perm, weight, prefix_count, compute_dtype, traced)
     if need_bias or need_pos or need_unk or need_prefix:
         _, grad_pos, grad_unk, grad_bias, grad_prefix = launch_position_gradient(
             grad_out,
@@ -568,8 +612,9 @@ def patch_embed_backward_launch(
         ):
             if need:
                 grads[index] = grad
-    # an empty tensor of its own for each gradient not asked for (an operator's outputs may not alias), made only
-    # for those: a training step asks for all but the images' (an allocation is host time on every step)
+    if not traced:  # an eager call (the training step's): no allocation for the images' gradient, not asked for
+        return grads
+    # the operator's: an empty tensor of its own for each gradient not asked for (its outputs may not alias)
     return [grad if grad is not None else grad_out.new_empty(0) for grad in grads]
 
 
@@ -587,6 +632,7 @@ def _grad_images_launch(
     perm: torch.Tensor | None,
     images: torch.Tensor,
     prefix_count: int,
+    compute_dtype: torch.dtype | None,
     traced: bool,
 ) -> torch.Tensor:
     """``grad_images [B, C, H, W]`` in images' dtype: ``grad_out``'s patch rows ``@ weight``, each moved back to its
@@ -618,8 +664,8 @@ def _grad_images_launch(
             PATCH=weight.shape[2],
             HAS_PERM=perm is not None,
             HAS_PREFIX=prefix_count > 0,
-            PRECISION=dot_precision(images.dtype),
-            UPCAST=_mixing(grad_out.dtype, weight.dtype, gradient=True),
+            PRECISION=dot_precision(compute_dtype or images.dtype),
+            **_dot_flags(grad_out.dtype, weight.dtype, gradient=True, compute=compute_dtype),
         )
     elif perm is None:
         grad_images.zero_()  # no patch: nothing to launch
@@ -632,6 +678,7 @@ def _grad_weight_launch(
     perm: torch.Tensor | None,
     weight: torch.Tensor,
     prefix_count: int,
+    compute_dtype: torch.dtype | None,
     traced: bool,
 ) -> torch.Tensor:
     """``grad_weight`` in weight's shape and dtype: the patches ``^T @`` grad_out's patch rows, one launch whose
@@ -646,7 +693,8 @@ def _grad_weight_launch(
     # At least one tile of tokens per split: an empty batch (B = 0) has no tokens at all.
     tokens_per_split = max(block_m, cdiv(cdiv(total, splits), block_m) * block_m)
     splits = max(1, cdiv(total, tokens_per_split))
-    partial = torch.empty(splits, dim, k, dtype=torch.float32, device=images.device)
+    # [splits, D, C, p, p]: the kernel writes [splits, D, K], and the sum over splits has weight's shape (no view)
+    partial = torch.empty(splits, *weight.shape, dtype=torch.float32, device=images.device)
     if total:
         launcher(_grad_weight_kernel, (cdiv(dim, block_d), cdiv(k, block_k), splits), traced)(
             grad_out,
@@ -664,8 +712,8 @@ def _grad_weight_launch(
             PATCH=weight.shape[2],
             HAS_PERM=perm is not None,
             HAS_PREFIX=prefix_count > 0,
-            PRECISION=dot_precision(images.dtype),
-            UPCAST=_mixing(grad_out.dtype, images.dtype, gradient=True),
+            PRECISION=dot_precision(compute_dtype or images.dtype),
+            **_dot_flags(grad_out.dtype, images.dtype, gradient=True, compute=compute_dtype),
             BLOCK_M=block_m,
             BLOCK_D=block_d,
             BLOCK_K=block_k,
@@ -673,7 +721,7 @@ def _grad_weight_launch(
         )
     else:
         partial.zero_()
-    return partial.sum(0).to(weight.dtype).reshape(weight.shape)
+    return partial.sum(0).to(weight.dtype)  # no cast for a float32 weight (autocast's)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -72,13 +72,18 @@ def tiny_models(device: torch.device | str = "cpu", backend: str | None = None) 
     return models
 
 
-def position_steps(models: dict[str, torch.nn.Module], device: torch.device | str = "cpu") -> dict[str, Callable]:
-    """The timed steps: name -> a callable running one forward and backward (see the module's docstring)."""
+def position_steps(
+    models: dict[str, torch.nn.Module], device: torch.device | str = "cpu", autocast: bool | None = None
+) -> dict[str, Callable]:
+    """The timed steps: name -> a callable running one forward and backward (see the module's docstring), under
+    bfloat16 autocast with bfloat16 tokens when ``autocast`` (default: on a GPU, as its training steps run; on the
+    CPU the same operators are dispatched, so the CPU counts what a GPU's host does)."""
     device = torch.device(device)
+    enabled = device.type == "cuda" if autocast is None else autocast
     generator = torch.Generator().manual_seed(1)
     plain = models["plain"]
     num_positions = plain.patch_embed.num_patches
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = torch.bfloat16 if enabled else torch.float32
     tokens = torch.randn(BATCH, num_positions, DIM, generator=generator).to(device, dtype).requires_grad_(True)
     images = torch.randn(BATCH, 3, IMAGE, IMAGE, generator=generator).to(device)
     grad = torch.randn(BATCH, num_positions + plain.num_prefix_tokens, DIM, generator=generator).to(device, dtype)
@@ -91,7 +96,7 @@ def position_steps(models: dict[str, torch.nn.Module], device: torch.device | st
             for parameter in parameters:
                 parameter.grad = None
             tokens.grad = None
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled):
                 out = model._pos_embed(model.patch_embed(images) if embed else tokens)
                 aux = model.mjp_aux_loss() if explicit else None
             if aux is None:  # an MJP model's training forward attached its DAL loss to out

@@ -81,7 +81,7 @@ def _variants() -> list[tuple[str, object, dict[str, str], dict[str, object], di
 
     for dtype, precision in (("bf16", "tf32"), ("fp32", "ieee")):
         torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
-        flags = {"PATCH": 16, "HAS_PERM": True, "PRECISION": precision, "UPCAST": False}
+        flags = {"PATCH": 16, "HAS_PERM": True, "PRECISION": precision, "UPCAST": False, "ROUND": patch_embed.KEEP}
         forward = {
             **{name: f"*{dtype}" for name in ("images_ptr", "weight_ptr", "bias_ptr", "pos_ptr", "unk_ptr")},
             "prefix_ptr": f"*{dtype}",
@@ -187,9 +187,9 @@ def _variants() -> list[tuple[str, object, dict[str, str], dict[str, object], di
                     options,
                 )
             )
-            # Autocast's backward: a float32 gradient (the output is float32) against bfloat16 images and weight,
-            # rounded to bfloat16 and multiplied on the tensor cores (ROUND_FIRST).
-            rounded = {**flags, "UPCAST": patch_embed.ROUND_FIRST}
+            # A float32 gradient (the output is float32) against bfloat16 images and weight, rounded to bfloat16 and
+            # multiplied on the tensor cores (ROUND).
+            rounded = {**flags, "UPCAST": patch_embed.SAME_DTYPE, "ROUND": patch_embed.TO_BFLOAT16}
             variants.append(
                 (
                     "patch_embed grad_images fp32 grad x bf16 weight (round the gradient)",
@@ -219,6 +219,44 @@ def _variants() -> list[tuple[str, object, dict[str, str], dict[str, object], di
                     weight_options,
                 )
             )
+            # Autocast's training step (compute_dtype bfloat16): the float32 images, weight and gradient as they
+            # are, each tile rounded to bfloat16 as it is loaded.
+            fp32 = dict.fromkeys(("images_ptr", "weight_ptr", "grad_ptr"), "*fp32")
+            autocast = {**rounded, "PRECISION": "tf32"}
+            m, d, k, warps, stages = patch_embed.GPU_GEMM_SHAPES[0]
+            gemm_tiles = {"BLOCK_M": m, "BLOCK_D": d, "BLOCK_K": k}
+            gemm_options = {"num_warps": warps, "num_stages": stages}
+            kinds, values = with_prefix(prefix_cases[0][1], forward)
+            forward_flags = {**autocast, "HAS_BIAS": True, "HAS_MASK": True, **gemm_tiles}
+            fp32_forward = {name: kind for name, kind in fp32.items() if name in forward}
+            fp32_forward.update(dict.fromkeys(("bias_ptr", "pos_ptr", "unk_ptr", "prefix_ptr", "out_ptr"), "*fp32"))
+            variants.append(
+                (
+                    "patch_embed forward autocast: fp32 images x fp32 weight rounded to bf16",
+                    patch_embed._forward_kernel.fn,
+                    {**forward, **fp32_forward, **kinds, **dict.fromkeys(forward_flags, "constexpr")},
+                    {**forward_flags, **values},
+                    gemm_options,
+                )
+            )
+            for name, kernel, signature, tile_values, kernel_options in (
+                ("grad_images", patch_embed._grad_images_kernel.fn, grad_images, gemm_tiles, gemm_options),
+                ("grad_weight", patch_embed._grad_weight_kernel, grad_weight, tiles, weight_options),
+            ):
+                kinds, values = with_prefix(prefix_cases[0][1], signature)
+                typed = {argument: kind for argument, kind in fp32.items() if argument in signature}
+                if name == "grad_images":
+                    typed["grad_images_ptr"] = "*fp32"
+                other = "weight" if name == "grad_images" else "images"
+                variants.append(
+                    (
+                        f"patch_embed {name} autocast: fp32 grad x fp32 {other} rounded to bf16",
+                        kernel,
+                        {**signature, **typed, **kinds, **dict.fromkeys((*autocast, *tile_values), "constexpr")},
+                        {**autocast, **tile_values, **values},
+                        kernel_options,
+                    )
+                )
         # The position gradient's tiles as position_gradient_plan gives them on an H100 at DeiT-S's sizes with a
         # class token (256 x (1 + 196) x 384): mjp_pos_embed's backward (inverse move, grad_prefix, no bias) and
         # the patch embedding's (bias, no move).
@@ -472,22 +510,28 @@ def _tile_buffers(kernel, signature, constexprs, options, target) -> list[int]:
 
 def check_weight_gradient_pipelining(target) -> bool:
     """With a perm, the weight gradient at GRAD_WEIGHT_PERM_STAGES pipelines its tiles as deep as without one at the
-    default stages (see patch_embed.GRAD_WEIGHT_PERM_STAGES). Autocast's variant: a float32 gradient, bf16 images."""
+    default stages (see patch_embed.GRAD_WEIGHT_PERM_STAGES). Autocast's variants: a float32 gradient against
+    bfloat16 images, and against float32 images (both rounded to bfloat16 as they are loaded: the training step's)."""
     from mjp_fast.triton import patch_embed
 
-    name = "patch_embed grad_weight fp32 grad x bf16 images (round the gradient)"
-    _, kernel, signature, constexprs, _ = next(variant for variant in _variants() if variant[0] == name)
-    plain = _tile_buffers(
-        kernel, signature, {**constexprs, "HAS_PERM": False}, {"num_stages": patch_embed.GRAD_WEIGHT_STAGES}, target
+    names = (
+        "patch_embed grad_weight fp32 grad x bf16 images (round the gradient)",
+        "patch_embed grad_weight autocast: fp32 grad x fp32 images rounded to bf16",
     )
-    jigsaw = _tile_buffers(
-        kernel, signature, {**constexprs, "HAS_PERM": True}, {"num_stages": patch_embed.GRAD_WEIGHT_PERM_STAGES}, target
-    )
-    ok = jigsaw == plain and min(plain, default=0) >= 2
-    verdict = "ok  " if ok else "FAIL"
-    print(f"{verdict} sm_{target.arch} pipelining of the weight gradient: tile buffers {jigsaw} with a perm, {plain} "
-          "without", flush=True)  # fmt: skip
-    return ok
+    every_ok = True
+    for name in names:
+        _, kernel, signature, constexprs, _ = next(variant for variant in _variants() if variant[0] == name)
+        plain = _tile_buffers(
+            kernel, signature, {**constexprs, "HAS_PERM": False}, {"num_stages": patch_embed.GRAD_WEIGHT_STAGES}, target
+        )
+        stages = {"num_stages": patch_embed.GRAD_WEIGHT_PERM_STAGES}
+        jigsaw = _tile_buffers(kernel, signature, {**constexprs, "HAS_PERM": True}, stages, target)
+        ok = jigsaw == plain and min(plain, default=0) >= 2
+        every_ok = every_ok and ok
+        verdict = "ok  " if ok else "FAIL"
+        print(f"{verdict} sm_{target.arch} pipelining of the weight gradient ({name.split(': ')[-1]}): tile buffers "
+              f"{jigsaw} with a perm, {plain} without", flush=True)  # fmt: skip
+    return every_ok
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -149,11 +149,13 @@ def test_operator_schemas_come_from_the_launchers():
         "Tensor coords, Tensor saved, float scale, bool has_b1, bool has_b2) -> "
         "(Tensor, Tensor, Tensor, Tensor, Tensor)",
         "patch_embed_triton": "(Tensor images, Tensor weight, Tensor? bias, Tensor pos_embed, Tensor? unk_embed, "
-        "Tensor? perm, Tensor? mask, Tensor? prefix, SymInt prefix_positions, ScalarType? out_dtype=None) -> Tensor",
+        "Tensor? perm, Tensor? mask, Tensor? prefix, SymInt prefix_positions, ScalarType? out_dtype=None, "
+        "ScalarType? compute_dtype=None) -> Tensor",
         "patch_embed_triton_backward": "(Tensor grad_out, Tensor images, Tensor weight, Tensor? perm, Tensor? mask, "
         "bool need_images, bool need_weight, bool need_bias, bool need_pos, bool need_unk, bool need_prefix, "
         "SymInt prefix_count, SymInt prefix_positions, SymInt[] pos_shape, SymInt[] prefix_shape, "
-        "ScalarType? pos_dtype=None, ScalarType? unk_dtype=None, ScalarType? prefix_dtype=None) -> Tensor[]",
+        "ScalarType? pos_dtype=None, ScalarType? unk_dtype=None, ScalarType? prefix_dtype=None, "
+        "ScalarType? compute_dtype=None) -> Tensor[]",
         "pos_embed_triton": "(Tensor tokens, Tensor perm, Tensor mask, Tensor pos_embed, Tensor unk_embed, "
         "Tensor? prefix, SymInt prefix_positions) -> Tensor",
         "pos_embed_triton_backward": "(Tensor grad_out, Tensor perm, Tensor mask, SymInt prefix_count, "

@@ -116,18 +116,25 @@ def test_the_weight_gradient_pipelines_deeper_with_a_perm_where_shared_memory_al
 
 
 def test_autocast_gradients_are_rounded_for_the_tensor_cores(monkeypatch):
-    """The backward's float32 gradient (the output is float32 under autocast: the table's) against bfloat16 or float16
-    images and weight: rounded to their dtype and multiplied on the tensor cores (ROUND_FIRST), as timm's convolution
-    gets its gradient, not multiplied in float32 ("ieee"), which made DeiT-S's weight gradient take 10-14 ms on an
-    H100. The interpreter keeps float32 (it multiplies bfloat16 wrongly); the forward's mixed operands too."""
-    from mjp_fast.triton import patch_embed
+    """_dot's (UPCAST, ROUND) per launch. The backward's float32 gradient (the output is float32 under autocast: the
+    table's) against bfloat16 or float16 images and weight: rounded to their dtype and multiplied on the tensor
+    cores, as timm's convolution gets its gradient, not multiplied in float32 ("ieee"), which made DeiT-S's weight
+    gradient take 10-14 ms on an H100. Autocast's compute dtype: float32 images, weight and gradient rounded to it
+    as they are loaded. The interpreter rounds as a GPU does but multiplies bfloat16 in float32 (it multiplies
+    bfloat16 wrongly); mixed operands without a compute dtype multiply in float32."""
+    from mjp_fast.triton import patch_embed as pe
 
     f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
-    monkeypatch.setattr(patch_embed, "interpreting", lambda: False)  # as on a GPU
-    assert patch_embed._mixing(f32, bf16, gradient=True) == patch_embed.ROUND_FIRST
-    assert patch_embed._mixing(f32, f16, gradient=True) == patch_embed.ROUND_FIRST
-    assert patch_embed._mixing(f32, bf16) == patch_embed.UPCAST_BOTH  # the forward's images x weight
-    assert patch_embed._mixing(bf16, f32, gradient=True) == patch_embed.UPCAST_BOTH  # a float32 weight or images
-    assert patch_embed._mixing(f32, f32, gradient=True) == patch_embed.SAME_DTYPE
-    monkeypatch.setattr(patch_embed, "interpreting", lambda: True)
-    assert patch_embed._mixing(f32, bf16, gradient=True) == patch_embed.UPCAST_BOTH
+    monkeypatch.setattr(pe, "interpreting", lambda: False)  # as on a GPU
+    assert pe._mixing(f32, bf16, gradient=True) == (pe.SAME_DTYPE, pe.TO_BFLOAT16)
+    assert pe._mixing(f32, f16, gradient=True) == (pe.SAME_DTYPE, pe.TO_FLOAT16)
+    assert pe._mixing(f32, bf16) == (pe.UPCAST_BOTH, pe.KEEP)  # the forward's images x weight
+    assert pe._mixing(bf16, f32, gradient=True) == (pe.UPCAST_BOTH, pe.KEEP)  # a float32 weight or images
+    assert pe._mixing(f32, f32, gradient=True) == (pe.SAME_DTYPE, pe.KEEP)
+    assert pe._mixing(f32, f32, compute=bf16) == (pe.SAME_DTYPE, pe.TO_BFLOAT16)  # autocast's float32 inputs
+    assert pe._mixing(f32, f32, gradient=True, compute=f16) == (pe.SAME_DTYPE, pe.TO_FLOAT16)
+    assert pe._mixing(f32, f32, compute=f32) == (pe.SAME_DTYPE, pe.KEEP)
+    monkeypatch.setattr(pe, "interpreting", lambda: True)
+    assert pe._mixing(f32, bf16, gradient=True) == (pe.UPCAST_BOTH, pe.BFLOAT16_IN_FLOAT32)
+    assert pe._mixing(f32, f32, compute=bf16) == (pe.UPCAST_BOTH, pe.BFLOAT16_IN_FLOAT32)
+    assert pe._mixing(f32, f32, compute=f16) == (pe.SAME_DTYPE, pe.TO_FLOAT16)

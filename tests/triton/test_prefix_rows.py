@@ -192,7 +192,7 @@ def test_patch_embed_forward_and_backward(prefix, layout, dtype, masked):
     expected = iter(torch.autograd.grad(truth, present, grad.double()))
     for name, got, leaf in zip(("images", "weight", "bias", "pos", "unk", "prefix"), grads, leaves):
         if leaf is None:
-            assert got.shape == (0,), name
+            assert got is None, name  # not asked for: an eager launch allocates nothing
             continue
         want = next(expected)
         # the GEMM gradients sum over K or the tokens in float32: a few of its ulps at these sizes
@@ -210,15 +210,68 @@ def test_patch_embed_backward_returns_only_what_is_asked():
     only_prefix = patch_kernels.patch_embed_backward_launch(
         grad, images, weight, perm, mask, False, False, False, False, False, True, 2, 2, pos_shape, prefix_shape
     )
-    assert [tuple(g.shape) for g in only_prefix] == [(0,)] * 5 + [(1, 2, DIM)]
+    assert only_prefix[:5] == [None] * 5 and only_prefix[5].shape == (1, 2, DIM)
     assert torch.equal(only_prefix[5], grad[:, :2].sum(0, keepdim=True))
     no_prefix = patch_kernels.patch_embed_backward_launch(
         grad, images, weight, perm, mask, False, False, True, True, True, False, 2, 2, pos_shape, prefix_shape
     )
-    assert [tuple(g.shape) for g in no_prefix] == [(0,), (0,), (DIM,), tuple(pos_shape), (DIM,), (0,)]
+    assert no_prefix[:2] == [None, None] and no_prefix[5] is None
+    assert [tuple(g.shape) for g in no_prefix[2:5]] == [(DIM,), tuple(pos_shape), (DIM,)]
     torch.testing.assert_close(no_prefix[3][0, :2], only_prefix[5][0], atol=0, rtol=0)  # the prefix rows' table rows
     # the bias: the patch rows' gradient only
     torch.testing.assert_close(no_prefix[2], grad[:, 2:].sum((0, 1)), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("masked", ["some", "no jigsaw"])
+@pytest.mark.parametrize("compute", [torch.bfloat16, torch.float16], ids=str)
+def test_compute_dtype_rounds_in_the_loads_what_autocast_casts_before(compute, masked):
+    """Autocast's step (``compute_dtype``): the float32 images and weight taken as they are, each GEMM tile rounded
+    to ``compute`` as it is loaded. The forward equals the launch on the two cast first (what autocast gave the op
+    before), bit for bit: the same rounded products, summed in the same order. (The bias is the epilogue's, added in
+    float32 from its own dtype either way.) The backward rounds the float32 gradient too, as timm's convolution gets
+    it, and returns each gradient in its input's dtype (float32: no cast after): within float32 sums of the float64
+    truth of the rounded operands, which the unrounded ones miss by about a rounding of ``compute``."""
+    generator = torch.Generator().manual_seed(8)
+    images, weight, bias, unk, mask, perm = _patch_inputs(3, torch.float32, generator, masked)
+    unk = unk if mask is not None else None
+    pos, prefix = torch.randn(1, 1 + 9, DIM, generator=generator), torch.randn(1, 1, DIM, generator=generator)
+    tables = (bias, pos, unk, perm, mask, prefix, 1, torch.float32)
+    out = patch_kernels.patch_embed_forward_launch(images, weight, *tables, compute)
+    assert out.dtype == torch.float32
+    cast = [tensor.to(compute) for tensor in (images, weight)]
+    assert torch.equal(out, patch_kernels.patch_embed_forward_launch(*cast, *tables))
+
+    grad = torch.randn(out.shape, generator=generator)
+    layout = (1, 1, list(pos.shape), list(prefix.shape), pos.dtype, unk.dtype if unk is not None else None, pos.dtype)
+    needs = (True, True, True, True, unk is not None, True)
+    grads = patch_kernels.patch_embed_backward_launch(grad, images, weight, perm, mask, *needs, *layout, compute)
+    names = ("images", "weight", "bias", "pos", "unk", "prefix")
+    for rounded in (True, False):
+        leaves = {
+            name: (tensor.to(compute) if rounded and name in ("images", "weight") else tensor).double().requires_grad_()
+            for name, tensor in zip(names, (images, weight, bias, pos, unk, prefix))
+            if tensor is not None
+        }
+        truth = patch_embed_reference(
+            leaves["images"], leaves["weight"], leaves["bias"], leaves["pos"], leaves.get("unk"), perm, mask,
+            leaves["prefix"], 1,
+        )  # fmt: skip
+        # The convolution's gradients from the output's gradient rounded to compute (as timm's convolution gets it
+        # under autocast), the position terms' from the float32 one.
+        conv_grad = grad.to(compute).double() if rounded else grad.double()
+        wanted = dict(zip(("images", "weight"), torch.autograd.grad(truth, [leaves["images"], leaves["weight"]],
+                                                                    conv_grad, retain_graph=True)))  # fmt: skip
+        others = [name for name in leaves if name not in wanted]
+        wanted.update(zip(others, torch.autograd.grad(truth, [leaves[name] for name in others], grad.double())))
+        for name, got in zip(names, grads, strict=True):
+            if name not in wanted:
+                assert got is None, name
+                continue
+            want = wanted[name]
+            assert got.dtype == torch.float32, name
+            close = torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5 * max(want.abs().max().item(), 1.0))
+            # the rounding reaches the convolution's operands alone: the others match the unrounded truth as well
+            assert close == (rounded or name not in ("images", "weight")), (name, rounded)
 
 
 def test_patch_embed_mixed_dtypes_multiply_in_float32():
@@ -350,12 +403,13 @@ def test_schemas():
         "ScalarType pos_dtype, ScalarType unk_dtype, ScalarType prefix_dtype) -> Tensor[]"
     )
     assert schemas["patch_embed_triton"].endswith(
-        "Tensor? mask, Tensor? prefix, SymInt prefix_positions, ScalarType? out_dtype=None) -> Tensor"
+        "Tensor? mask, Tensor? prefix, SymInt prefix_positions, ScalarType? out_dtype=None, "
+        "ScalarType? compute_dtype=None) -> Tensor"
     )
     assert schemas["patch_embed_triton_backward"].endswith(
         "bool need_unk, bool need_prefix, SymInt prefix_count, SymInt prefix_positions, SymInt[] pos_shape, "
         "SymInt[] prefix_shape, ScalarType? pos_dtype=None, ScalarType? unk_dtype=None, "
-        "ScalarType? prefix_dtype=None) -> Tensor[]"
+        "ScalarType? prefix_dtype=None, ScalarType? compute_dtype=None) -> Tensor[]"
     )
 
 
