@@ -173,9 +173,11 @@ at::Tensor patch_embed_forward(const at::Tensor& images, const at::Tensor& weigh
           .findSchemaOrThrow("mjp_fast::patch_embed_extension", "")
           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&,
                             const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
-                            const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, int64_t)>();
+                            const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, int64_t,
+                            std::optional<at::ScalarType>, std::optional<at::ScalarType>)>();
   const at::AutoDispatchBelowADInplaceOrView below_autograd;
-  return op.call(images, weight, bias, pos_embed, unk_embed, perm, mask, prefix, prefix_positions);
+  return op.call(images, weight, bias, pos_embed, unk_embed, perm, mask, prefix, prefix_positions, std::nullopt,
+                 std::nullopt);
 }
 
 // The operator's gradients, None where not requested (the operator returns an empty [0] tensor there).
@@ -193,14 +195,17 @@ std::vector<std::optional<at::Tensor>> patch_embed_backward(
           .typed<std::vector<at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                          const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, bool, bool,
                                          bool, bool, bool, bool, int64_t, int64_t, at::OptionalSymIntArrayRef,
-                                         at::OptionalSymIntArrayRef)>();
+                                         at::OptionalSymIntArrayRef, std::optional<at::ScalarType>,
+                                         std::optional<at::ScalarType>, std::optional<at::ScalarType>,
+                                         std::optional<at::ScalarType>)>();
   const auto symbolic = [](const std::optional<std::vector<int64_t>>& shape) -> at::OptionalSymIntArrayRef {
     if (!shape.has_value()) return std::nullopt;
     return c10::fromIntArrayRefSlow(*shape);
   };
   const at::AutoDispatchBelowADInplaceOrView below_autograd;
   auto grads = op.call(grad_out, images, weight, perm, mask, need_images, need_weight, need_bias, need_pos, need_unk,
-                       need_prefix, prefix_count, prefix_positions, symbolic(pos_shape), symbolic(prefix_shape));
+                       need_prefix, prefix_count, prefix_positions, symbolic(pos_shape), symbolic(prefix_shape),
+                       std::nullopt, std::nullopt, std::nullopt, std::nullopt);
   const bool needs[] = {need_images, need_weight, need_bias, need_pos, need_unk, need_prefix};
   std::vector<std::optional<at::Tensor>> out(grads.size());
   for (size_t i = 0; i < grads.size(); ++i) {

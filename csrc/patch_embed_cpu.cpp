@@ -593,15 +593,46 @@ at::Tensor row_contiguous(const at::Tensor& images) {
   return images.size(3) <= 1 || images.stride(3) == 1 ? images : images.contiguous();
 }
 
-// The kernel of the CPU and CUDA keys: the checks, then patch_embed_forward_cpu or _cuda.
-at::Tensor patch_embed_forward_kernel(const at::Tensor& images, const at::Tensor& weight,
-                                      const std::optional<at::Tensor>& bias, const at::Tensor& pos_embed,
-                                      const std::optional<at::Tensor>& unk_embed,
-                                      const std::optional<at::Tensor>& perm, const std::optional<at::Tensor>& mask,
-                                      const std::optional<at::Tensor>& prefix, int64_t prefix_positions) {
+// compute_dtype: autocast's casts inside the operator. A floating tensor of another dtype (float64 aside, as autocast
+// leaves it) is converted to it, as autocast converts a convolution's inputs; without compute_dtype, nothing is (the
+// checks then want one dtype). One dispatcher call from Python in place of one per cast: under autocast the fused
+// embedding's inputs (weight, bias, table, unk, prefix), output and gradients took 12 casts from Python, about
+// 17 us of host time each on the H100's host (2026-11-27).
+at::Tensor in_compute(const at::Tensor& tensor, std::optional<at::ScalarType> compute) {
+  if (!compute.has_value() || tensor.scalar_type() == *compute || !tensor.is_floating_point() ||
+      tensor.scalar_type() == at::kDouble) {
+    return tensor;
+  }
+  return tensor.to(*compute);
+}
+
+std::optional<at::Tensor> in_compute(const std::optional<at::Tensor>& tensor, std::optional<at::ScalarType> compute) {
+  if (!present(tensor)) return std::nullopt;
+  return in_compute(*tensor, compute);
+}
+
+// `tensor` in `dtype` when one is given (the caller's dtype of that input), else as it is.
+at::Tensor as_dtype(at::Tensor tensor, std::optional<at::ScalarType> dtype) {
+  return dtype.has_value() && *dtype != tensor.scalar_type() ? tensor.to(*dtype) : tensor;
+}
+
+// The kernel of the CPU and CUDA keys: the inputs in compute_dtype, the checks, then patch_embed_forward_cpu or _cuda,
+// the output in out_dtype.
+at::Tensor patch_embed_forward_kernel(const at::Tensor& images_in, const at::Tensor& weight_in,
+                                      const std::optional<at::Tensor>& bias_in, const at::Tensor& pos_in,
+                                      const std::optional<at::Tensor>& unk_in, const std::optional<at::Tensor>& perm,
+                                      const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& prefix_in,
+                                      int64_t prefix_positions, std::optional<at::ScalarType> out_dtype,
+                                      std::optional<at::ScalarType> compute_dtype) {
   // The ATen operations inside are the implementation's: no autograd recording (the caller owns the graph), and the
   // out= GEMMs must not see arguments that require grad (a weight that is an nn.Parameter does).
   const at::AutoDispatchBelowADInplaceOrView below_autograd;
+  const auto images = in_compute(images_in, compute_dtype);
+  const auto weight = in_compute(weight_in, compute_dtype);
+  const auto bias = in_compute(bias_in, compute_dtype);
+  const auto pos_embed = in_compute(pos_in, compute_dtype);
+  const auto unk_embed = in_compute(unk_in, compute_dtype);
+  const auto prefix = in_compute(prefix_in, compute_dtype);
   const auto prefix_rows =
       check_forward_args(images, weight, bias, pos_embed, unk_embed, perm, mask, prefix, prefix_positions).second;
   const PatchGeometry g = geometry_of(images, weight, prefix_rows.expect_int(), prefix_positions);
@@ -613,23 +644,41 @@ at::Tensor patch_embed_forward_kernel(const at::Tensor& images, const at::Tensor
   const auto bias_c = contiguous(bias);
   const auto unk_c = contiguous(unk_embed);
   const auto prefix_c = g.prefix_rows > 0 ? contiguous(prefix) : std::nullopt;
+  auto out = [&] {
 #ifdef MJP_WITH_CUDA
-  if (images.is_cuda()) {
-    return patch_embed_forward_cuda(g, images_c, weight_c, bias_c, pos_c, unk_c, perm_c, mask_c, prefix_c);
-  }
+    if (images.is_cuda()) {
+      return patch_embed_forward_cuda(g, images_c, weight_c, bias_c, pos_c, unk_c, perm_c, mask_c, prefix_c);
+    }
 #endif
-  TORCH_CHECK(images.is_cpu(), kForward, ": tensors must be on the CPU or a CUDA device, got ", images.device());
-  return patch_embed_forward_cpu(g, images_c, weight_c, bias_c, pos_c, unk_c, perm_c, mask_c, prefix_c);
+    TORCH_CHECK(images.is_cpu(), kForward, ": tensors must be on the CPU or a CUDA device, got ", images.device());
+    return patch_embed_forward_cpu(g, images_c, weight_c, bias_c, pos_c, unk_c, perm_c, mask_c, prefix_c);
+  }();
+  return as_dtype(std::move(out), out_dtype);
 }
 
-// The kernel of the CPU and CUDA keys: the checks, then patch_embed_backward_cpu or _cuda; an empty [0] tensor for
-// each gradient not asked for.
+// The dtype of each gradient: the images' (as given, before compute_dtype), the weight's for weight and bias, then
+// pos_dtype, unk_dtype and prefix_dtype (each, when absent, the dtype the kernels computed in).
+std::vector<std::optional<at::ScalarType>> gradient_dtypes(const at::Tensor& images, const at::Tensor& weight,
+                                                           std::optional<at::ScalarType> pos_dtype,
+                                                           std::optional<at::ScalarType> unk_dtype,
+                                                           std::optional<at::ScalarType> prefix_dtype) {
+  return {images.scalar_type(), weight.scalar_type(), weight.scalar_type(), pos_dtype, unk_dtype, prefix_dtype};
+}
+
+// The kernel of the CPU and CUDA keys: grad_out, images and weight in compute_dtype, the checks, then
+// patch_embed_backward_cpu or _cuda, each gradient in its dtype (gradient_dtypes); an empty [0] tensor for each
+// gradient not asked for.
 std::vector<at::Tensor> patch_embed_backward_kernel(
-    const at::Tensor& grad_out, const at::Tensor& images, const at::Tensor& weight,
+    const at::Tensor& grad_in, const at::Tensor& images_in, const at::Tensor& weight_in,
     const std::optional<at::Tensor>& perm, const std::optional<at::Tensor>& mask, bool need_images, bool need_weight,
     bool need_bias, bool need_pos, bool need_unk, bool need_prefix, int64_t prefix_count, int64_t prefix_positions,
-    at::OptionalSymIntArrayRef pos_shape, at::OptionalSymIntArrayRef prefix_shape) {
+    at::OptionalSymIntArrayRef pos_shape, at::OptionalSymIntArrayRef prefix_shape,
+    std::optional<at::ScalarType> pos_dtype, std::optional<at::ScalarType> unk_dtype,
+    std::optional<at::ScalarType> prefix_dtype, std::optional<at::ScalarType> compute_dtype) {
   const at::AutoDispatchBelowADInplaceOrView below_autograd;
+  const auto grad_out = in_compute(grad_in, compute_dtype);
+  const auto images = in_compute(images_in, compute_dtype);
+  const auto weight = in_compute(weight_in, compute_dtype);
   const auto shapes = check_backward_args(grad_out, images, weight, perm, mask, prefix_count, prefix_positions,
                                           pos_shape, prefix_shape);
   const PatchGeometry g = geometry_of(images, weight, prefix_count, prefix_positions);
@@ -651,36 +700,51 @@ std::vector<at::Tensor> patch_embed_backward_kernel(
     return patch_embed_backward_cpu(g, grad_c, images_c, weight_c, perm_c, mask_c, need_images, need_weight,
                                     need_bias, need_pos, need_unk, need_prefix, pos_sizes, prefix_sizes);
   }();
+  const auto dtypes = gradient_dtypes(images_in, weight_in, pos_dtype, unk_dtype, prefix_dtype);
   std::vector<at::Tensor> out;
   out.reserve(grads.size());
-  for (auto& grad : grads) out.push_back(present(grad) ? std::move(*grad) : at::empty({0}, grad_out.options()));
+  for (size_t i = 0; i < grads.size(); ++i) {
+    out.push_back(present(grads[i]) ? as_dtype(std::move(*grads[i]), dtypes[i]) : at::empty({0}, grad_out.options()));
+  }
   return out;
 }
 
 // ---- Meta kernels: the checks and the outputs' shapes (symbolic sizes, for torch.compile's dynamic shapes).
 
-at::Tensor patch_embed_forward_meta(const at::Tensor& images, const at::Tensor& weight,
+at::Tensor patch_embed_forward_meta(const at::Tensor& images_in, const at::Tensor& weight,
                                     const std::optional<at::Tensor>& bias, const at::Tensor& pos_embed,
                                     const std::optional<at::Tensor>& unk_embed,
                                     const std::optional<at::Tensor>& perm, const std::optional<at::Tensor>& mask,
-                                    const std::optional<at::Tensor>& prefix, int64_t prefix_positions) {
-  const auto [sizes, prefix_rows] =
-      check_forward_args(images, weight, bias, pos_embed, unk_embed, perm, mask, prefix, prefix_positions);
-  return at::empty_symint({sizes.batch, prefix_rows + sizes.positions, sizes.dim}, images.options());
+                                    const std::optional<at::Tensor>& prefix, int64_t prefix_positions,
+                                    std::optional<at::ScalarType> out_dtype,
+                                    std::optional<at::ScalarType> compute_dtype) {
+  // The checks on the tensors as the kernel takes them (meta conversions: no data)
+  const auto images = in_compute(images_in, compute_dtype);
+  const auto [sizes, prefix_rows] = check_forward_args(
+      images, in_compute(weight, compute_dtype), in_compute(bias, compute_dtype), in_compute(pos_embed, compute_dtype),
+      in_compute(unk_embed, compute_dtype), perm, mask, in_compute(prefix, compute_dtype), prefix_positions);
+  return at::empty_symint({sizes.batch, prefix_rows + sizes.positions, sizes.dim},
+                          images.options().dtype(out_dtype.value_or(images.scalar_type())));
 }
 
 std::vector<at::Tensor> patch_embed_backward_meta(
-    const at::Tensor& grad_out, const at::Tensor& images, const at::Tensor& weight,
+    const at::Tensor& grad_in, const at::Tensor& images_in, const at::Tensor& weight_in,
     const std::optional<at::Tensor>& perm, const std::optional<at::Tensor>& mask, bool need_images, bool need_weight,
     bool need_bias, bool need_pos, bool need_unk, bool need_prefix, int64_t prefix_count, int64_t prefix_positions,
-    at::OptionalSymIntArrayRef pos_shape, at::OptionalSymIntArrayRef prefix_shape) {
-  const auto shapes = check_backward_args(grad_out, images, weight, perm, mask, prefix_count, prefix_positions,
-                                          pos_shape, prefix_shape);
+    at::OptionalSymIntArrayRef pos_shape, at::OptionalSymIntArrayRef prefix_shape,
+    std::optional<at::ScalarType> pos_dtype, std::optional<at::ScalarType> unk_dtype,
+    std::optional<at::ScalarType> prefix_dtype, std::optional<at::ScalarType> compute_dtype) {
+  const auto grad_out = in_compute(grad_in, compute_dtype);
+  const auto shapes =
+      check_backward_args(grad_out, in_compute(images_in, compute_dtype), in_compute(weight_in, compute_dtype), perm,
+                          mask, prefix_count, prefix_positions, pos_shape, prefix_shape);
+  const auto dtypes = gradient_dtypes(images_in, weight_in, pos_dtype, unk_dtype, prefix_dtype);
   const bool needs[] = {need_images, need_weight, need_bias, need_pos, need_unk, need_prefix};
   std::vector<at::Tensor> out;
   out.reserve(shapes.size());
   for (size_t i = 0; i < shapes.size(); ++i) {
-    out.push_back(needs[i] ? at::empty_symint(shapes[i], grad_out.options())
+    const auto options = grad_out.options().dtype(dtypes[i].value_or(grad_out.scalar_type()));
+    out.push_back(needs[i] ? at::empty_symint(shapes[i], options)
                            : at::empty_symint({c10::SymInt(0)}, grad_out.options()));
   }
   return out;
@@ -692,12 +756,15 @@ std::vector<at::Tensor> patch_embed_backward_meta(
 TORCH_LIBRARY_FRAGMENT(mjp_fast, m) {
   m.def(
       "patch_embed_extension(Tensor images, Tensor weight, Tensor? bias, Tensor pos_embed, Tensor? unk_embed, "
-      "Tensor? perm, Tensor? mask, Tensor? prefix=None, int prefix_positions=0) -> Tensor",
+      "Tensor? perm, Tensor? mask, Tensor? prefix=None, int prefix_positions=0, ScalarType? out_dtype=None, "
+      "ScalarType? compute_dtype=None) -> Tensor",
       {at::Tag::pt2_compliant_tag});
   m.def(
       "patch_embed_extension_backward(Tensor grad_out, Tensor images, Tensor weight, Tensor? perm, Tensor? mask, "
       "bool need_images, bool need_weight, bool need_bias, bool need_pos, bool need_unk, bool need_prefix=False, "
-      "int prefix_count=0, int prefix_positions=0, SymInt[]? pos_shape=None, SymInt[]? prefix_shape=None) -> Tensor[]",
+      "int prefix_count=0, int prefix_positions=0, SymInt[]? pos_shape=None, SymInt[]? prefix_shape=None, "
+      "ScalarType? pos_dtype=None, ScalarType? unk_dtype=None, ScalarType? prefix_dtype=None, "
+      "ScalarType? compute_dtype=None) -> Tensor[]",
       {at::Tag::pt2_compliant_tag});
 }
 

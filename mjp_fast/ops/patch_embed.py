@@ -198,9 +198,9 @@ def _setup_context(
     last input names the backend) and the operators' own autograd (``kernels``: ``"extension"`` or ``"triton"``).
 
     ``inputs``: ``(images, weight, bias, pos_embed, unk_embed, perm, mask, prefix, prefix_positions, out_dtype,
-    compute_dtype, ...)``, the operators' order (the extension's end at ``prefix_positions``); a caller of an
-    operator may leave the defaults out. The images are saved, not the gathered patches: nothing of size
-    ``B*N*C*P*P`` is kept. ``more_saved``: tensors saved after those (a node that also computes the DAL loss).
+    compute_dtype, ...)``, the operators' order; a caller of an operator may leave the defaults out. The images are
+    saved, not the gathered patches: nothing of size ``B*N*C*P*P`` is kept. ``more_saved``: tensors saved after
+    those (a node that also computes the DAL loss).
     """
     images, weight, bias, pos_embed, unk_embed, perm, mask, *layout = inputs
     prefix = layout[0] if layout else None
@@ -212,8 +212,9 @@ def _setup_context(
     # operator (it may run under tracing: fake tensors have no memory to launch on).
     ctx.launch_directly = kernels is None
     ctx.save_for_backward(images, weight, perm, mask, *more_saved)
-    # The Triton kernels take the position terms and the prefix in their own dtype: their gradients come back in
-    # those dtypes (a float32 table under autocast gets a float32 gradient, no cast).
+    # The position terms and the prefix come in their own dtype (the Triton kernels read them so, the compiled ones'
+    # operators convert them): their gradients go back in those dtypes (a float32 table under autocast gets a float32
+    # gradient, no cast from Python).
     ctx.dtypes = (
         pos_embed.dtype,
         unk_embed.dtype if unk_embed is not None else None,
@@ -236,9 +237,11 @@ def _backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     if ctx.kernels == "triton":
         direct = ctx.launch_directly and not torch.compiler.is_compiling()
         launch = _triton_patch_embed.patch_embed_backward_launch if direct else None
-        grads = (launch or torch.ops.mjp_fast.patch_embed_triton_backward)(*arguments, *ctx.dtypes, ctx.compute_dtype)
+        backward = launch or torch.ops.mjp_fast.patch_embed_triton_backward
     else:
-        grads = torch.ops.mjp_fast.patch_embed_extension_backward(*arguments)
+        backward = torch.ops.mjp_fast.patch_embed_extension_backward
+    # each gradient in its input's dtype (a float32 table under autocast gets a float32 gradient: no cast after)
+    grads = backward(*arguments, *ctx.dtypes, ctx.compute_dtype)
     grads = [grad if want else None for grad, want in zip(grads, wanted)]
     return (*grads[:5], None, None, grads[5], None, None, None, None)[: ctx.num_inputs]
 
@@ -249,7 +252,7 @@ class _PatchEmbedKernels(torch.autograd.Function):
     The compiled kernels run as their C++ operators, eager or compiled: one dispatcher call each way. The Triton
     kernels run eagerly through their launchers (the Python operator wrappers cost host time a GPU step feels),
     under torch.compile as their operators. Inputs: the operators' (see :func:`_setup_context`), then ``out_dtype``,
-    ``compute_dtype`` (Triton's) and the backend. The operators themselves get the same autograd
+    ``compute_dtype`` and the backend. The operators themselves get the same autograd
     (:func:`_setup_context`, :func:`_backward`), for a caller of ``torch.ops.mjp_fast.patch_embed_*``.
     """
 
@@ -266,7 +269,7 @@ class _PatchEmbedKernels(torch.autograd.Function):
             if torch.compiler.is_compiling():
                 return torch.ops.mjp_fast.patch_embed_triton(*arguments, out_dtype, compute_dtype)
             return _triton_patch_embed.patch_embed_forward_launch(*arguments, out_dtype, compute_dtype)
-        return torch.ops.mjp_fast.patch_embed_extension(*arguments)
+        return torch.ops.mjp_fast.patch_embed_extension(*arguments, out_dtype, compute_dtype)
 
     backward = staticmethod(_backward)
 
@@ -339,19 +342,23 @@ def patch_embed_step(
         unk_embed: ``[D]`` (None without a jigsaw). jigsaw: the batch's, or None.
         prefix: the class and register tokens (``P * D`` elements, timm's ``cls_token``), or None.
         out_dtype: the output's dtype (default the images'). The Triton kernels add the position terms and the prefix
-            in float32 from their own dtype and write it directly; the compiled ones take everything in the images'
-            dtype, and the result is cast.
+            in float32 from their own dtype and write it directly; the compiled ones (``cpu``, ``cuda``) take
+            everything in the images' dtype and cast the result, inside their operator.
         compute_dtype: autocast's dtype, or None: the patch projection runs in it as timm's convolution would under
             autocast (its floating inputs but float64 ones rounded to it). The Triton kernels take the images,
-            weight and bias as they are and round each tile as they load it; the other backends get the cast
-            tensors.
+            weight and bias as they are and round each tile as they load it. The compiled ones get the images cast
+            (autograd keeps that copy for the backward's weight gradient: no second cast) and convert the rest, and
+            the gradients back, inside their operators. The ``torch`` backend gets the three cast.
 
     Returns:
         ``[B, P + N, D]``.
     """
-    if compute_dtype is not None and (backend != "triton" or images.dtype == torch.float64):
-        images, weight, bias = (autocast_like_conv(tensor, compute_dtype) for tensor in (images, weight, bias))
-        compute_dtype = None
+    if compute_dtype is not None:
+        if backend == "cpu" or backend == "cuda":
+            images = autocast_like_conv(images, compute_dtype)
+        elif backend != "triton" or images.dtype == torch.float64:
+            images, weight, bias = (autocast_like_conv(tensor, compute_dtype) for tensor in (images, weight, bias))
+            compute_dtype = None
     dtype = images.dtype
     out_dtype = out_dtype or dtype
     perm, mask = (None, None) if jigsaw is None else (jigsaw.perm, jigsaw.mask)
@@ -368,21 +375,12 @@ def patch_embed_step(
             images, weight, bias, pos_embed, unk_embed, perm, mask, prefix, prefix_positions, out_dtype,
             compute_dtype, backend,
         )  # fmt: skip
-    tokens = _PatchEmbedKernels.apply(
-        images,
-        weight,
-        bias,
-        pos_embed.to(dtype).contiguous(),
-        unk_embed.to(dtype) if unk_embed is not None else None,
-        perm,
-        mask,
-        prefix.to(dtype).contiguous() if prefix is not None else None,
-        prefix_positions,
-        None,
-        None,
-        backend,
-    )
-    return tokens.to(out_dtype)
+    # The compiled kernels take one dtype: the operator converts the weight, bias, table, unk and prefix to the
+    # images' (or compute_dtype), and the output to out_dtype, and the gradients back to their inputs' dtypes.
+    return _PatchEmbedKernels.apply(
+        images, weight, bias, pos_embed, unk_embed, perm, mask, prefix, prefix_positions, out_dtype,
+        compute_dtype or dtype, backend,
+    )  # fmt: skip
 
 
 # The backends whose fused patch embedding computes the DAL loss of its table in the same node

@@ -1051,6 +1051,58 @@ def test_patch_embed_optional_arguments_and_defaults():
     assert all(g.shape == (0,) for g in grads)
 
 
+def _cast_case(layout, compute):
+    """Autocast's call of the operators: the images cast by the caller, the float32 weight, bias, table, unk and
+    prefix as they are, compute_dtype and a float32 out_dtype; and the same call with every tensor cast first."""
+    args = list(_patch_embed_args(prefix_count=layout[0], prefix_positions=layout[1]))
+    args[0] = args[0].to(compute)
+    cast = [arg.to(compute) if isinstance(arg, torch.Tensor) and arg.is_floating_point() else arg for arg in args]
+    return args, cast
+
+
+@pytest.mark.parametrize("compute", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda p: f"P{p[0]}Q{p[1]}")
+def test_patch_embed_operators_convert_to_compute_dtype_inside(layout, compute):
+    # compute_dtype: the weight, bias, table, unk and prefix converted inside the operator, the output to out_dtype,
+    # the gradients back to their inputs' dtypes: the values of the Python casts around the operator that it
+    # replaces (12 dispatches under autocast), bit for bit.
+    args, cast = _cast_case(layout, compute)
+    out = ops.patch_embed_extension(*args, torch.float32, compute)
+    assert out.dtype == torch.float32
+    assert torch.equal(out, ops.patch_embed_extension(*cast).float())
+    images, weight, _, table, unk, perm, mask, prefix, prefix_positions = args
+    prefix_count = 0 if prefix is None else prefix.shape[1]
+    grad = torch.randn(out.shape, dtype=torch.float32, generator=torch.Generator().manual_seed(3))
+    shapes = (prefix_count, prefix_positions, list(table.shape), list(prefix.shape) if prefix is not None else None)
+    needs = (True, True, True, True, True, prefix_count > 0)
+    dtypes = (torch.float32, torch.float32, torch.float32 if prefix is not None else None)
+    grads = ops.patch_embed_extension_backward(grad, images, weight, perm, mask, *needs, *shapes, *dtypes, compute)
+    expected = ops.patch_embed_extension_backward(grad.to(compute), images, cast[1], perm, mask, *needs, *shapes)
+    wanted = (compute, torch.float32, torch.float32, torch.float32, torch.float32, torch.float32)
+    for index, (got, want, dtype) in enumerate(zip(grads, expected, wanted, strict=True)):
+        if not needs[index]:
+            assert got.shape == (0,)
+            continue
+        assert got.dtype == dtype and torch.equal(got, want.to(dtype)), index
+    # without compute_dtype the operator still wants one dtype, and says which argument has another
+    with pytest.raises(RuntimeError, match="weight dtype Float differs from images (BFloat16|Half)"):
+        ops.patch_embed_extension(*args[:2], *cast[2:])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda p: f"P{p[0]}Q{p[1]}")
+def test_patch_embed_opcheck_with_compute_dtype(layout):
+    # the Meta kernels give the dtypes the kernels return (out_dtype; each gradient its input's)
+    args, _ = _cast_case(layout, torch.bfloat16)
+    torch.library.opcheck(ops.patch_embed_extension.default, (*args, torch.float32, torch.bfloat16))
+    images, weight, _, table, _, perm, mask, prefix, prefix_positions = args
+    prefix_count = 0 if prefix is None else prefix.shape[1]
+    grad = torch.randn(images.shape[0], table.shape[1] - prefix_positions + prefix_count, 5)
+    shapes = (prefix_count, prefix_positions, list(table.shape), list(prefix.shape) if prefix is not None else None)
+    dtypes = (torch.float32, torch.float32, torch.float32 if prefix is not None else None)
+    backward = (grad, images, weight, perm, mask, *(True,) * 5, prefix_count > 0, *shapes, *dtypes, torch.bfloat16)
+    torch.library.opcheck(ops.patch_embed_extension_backward.default, backward)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU visible")
 @pytest.mark.skipif(not _C.has_cuda(), reason="the extension was built without its CUDA kernels")
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
@@ -1066,6 +1118,31 @@ def test_patch_embed_operators_on_gpu_equal_the_cpu_kernels(layout, dtype):
     gpu_grads = ops.patch_embed_extension_backward(*on_gpu(backward_args))
     for got, want in zip(gpu_grads, ops.patch_embed_extension_backward(*backward_args), strict=True):
         torch.testing.assert_close(got.cpu(), want, **tolerance)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU visible")
+@pytest.mark.skipif(not _C.has_cuda(), reason="the extension was built without its CUDA kernels")
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda p: f"P{p[0]}Q{p[1]}")
+def test_patch_embed_compute_dtype_on_gpu_equals_the_cpu(layout):
+    # Autocast's call on the CUDA kernels: the conversions inside the operator, on the GPU, as on the CPU (the sums
+    # in other orders: within bfloat16's rounding)
+    args, _ = _cast_case(layout, torch.bfloat16)
+    on_gpu = lambda values: [v.cuda() if isinstance(v, torch.Tensor) else v for v in values]  # noqa: E731
+    dtypes = (torch.float32, torch.bfloat16)
+    out = ops.patch_embed_extension(*on_gpu(args), *dtypes)
+    expected = ops.patch_embed_extension(*args, *dtypes)
+    assert out.dtype == expected.dtype == torch.float32
+    torch.testing.assert_close(out.cpu(), expected, atol=2e-2, rtol=2e-2)
+    images, weight, _, table, _, perm, mask, prefix, prefix_positions = args
+    prefix_count = 0 if prefix is None else prefix.shape[1]
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(5))
+    shapes = (prefix_count, prefix_positions, list(table.shape), list(prefix.shape) if prefix is not None else None)
+    grad_dtypes = (torch.float32, torch.float32, torch.float32 if prefix is not None else None)
+    backward = (grad, images, weight, perm, mask, *(True,) * 5, prefix_count > 0, *shapes, *grad_dtypes, dtypes[1])
+    expected_grads = ops.patch_embed_extension_backward(*backward)
+    for got, want in zip(ops.patch_embed_extension_backward(*on_gpu(backward)), expected_grads, strict=True):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        torch.testing.assert_close(got.cpu(), want, atol=5e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -1215,13 +1292,15 @@ def test_patch_embed_operators_compile_in_one_graph():
 def test_patch_embed_operators_are_registered_with_their_schemas():
     assert str(ops.patch_embed_extension.default._schema) == (
         "mjp_fast::patch_embed_extension(Tensor images, Tensor weight, Tensor? bias, Tensor pos_embed, "
-        "Tensor? unk_embed, Tensor? perm, Tensor? mask, Tensor? prefix=None, int prefix_positions=0) -> Tensor"
+        "Tensor? unk_embed, Tensor? perm, Tensor? mask, Tensor? prefix=None, int prefix_positions=0, "
+        "ScalarType? out_dtype=None, ScalarType? compute_dtype=None) -> Tensor"
     )
     assert str(ops.patch_embed_extension_backward.default._schema) == (
         "mjp_fast::patch_embed_extension_backward(Tensor grad_out, Tensor images, Tensor weight, Tensor? perm, "
         "Tensor? mask, bool need_images, bool need_weight, bool need_bias, bool need_pos, bool need_unk, "
         "bool need_prefix=False, int prefix_count=0, int prefix_positions=0, SymInt[]? pos_shape=None, "
-        "SymInt[]? prefix_shape=None) -> Tensor[]"
+        "SymInt[]? prefix_shape=None, ScalarType? pos_dtype=None, ScalarType? unk_dtype=None, "
+        "ScalarType? prefix_dtype=None, ScalarType? compute_dtype=None) -> Tensor[]"
     )
     for name in ("patch_embed_extension", "patch_embed_extension_backward"):
         for key in ("CPU", "Meta", *(["CUDA"] if _C.has_cuda() else [])):
