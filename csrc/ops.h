@@ -2,8 +2,8 @@
 // compiled, CUDA.
 //
 // Their callers (bindings.cpp, the operators' kernels) check every argument (shapes, dtypes, devices, ranges) and
-// make tensors contiguous where a kernel needs it; the functions here assume that. Headers are kept narrow (no ATen/ATen.h, no
-// torch/extension.h): compile time on small CI machines is dominated by them.
+// make tensors contiguous where a kernel needs it; the functions here assume that. Headers are kept narrow (no
+// ATen/ATen.h, no torch/extension.h): compile time on small CI machines is dominated by them.
 #pragma once
 
 #include <ATen/Dispatch.h>

@@ -44,10 +44,10 @@ namespace mjp {
 namespace {
 
 // im2col rows per chunk, in bytes of float. A forward / image-gradient chunk stays in the core's L2 on its way into
-// the GEMM and through the epilogue; a weight-gradient chunk (dtypes other than float32) is larger, since each one also reads and writes the
-// [D, K] accumulator. (Measured on 2 cores at batch 64, 224 px, P 16, D 384, forward + weight/bias/pos/unk
-// gradients: 128 KiB to 1 MiB chunks are within noise of each other, about 0.9x the time of timm's PatchEmbed +
-// pos add; the whole-batch im2col followed by one GEMM took about 1.1x.)
+// the GEMM and through the epilogue; a weight-gradient chunk (dtypes other than float32) is larger, since each one
+// also reads and writes the [D, K] accumulator. (Measured on 2 cores at batch 64, 224 px, P 16, D 384, forward +
+// weight/bias/pos/unk gradients: 128 KiB to 1 MiB chunks are within noise of each other, about 0.9x the time of
+// timm's PatchEmbed + pos add; the whole-batch im2col followed by one GEMM took about 1.1x.)
 constexpr int64_t kChunkBytes = 512 * 1024;
 constexpr int64_t kWeightGradChunkBytes = 1024 * 1024;
 // The float32 weight gradient goes through convolution_backward from this many multiply-adds (B * N * K * D) on
