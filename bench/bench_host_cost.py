@@ -7,9 +7,10 @@ patch embedding with it (``plain embed``, ``mjp fused embed``), and the sampler'
 At tiny sizes the kernels take no time, so what is timed is what a slow host pays per step on a GPU: Python, the
 dispatcher and the launches, compared in the same run.
 
-Operations are counted with a ``TorchDispatchMode`` (views included; an operator of ours counts once). Aims
-(docs/benchmarks.md): the MJP part dispatches at most 25 operations, and costs at most 2.5x the host time of the
-plain position step.
+On the CPU the embedding steps are also measured under bfloat16 autocast (``... (autocast)``), as a GPU's training
+step runs them (a GPU's rows run under it already). Operations are counted with a ``TorchDispatchMode`` (views
+included; an operator of ours counts once). Aims (docs/benchmarks.md): the MJP part dispatches at most 25
+operations, and costs at most 2.5x the host time of the plain position step.
 
     python bench/bench_host_cost.py [--smoke] [--repeats N] [--out DIR] [--device cpu|cuda] [--threads N]
 """
@@ -82,6 +83,11 @@ def _measure_backend(backend: str, *, smoke: bool, device: str, repeats: int) ->
     """The rows of one backend: every step counted and timed against its baseline (``baseline``)."""
     models = tiny_models(device, backend)
     steps = position_steps(models, device)
+    if device == "cpu":
+        # The embedding steps under bfloat16 autocast as well, as a GPU's training step runs them (a GPU's rows are
+        # these already): the CPU's autocast dispatches the same operators, so the counts are a GPU host's.
+        autocast_steps = position_steps(models, device, autocast=True)
+        steps.update({f"{name} (autocast)": autocast_steps[name] for name in ("plain embed", "mjp fused embed")})
     samplers = sampler_steps(models, device)
     counts = {name: count_ops(function) for name, function in {**steps, **samplers}.items()}
     triton_launches = {name: count_triton_launches(function) for name, function in {**steps, **samplers}.items()}
@@ -90,6 +96,7 @@ def _measure_backend(backend: str, *, smoke: bool, device: str, repeats: int) ->
     timings.update(measure(samplers, repeats=repeats, warmup=3, min_sample_s=min_sample, device=device))
     baselines = {"plain": "plain", "mjp": "plain", "mjp explicit": "plain"}
     baselines.update({"plain embed": "plain embed", "mjp fused embed": "plain embed"})
+    baselines.update({f"{name} (autocast)": "plain embed (autocast)" for name in ("plain embed", "mjp fused embed")})
     baselines.update({"torch.add": "torch.add", "sampler": "torch.add"})
     return [
         {
