@@ -115,9 +115,13 @@ def test_image_gradients_and_the_dal_loss_match(backend, dal):
         images.grad = None
         loss = model(images).square().mean() + model.mjp_aux_loss()
         loss.backward()
-        grads.append((loss.detach(), images.grad.clone(), model.mjp.unk_embed.grad.clone()))
-    for got, expected in zip(*grads, strict=True):
-        torch.testing.assert_close(got, expected, **FLOAT32)
+        parameters = {name: parameter.grad.clone() for name, parameter in model.named_parameters()}
+        grads.append({"loss": loss.detach(), "images": images.grad.clone(), **parameters})
+    assert grads[0].keys() == grads[1].keys()
+    # every gradient: the table's with DAL's share counted once at the loop's weight, the regressor's too
+    assert grads[0]["pos_embed"].any() and any(grads[0][name].any() for name in grads[0] if "dal_regressor" in name)
+    for name, expected in grads[1].items():
+        torch.testing.assert_close(grads[0][name], expected, **FLOAT32, msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton (the interpreter runs its kernels on the CPU)")
