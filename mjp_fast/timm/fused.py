@@ -76,17 +76,17 @@ def _autocast_dtypes(device_type: str, pos_table: torch.Tensor) -> tuple[torch.d
 
 def fused_patch_embed_with_dal(
     images: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pos_table: torch.Tensor,
-    unk_embed: torch.Tensor | None, jigsaw: Jigsaw, owner: nn.Module, prefix: torch.Tensor | None,
+    unk_embed: torch.Tensor | None, jigsaw: Jigsaw, backend: str, prefix: torch.Tensor | None,
     prefix_positions: int, regressor: nn.Module, coords: torch.Tensor, dal_mask: torch.Tensor, scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
     """:func:`fused_patch_embed` and the DAL loss of ``pos_table`` as one operation (the MJP step's in training):
-    ``(tokens, dal_loss)``, or None where the backend has no such operation (see
-    :func:`mjp_fast.ops.patch_embed.patch_embed_dal_step`; then call the two). The DAL arguments: ``regressor``,
-    ``coords`` float32 ``[N, 2]``, ``dal_mask`` bool ``[B, N]`` (the positions left out) and ``scale``."""
-    chosen = owner.backend_for(images.device)
+    ``(tokens, dal_loss)``, or None where ``backend`` (the model's, resolved by the caller) has no such operation
+    (see :func:`mjp_fast.ops.patch_embed.patch_embed_dal_step`; then call the two). The DAL arguments:
+    ``regressor``, ``coords`` float32 ``[N, 2]``, ``dal_mask`` bool ``[B, N]`` (the positions left out) and
+    ``scale``."""
     out_dtype, compute_dtype = _autocast_dtypes(images.device.type, pos_table)
     return patch_embed_dal_step(
-        images, weight, bias, pos_table, unk_embed, jigsaw, chosen, prefix, prefix_positions, regressor, coords,
+        images, weight, bias, pos_table, unk_embed, jigsaw, backend, prefix, prefix_positions, regressor, coords,
         dal_mask, scale, out_dtype, compute_dtype,
     )  # fmt: skip
 

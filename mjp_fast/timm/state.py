@@ -207,13 +207,14 @@ class MJPState(MJPCore):
         position table of the step's grid); else None."""
         if regressor is None or jigsaw is None or sampled is None or dal_table is not pos_table:
             return None
-        if self.backend_for(images.device) not in EMBED_WITH_DAL_BACKENDS:
+        backend = self.backend_for(images.device)
+        if backend not in EMBED_WITH_DAL_BACKENDS:
             return None
         coords = self.dal_coordinates_for(dal_grid, images.device)
         if sampled.mask.shape[1] != coords.shape[0]:  # the mask is of another grid than the DAL table's
             return None
         return fused_patch_embed_with_dal(
-            images, weight, bias, pos_table, unk_embed, jigsaw, self, prefix, prefix_positions, regressor, coords,
+            images, weight, bias, pos_table, unk_embed, jigsaw, backend, prefix, prefix_positions, regressor, coords,
             sampled.mask, self.dal_scale,
         )  # fmt: skip
 
