@@ -287,6 +287,34 @@ def test_a_whole_training_step_replays_in_a_cuda_graph():
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
 
 
+@pytest.mark.skipif("triton" not in CUDA_BACKENDS, reason="needs the triton backend")
+def test_triton_scratch_buffers_are_per_stream_and_none_is_kept_from_a_graph_capture():
+    # A scratch buffer is reused in stream order, so each stream has its own; one made while a CUDA graph is
+    # captured comes from the graph's private pool, so it is never kept. (The whole triton step under capture:
+    # test_a_whole_training_step_replays_in_a_cuda_graph.)
+    from mjp_fast.triton import common
+
+    common.clear_scratch()
+    device = torch.device("cuda")
+    first = common.scratch("partials", (64,), device, False)
+    assert common.scratch("partials", (64,), device, False) is first
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        on_side = common.scratch("partials", (64,), device, False)
+        assert on_side is not first and common.scratch("partials", (64,), device, False) is on_side
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = common.scratch("partials", (64,), device, False)
+        assert common.scratch("partials", (64,), device, False) is not captured
+        captured.fill_(1.0)
+    graph.replay()
+    assert all(buffer is not captured for buffer in common._scratch.buffers.values())
+    assert len(common._scratch.buffers) == 2
+    common.clear_scratch()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", CUDA_BACKENDS)
 def test_reduce_overhead_compiles_an_mjp_model_into_cuda_graphs(backend):

@@ -1,5 +1,5 @@
-"""What the Triton operations share: the interpreter switch, launches and operators, tile settings, the row
-layout's checks, and the position gradient's kernels.
+"""What the Triton operations share: the interpreter switch, launches and operators, tile settings, the scratch
+buffers of their partial sums, the row layout's checks, and the position gradient's kernels.
 
 ``patch_embed.py``, ``pos_embed.py`` and ``dal_loss.py`` import from this module (and triton, torch) only, never
 from one another; ``mjp_fast.triton`` re-exports :func:`interpreting`, :func:`launcher`, :func:`operator` and
@@ -20,9 +20,11 @@ fixed order and writes the gradients in their final dtypes and shapes: no atomic
 
 from __future__ import annotations
 
+import collections
 import functools
 import inspect
 import math
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -205,6 +207,68 @@ def dot_upcast(first: torch.dtype, second: torch.dtype) -> bool:
     """Multiply in float32: operands of two dtypes (tl.dot takes one), or bfloat16 in the interpreter (which
     multiplies it wrongly)."""
     return first != second or (INTERPRETING and torch.bfloat16 in (first, second))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Scratch buffers
+# ----------------------------------------------------------------------------------------------------------------
+
+SCRATCH_BUFFERS = 8
+"""Scratch buffers kept per host thread (the least recently used is dropped first): a few roles times the shapes
+that a run meets (a training batch, its last partial batch, an evaluation batch)."""
+
+
+class _ThreadScratch(threading.local):
+    """One thread's scratch buffers. Per thread, because a buffer is safe to hand out again only once the launches
+    of its previous use are queued: on one thread they are, before it asks again (two threads could queue writes to
+    one buffer between each other's write and read, on one stream)."""
+
+    def __init__(self) -> None:
+        self.buffers: collections.OrderedDict[tuple, torch.Tensor] = collections.OrderedDict()
+
+
+_scratch = _ThreadScratch()
+
+
+def scratch(role: str, shape: tuple[int, ...], device: torch.device, traced: bool) -> torch.Tensor:
+    """A float32 buffer of ``shape`` for partial sums that one call's kernels write and then read back, with no use
+    after: the same tensor each call with the same ``role``, shape, device and stream (and host thread), where an
+    eager step would otherwise dispatch a ``torch.empty`` per step.
+
+    Reuse is safe because the kernels of a stream run in the order they were queued: the next call's writes queue
+    after this call's reads. Its contents are what the last call left: the kernels must write every element they
+    read, as they must of a ``torch.empty`` tensor. A fresh tensor (``torch.empty``) is returned instead when
+    ``traced`` (inside a torch operator: torch.compile and the CUDA graphs it records own their memory) and while a
+    CUDA graph is being captured (a buffer from the graph's private pool must not outlive it here). The buffers are
+    kept until the least recently used is dropped (:data:`SCRATCH_BUFFERS` per thread) or :func:`clear_scratch`.
+    """
+    if traced:
+        return torch.empty(shape, dtype=torch.float32, device=device)
+    stream = 0
+    if device.type == "cuda":
+        if torch.cuda.is_current_stream_capturing():
+            return torch.empty(shape, dtype=torch.float32, device=device)
+        # the raw stream handle that Triton's launcher reads too: no Stream object made
+        stream = torch._C._cuda_getCurrentRawStream(_cuda_index(device))
+    key = (role, shape, device, stream)
+    buffers = _scratch.buffers
+    buffer = buffers.get(key)
+    if buffer is not None:
+        buffers.move_to_end(key)
+        return buffer
+    buffer = torch.empty(shape, dtype=torch.float32, device=device)
+    # Kept only if it is a plain tensor that any later call may use: not a fake tensor (a tracing mode's), nor
+    # one made under inference_mode (torch refuses in-place ops on those outside it).
+    if type(buffer) is torch.Tensor and not buffer.is_inference():
+        buffers[key] = buffer
+        if len(buffers) > SCRATCH_BUFFERS:
+            buffers.popitem(last=False)
+    return buffer
+
+
+def clear_scratch() -> None:
+    """Drops this thread's scratch buffers (their memory goes back to torch's allocator)."""
+    _scratch.buffers.clear()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -823,7 +887,7 @@ def _launch_position_kernels(
     batch, num_positions, dim = grad.shape
     scatter, has_mask, has_bias = grad_tokens is not None, mask is not None, grad_bias is not None
     write_prefix = grad_prefix is not None and prefix_count > 0
-    partials = torch.empty((plan.partial_rows, dim), dtype=torch.float32, device=grad.device)
+    partials = scratch("position gradient partials", (plan.partial_rows, dim), grad.device, traced)
     launcher(_position_partials_kernel, plan.grid, traced)(
         grad,
         mask if has_mask else grad,

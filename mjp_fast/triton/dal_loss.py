@@ -48,6 +48,7 @@ from mjp_fast.triton.common import (
     launcher,
     multiprocessors,
     power_of_two_tile,
+    scratch,
     tile_size,
     warp_count,
 )
@@ -516,7 +517,7 @@ def dal_forward_launch(
     reduced_tiles = cdiv(reduced, tiles["BLOCK_K"])
     splits, tiles_per_split = _reduction_splits(position_blocks, reduced_tiles, device)
     # per split and position: the partial prediction (row, col) and the count of samples keeping it (with a mask)
-    partials = torch.empty(splits, num_positions, 3, dtype=torch.float32, device=device)
+    partials = scratch("dal forward partials", (splits, num_positions, 3), device, traced)
     upcast, precision = _first_layer_dot(w1, pos)
     # Stands for absent tensors (never read nor written): a read-only input, so that no pointer a kernel stores
     # through is passed twice (torch.compile's analysis of which arguments a kernel mutates stays simple).

@@ -56,6 +56,7 @@ from mjp_fast.triton.common import (
     power_of_two_tile,
     prefix_rows,
     prefix_rows_tile,
+    scratch,
     shared_memory_optin,
     tile_size,
 )
@@ -694,7 +695,7 @@ def _grad_weight_launch(
     tokens_per_split = max(block_m, cdiv(cdiv(total, splits), block_m) * block_m)
     splits = max(1, cdiv(total, tokens_per_split))
     # [splits, D, C, p, p]: the kernel writes [splits, D, K], and the sum over splits has weight's shape (no view)
-    partial = torch.empty(splits, *weight.shape, dtype=torch.float32, device=images.device)
+    partial = scratch("weight gradient partials", (splits, *weight.shape), images.device, traced)
     if total:
         launcher(_grad_weight_kernel, (cdiv(dim, block_d), cdiv(k, block_k), splits), traced)(
             grad_out,

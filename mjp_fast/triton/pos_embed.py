@@ -249,7 +249,8 @@ def pos_embed_backward_launch(
     Returns:
         ``grad_tokens [B, N, D]`` (the inverse move of the patch rows), ``grad_pos`` (``pos_shape``), ``grad_unk
         [D]``, ``grad_prefix`` (``prefix_shape``; an empty ``[0]`` tensor when ``P = 0``). Two kernel launches (the
-        partial sums with the inverse move, then their reduction) and ``torch.empty`` allocations, nothing else.
+        partial sums with the inverse move, then their reduction), ``torch.empty`` allocations of the outputs and
+        the partials' scratch buffer (``common.scratch``), nothing else.
     """
     grad_tokens, grad_pos, grad_unk, _, grad_prefix = launch_position_gradient(
         grad_out,

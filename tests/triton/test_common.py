@@ -192,3 +192,121 @@ def test_launchers_use_the_host_arithmetic():
         if path.name == "common.py":
             source = source.replace("return triton.next_power_of_2(size)  # a SymInt", "")
         assert "triton.cdiv(" not in source and "triton.next_power_of_2(" not in source, path.name
+
+
+# -- scratch buffers ---------------------------------------------------------------------------------------------
+
+CPU = torch.device("cpu")
+
+
+def test_scratch_is_one_float32_buffer_per_role_shape_and_device():
+    common.clear_scratch()
+    first = common.scratch("partials", (3, 4), CPU, False)
+    assert first.dtype == torch.float32 and tuple(first.shape) == (3, 4) and first.device == CPU
+    assert common.scratch("partials", (3, 4), CPU, False) is first
+    assert common.scratch("other partials", (3, 4), CPU, False) is not first
+    assert common.scratch("partials", (4, 3), CPU, False) is not first
+    # traced (inside a torch operator): a fresh tensor every time, since torch.compile owns the memory of its graphs
+    traced = common.scratch("partials", (3, 4), CPU, True)
+    assert traced is not first and common.scratch("partials", (3, 4), CPU, True) is not traced
+    assert len(common._scratch.buffers) == 3
+    common.clear_scratch()
+    assert not common._scratch.buffers and common.scratch("partials", (3, 4), CPU, False) is not first
+
+
+def test_scratch_keeps_no_fake_tensor_nor_inference_tensor():
+    # A later call in another mode gets the buffer: a fake one has no memory, and torch refuses in-place ops on an
+    # inference tensor outside inference_mode.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    common.clear_scratch()
+    with FakeTensorMode():
+        fake = common.scratch("partials", (3,), CPU, False)
+    with torch.inference_mode():
+        inference = common.scratch("partials", (3,), CPU, False)
+        assert inference.is_inference()
+    assert not common._scratch.buffers
+    kept = common.scratch("partials", (3,), CPU, False)
+    assert kept is not fake and kept is not inference and type(kept) is torch.Tensor
+    kept.zero_()  # outside inference_mode, as the weight gradient zeroes an empty batch's partials
+
+
+def test_scratch_keeps_the_most_recently_used_buffers():
+    common.clear_scratch()
+    kept = common.scratch("kept", (1,), CPU, False)
+    dropped = common.scratch("role 0", (1,), CPU, False)
+    for index in range(1, common.SCRATCH_BUFFERS):
+        assert common.scratch("kept", (1,), CPU, False) is kept  # used again: the most recent
+        common.scratch(f"role {index}", (1,), CPU, False)
+    assert len(common._scratch.buffers) == common.SCRATCH_BUFFERS
+    assert common.scratch("kept", (1,), CPU, False) is kept
+    assert common.scratch("role 0", (1,), CPU, False) is not dropped  # the least recently used went first
+    assert len(common._scratch.buffers) == common.SCRATCH_BUFFERS
+
+
+def test_scratch_is_per_thread():
+    # Two threads on one stream could each queue a write between the other's write and read: each has its own.
+    import threading
+
+    common.clear_scratch()
+    mine = common.scratch("partials", (2,), CPU, False)
+    theirs = []
+    thread = threading.Thread(target=lambda: theirs.append(common.scratch("partials", (2,), CPU, False)))
+    thread.start()
+    thread.join()
+    assert theirs[0] is not mine and common.scratch("partials", (2,), CPU, False) is mine
+
+
+def _scratch_users() -> dict:
+    """The launches that take scratch buffers, on small inputs: name -> a call returning its outputs."""
+    from mjp_fast.triton import dal_loss
+    from tests.triton.helpers import random_jigsaw
+
+    generator = torch.Generator().manual_seed(0)
+    batch, grid, dim, patch = 5, (3, 4), 24, 4
+    positions = grid[0] * grid[1]
+    mask, perm = random_jigsaw(batch, positions, "some", generator)
+    grad = torch.randn(batch, 1 + positions, dim, generator=generator)  # a class token's row first
+    layout = dict(prefix_count=1, prefix_positions=1)
+    plan = common.position_gradient_plan(
+        batch, 1 + positions, dim, grad.dtype, 132, False, chunks=3, scatter=False, has_bias=True, **layout
+    )
+    images = torch.randn(batch, 3, grid[0] * patch, grid[1] * patch, generator=generator)
+    weight = torch.randn(dim, 3, patch, patch, generator=generator)
+    hidden = 16
+    dal_inputs = dict(
+        pos=torch.randn(1 + positions, dim, generator=generator),
+        skip_rows=1,
+        w1=torch.randn(hidden, dim, generator=generator),
+        b1=torch.randn(hidden, generator=generator),
+        w2=torch.randn(2, hidden, generator=generator),
+        b2=torch.randn(2, generator=generator),
+        coords=torch.randn(positions, 2, generator=generator),
+        mask=mask,
+        scale=0.5,
+    )
+    dtypes = dict.fromkeys(("pos_dtype", "unk_dtype", "bias_dtype", "prefix_dtype"), torch.float32)
+    return {
+        "position gradient": lambda: common.launch_position_gradient(
+            grad, mask, None, tokens_dtype=None, plan=plan, **dtypes, **layout
+        ),
+        "weight gradient": lambda: (patch_embed._grad_weight_launch(grad, images, perm, weight, 1, None, False),),
+        "DAL forward": lambda: dal_loss.dal_forward_launch(**dal_inputs),
+    }
+
+
+@pytest.mark.parametrize("user", ["position gradient", "weight gradient", "DAL forward"])
+def test_every_scratch_user_writes_all_it_reads(user):
+    # A scratch buffer holds what its last use left: a kernel that read an element it did not write would give
+    # other results over a buffer poisoned with NaN or 1e30 than over a fresh one.
+    run = _scratch_users()[user]
+    common.clear_scratch()
+    fresh = [output.clone() for output in run() if output is not None]
+    (buffer,) = common._scratch.buffers.values()  # one scratch buffer per user
+    for poison in (float("nan"), 1e30):
+        buffer.fill_(poison)
+        again = [output for output in run() if output is not None]
+        assert list(common._scratch.buffers.values()) == [buffer]  # reused, not made again
+        for got, want in zip(again, fresh, strict=True):
+            assert torch.isfinite(got).all()
+            torch.testing.assert_close(got, want, atol=0, rtol=0)
