@@ -353,6 +353,17 @@ def prefix_rows_tile(
 
 
 @triton.jit
+def _mask_tile(mask_ptr, start, last, patches, is_patch, num_patches, BLOCK_B: tl.constexpr):
+    """``mask[b, n]`` (bool ``[B, N]``) of the samples ``b`` in ``start .. start + BLOCK_B`` and the patch positions
+    ``patches`` ``[BLOCK_N]`` (``is_patch``: the entries that are patch positions), as int1 ``[BLOCK_B, BLOCK_N]``;
+    False past sample ``last`` (exclusive) and off the patches."""
+    samples = start + tl.arange(0, BLOCK_B)
+    rows = samples[:, None] * num_patches + patches[None, :]  # rows of mask: int32 is enough
+    ok = (samples[:, None] < last) & is_patch[None, :]
+    return tl.load(mask_ptr + rows, mask=ok, other=0).to(tl.int1)
+
+
+@triton.jit
 def _position_partials_kernel(
     grad_ptr,  # [B, P + N, D], contiguous: the incoming gradient
     mask_ptr,  # [B, N] bool (HAS_MASK)
@@ -373,6 +384,7 @@ def _position_partials_kernel(
     BLOCK_B: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     # Program (position block, channel block, batch chunk) sums grad over its chunk's samples into float32
     # partials that only it writes: no atomics, and the reduction kernel adds the chunks in a fixed order.
@@ -395,21 +407,30 @@ def _position_partials_kernel(
         num_patches = num_positions - prefix_count
     else:
         patches = positions
+        is_patch = position_ok
+        num_patches = num_positions
     # BLOCK_B samples per step as a third tile axis: more bytes in flight per load. That axis lies within each
     # thread's registers (sm_90 TTGIR: no layout conversion in the loop), so summing it every step costs no
-    # shuffles, and 2D accumulators keep registers low (72 at bfloat16): every program of the plan is resident.
+    # shuffles, and 2D accumulators keep registers low (48 to 100 on sm_90, the most with a mask prefetched in
+    # float32): every program of the plan is resident.
     kept = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     shuffled = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     first = chunk * samples_per_chunk
     last = tl.minimum(first + samples_per_chunk, batch)
-    for start in range(first, last, BLOCK_B):
+    if HAS_MASK:
+        upcoming = _mask_tile(mask_ptr, first, last, patches, is_patch, num_patches, BLOCK_B)
+    # NUM_STAGES > 1 (a GPU's plan): the gradient tiles of the next steps are copied to shared memory while this
+    # step adds up (asynchronous copies). Without it, ptxas issued a step's loads in pairs between the adds that
+    # consume them, their registers reused (sm_90 SASS), so each step waited on two to four memory round trips.
+    # The mask's bytes are too small for those copies (4 bytes at least): they are loaded a step ahead instead.
+    for start in tl.range(first, last, BLOCK_B, num_stages=NUM_STAGES):
         samples = start + tl.arange(0, BLOCK_B)
         rows = samples[:, None].to(tl.int64) * num_positions + positions[None, :]  # int64: B*T*D may pass 2**31
         row_ok = (samples[:, None] < last) & position_ok[None, :]
         ok = row_ok[:, :, None] & channel_ok[None, None, :]
         grad = tl.load(grad_ptr + rows[:, :, None] * D + channels[None, None, :], mask=ok, other=0.0)
         if HAS_PREFIX:
-            patch_rows = samples[:, None] * num_patches + patches[None, :]  # rows of mask and perm: int32 is enough
+            patch_rows = samples[:, None] * num_patches + patches[None, :]  # rows of perm: int32 is enough
             patch_ok = (samples[:, None] < last) & is_patch[None, :]
             patch_tile_ok = patch_ok[:, :, None] & channel_ok[None, None, :]
         else:
@@ -444,7 +465,8 @@ def _position_partials_kernel(
                 )
         grad = grad.to(tl.float32)
         if HAS_MASK:
-            masked = tl.load(mask_ptr + patch_rows, mask=patch_ok, other=0).to(tl.int1)[:, :, None]
+            masked = upcoming[:, :, None]
+            upcoming = _mask_tile(mask_ptr, start + BLOCK_B, last, patches, is_patch, num_patches, BLOCK_B)
             kept += tl.sum(tl.where(masked, 0.0, grad), axis=0)
             shuffled += tl.sum(tl.where(masked, grad, 0.0), axis=0)
         else:
@@ -530,6 +552,8 @@ def _position_reduce_kernel(
 
 
 PROGRAMS_PER_SM = 4  # programs of the partials kernel wanted per SM: enough loads in flight to keep HBM busy
+PARTIAL_STAGES = 3  # the partials kernel's software pipeline on a GPU, at most (see _partial_stages)
+PARTIAL_SHARED_BYTES = 32 * 1024  # its gradient tiles in shared memory, at most: no GPU needs an opt-in (48 KiB)
 MAX_PARTIAL_SHARE = 0.1  # the float32 partials' traffic, at most this share of the unavoidable traffic
 PARTIAL_BYTES = 8  # per float32 partial: written once, read once
 
@@ -572,6 +596,7 @@ class PositionGradientPlan:
     reduce_block_n: int
     reduce_block_d: int
     reduce_block_s: int
+    num_stages: int  # the partials kernel's software pipeline (1: none, in the interpreter)
     bytes_grad_read: int
     bytes_tokens_write: int
     bytes_partials: int
@@ -711,11 +736,23 @@ def _position_gradient_plan(
         reduce_block_n=8 if interpreting else 16,
         reduce_block_d=INTERPRETER_TILE if interpreting else min(64, block_d),
         reduce_block_s=4 if interpreting else 16,
+        num_stages=_partial_stages(block_b * block_n * block_d * element, interpreting),
         bytes_grad_read=batch * num_positions * dim * element,
         bytes_tokens_write=batch * patch_positions * dim * tokens_element,
         bytes_partials=PARTIAL_BYTES * partial_rows * dim,
         bytes_small=batch * patch_positions * channel_blocks * index_bytes + outputs,
     )
+
+
+def _partial_stages(step_bytes: int, interpreting: bool) -> int:
+    """The partials kernel's pipeline stages (``tl.range``'s ``num_stages``) for a step tile of ``step_bytes``
+    gradient bytes: as many as ``PARTIAL_STAGES`` with that many tiles within ``PARTIAL_SHARED_BYTES`` (triton 3.6,
+    the lent GPUs', keeps ``num_stages`` tiles in shared memory; triton 3.8 keeps one less): 3 for bfloat16 and
+    float16 tiles of 8 KiB, 2 for float32's 16 KiB, and 1 (no pipeline) for float64 and in the interpreter, which
+    runs the loop as written."""
+    if interpreting:
+        return 1
+    return max(1, min(PARTIAL_STAGES, PARTIAL_SHARED_BYTES // max(step_bytes, 1)))
 
 
 def _position_plan(grad: torch.Tensor, **flags: bool | int | torch.dtype | None) -> PositionGradientPlan:
@@ -908,6 +945,7 @@ def _launch_position_kernels(
         BLOCK_B=plan.block_b,
         BLOCK_N=plan.block_n,
         BLOCK_D=plan.block_d,
+        NUM_STAGES=plan.num_stages,
     )
     launcher(_position_reduce_kernel, plan.reduce_grid, traced)(
         partials,

@@ -263,7 +263,10 @@ def _variants() -> list[tuple[str, object, dict[str, str], dict[str, object], di
         position_variants = []
         # ZERO_UNSHOWN: the eager mjp_pos_embed backward, which reads the forward's witness (int32); without it (the
         # patch embedding's, or the compiled operator's) the argument is grad's pointer, never read.
-        for scatter, zero_unshown in ((False, False), (True, False), (True, True)):
+        # (HAS_MASK, SCATTER, ZERO_UNSHOWN): the patch embedding's backward with a jigsaw and without (the plain
+        # model's), mjp_pos_embed's without the witness and with it
+        for has_mask, scatter, zero_unshown in ((True, False, False), (False, False, False), (True, True, False),
+                                                (True, True, True)):  # fmt: skip
             plan = common.position_gradient_plan(
                 256, 197, 384, torch_dtype, 132, False, scatter=scatter, has_bias=not scatter, prefix_count=1,
                 prefix_positions=1,
@@ -279,13 +282,14 @@ def _variants() -> list[tuple[str, object, dict[str, str], dict[str, object], di
                 "HAS_PREFIX": "i1",
             }
             partial_flags = {
-                "HAS_MASK": True,
+                "HAS_MASK": has_mask,
                 "SCATTER": scatter,
                 "HAS_BIAS": not scatter,
                 "ZERO_UNSHOWN": zero_unshown,
                 "BLOCK_B": plan.block_b,
                 "BLOCK_N": plan.block_n,
                 "BLOCK_D": plan.block_d,
+                "NUM_STAGES": plan.num_stages,
             }
             reduce = {
                 "partial_ptr": "*fp32",
@@ -297,13 +301,16 @@ def _variants() -> list[tuple[str, object, dict[str, str], dict[str, object], di
                 kinds, values = with_prefix(case, partials)
                 position_variants.append(
                     (
-                        f"grad_position partials {dtype} scatter={scatter} witness={zero_unshown} {prefix}",
+                        f"grad_position partials {dtype} mask={has_mask} scatter={scatter} witness={zero_unshown} "
+                        f"{prefix}",
                         common._position_partials_kernel,
                         {**partials, **kinds, **dict.fromkeys(partial_flags, "constexpr")},
                         {**partial_flags, **values},
                         {},
                     )
                 )
+                if not has_mask:  # the reduction reads no mask: its variants are the masked case's
+                    continue
                 reduce_flags = {
                     "HAS_BIAS": not scatter,
                     "WRITE_PREFIX": scatter and case["HAS_PREFIX"],
@@ -482,19 +489,17 @@ def _dal_loss_variants(dal_loss) -> list[tuple[str, object, dict[str, str], dict
     return variants
 
 
-def _tile_buffers(kernel, signature, constexprs, options, target) -> list[int]:
-    """How many buffers the software pipeliner gives each tile that the kernel stages in shared memory, compiled as a
-    GPU launch specializes it: an int argument equal to 1 becomes a constexpr (the images' width stride), pointers
-    and the ints that are multiples of 16 at DeiT-S's sizes are marked divisible by 16 (without those marks the loads
-    are not vectorized, nor pipelined the same way)."""
-    import re
-
+def _compile_as_launched(kernel, signature, constexprs, options, target):
+    """The kernel compiled as a GPU launch specializes it: an int argument equal to 1 becomes a constexpr (the images'
+    width stride), pointers and the ints that are multiples of 16 at DeiT-S's sizes are marked divisible by 16
+    (without those marks the loads are not vectorized, nor pipelined the same way)."""
     import triton
     from triton.compiler import ASTSource
 
     signature = {argument: signature[argument] for argument in kernel.arg_names}
-    signature["stride_w"] = "constexpr"
-    constexprs = {**constexprs, "stride_w": 1}
+    if "stride_w" in signature:
+        signature["stride_w"] = "constexpr"
+        constexprs = {**constexprs, "stride_w": 1}
     multiples_of_16 = ("D", "K", "stride_b", "stride_c", "stride_h", "total_tokens", "tokens_per_split")
     attrs = {
         (index,): [["tt.divisibility", 16]]
@@ -502,10 +507,39 @@ def _tile_buffers(kernel, signature, constexprs, options, target) -> list[int]:
         if signature[argument].startswith("*") or argument in multiples_of_16
     }
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-    ttgir = triton.compile(source, target=target, options=options).asm["ttgir"]
+    return triton.compile(source, target=target, options=options or None)
+
+
+def _tile_buffers(kernel, signature, constexprs, options, target) -> list[int]:
+    """How many buffers the software pipeliner gives each tile that the kernel stages in shared memory, compiled as a
+    GPU launch specializes it (:func:`_compile_as_launched`)."""
+    import re
+
+    ttgir = _compile_as_launched(kernel, signature, constexprs, options, target).asm["ttgir"]
     # a tile's buffers: the leading dim of a rank-3 shared allocation (a multi-buffered 2-D tile)
     shapes = re.findall(r"ttg\.local_alloc[^\n]*?-> !ttg\.memdesc<(\d+)x\d+x\d+x", ttgir)
     return sorted(int(buffers) for buffers in shapes)
+
+
+def check_position_partials_pipelining(target) -> bool:
+    """The position gradient's partials kernel, as a GPU plan launches it (NUM_STAGES > 1), copies its gradient tiles
+    to shared memory ahead of the steps that add them (asynchronous copies), within the 48 KiB that a block gets
+    without opt-in. Without the pipeline, ptxas issued a step's loads in pairs between the adds that consume them
+    (sm_90 SASS): two to four memory round trips a step."""
+    every_ok = True
+    for name, kernel, signature, constexprs, options in _variants():
+        if not name.startswith("grad_position partials") or name.endswith("sizes=1"):
+            continue
+        compiled = _compile_as_launched(kernel, signature, constexprs, options, target)
+        copies = compiled.asm["ttgir"].count("ttg.async_copy_global_to_local")
+        shared = compiled.metadata.shared
+        ok = constexprs["NUM_STAGES"] > 1 and copies >= 1 and shared <= 48 * 1024
+        every_ok = every_ok and ok
+        verdict = "ok  " if ok else "FAIL"
+        print(f"{verdict} sm_{target.arch} pipelining of the {name.removeprefix('grad_position ')}: "
+              f"{constexprs['NUM_STAGES']} stages, {copies} asynchronous copies, {shared} bytes of shared memory",
+              flush=True)  # fmt: skip
+    return every_ok
 
 
 def check_weight_gradient_pipelining(target) -> bool:
@@ -568,6 +602,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"FAIL sm_{arch} {name}:\n{traceback.format_exc()}", flush=True)
         if arch >= 90:  # the pipeliner of Hopper's TTGIR, where it was measured
             failures += not check_weight_gradient_pipelining(target)
+        failures += not check_position_partials_pipelining(target)
     print(f"{failures} failed")
     return 1 if failures else 0
 

@@ -37,8 +37,16 @@ def test_every_triton_kernel_compiles_for_hopper():
             assert re.search(rf"ok   sm_90 {kernel} bf16[^\n]* {prefix}: cubin", result.stdout), (kernel, prefix)
     for prefix in ("P=1", "P=0", "P=5"):
         for witness in (True, False):  # the eager backward reads the forward's witness; the compiled one does not
-            assert f"ok   sm_90 grad_position partials bf16 scatter=True witness={witness} {prefix}:" in result.stdout
+            assert f"ok   sm_90 grad_position partials bf16 mask=True scatter=True witness={witness} {prefix}:" in (
+                result.stdout
+            )
             assert f"ok   sm_90 pos_embed forward bf16 witness={witness} {prefix}:" in result.stdout
         assert f"ok   sm_90 grad_position reduce fp32 bias=True {prefix}:" in result.stdout
+        for mask in (True, False):  # the patch embedding's backward, with a jigsaw and without
+            partials = f"grad_position partials fp32 mask={mask} scatter=False witness=False {prefix}"
+            assert f"ok   sm_90 {partials}:" in result.stdout
+            # its gradient tiles copied to shared memory steps ahead (NUM_STAGES): not a load waited on between adds
+            pipelined = rf"ok   sm_90 pipelining of the {partials.removeprefix('grad_position ')}: [23] stages"
+            assert re.search(pipelined, result.stdout), partials
     # _dot with mixed operand dtypes (bfloat16 x float32) compiles its float32 branch alone
     assert result.stdout.count("(upcast): cubin") == 3

@@ -133,6 +133,23 @@ def test_plan_refuses_a_prefix_that_does_not_fit():
         position_gradient_plan(4, 6, 8, torch.float32, 1, True, prefix_count=2, prefix_positions=1)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("scatter", [False, True])
+def test_plan_pipelines_the_partials_on_a_gpu_within_32_kib_of_shared_memory(dtype, scatter):
+    # On a GPU the partials kernel copies the next steps' gradient tiles to shared memory (tl.range's num_stages;
+    # tests/triton/compile_for_gpu.py checks the copies), as many stages as tiles fit in 32 KiB (triton 3.6 keeps
+    # num_stages tiles), so that no GPU needs an opt-in: at ViT widths 3 for half precision, 2 for float32, none
+    # (1) for float64; the interpreter runs the loop as written (1).
+    for batch, num_positions, dim in ((256, 197, 384), (64, 50, 768), (7, 5, 33)):
+        plan = position_gradient_plan(batch, num_positions, dim, dtype, H100_SMS, False, scatter=scatter)
+        step_bytes = plan.block_b * plan.block_n * plan.block_d * dtype.itemsize
+        assert plan.num_stages == max(1, min(3, 32 * 1024 // step_bytes))
+        assert plan.num_stages == 1 or plan.num_stages * step_bytes <= 32 * 1024
+        if dim >= 128:
+            assert plan.num_stages == {torch.float64: 1, torch.float32: 2}.get(dtype, 3)
+        assert position_gradient_plan(batch, num_positions, dim, dtype, 1, True, scatter=scatter).num_stages == 1
+
+
 def test_plan_under_the_interpreter_or_on_cpu_tensors_has_one_chunk(monkeypatch):
     assert position_gradient_plan(256, 196, 384, torch.bfloat16, H100_SMS, True).chunks == 1
     monkeypatch.setattr(common, "INTERPRETING", False)
