@@ -353,13 +353,20 @@ def prefix_rows_tile(
 
 
 @triton.jit
-def _mask_tile(mask_ptr, start, last, patches, is_patch, num_patches, BLOCK_B: tl.constexpr):
-    """``mask[b, n]`` (bool ``[B, N]``) of the samples ``b`` in ``start .. start + BLOCK_B`` and the patch positions
-    ``patches`` ``[BLOCK_N]`` (``is_patch``: the entries that are patch positions), as int1 ``[BLOCK_B, BLOCK_N]``;
-    False past sample ``last`` (exclusive) and off the patches."""
+def _patch_rows(start, last, patches, is_patch, num_patches, BLOCK_B: tl.constexpr):
+    """``(rows, ok)`` ``[BLOCK_B, BLOCK_N]``: the rows ``b * N + n`` of a ``[B, N]`` tensor (mask, perm) for the
+    samples ``b`` in ``start .. start + BLOCK_B`` and the patch positions ``patches`` ``[BLOCK_N]``, and which of
+    them exist: before sample ``last`` (exclusive) and where ``is_patch``."""
     samples = start + tl.arange(0, BLOCK_B)
-    rows = samples[:, None] * num_patches + patches[None, :]  # rows of mask: int32 is enough
-    ok = (samples[:, None] < last) & is_patch[None, :]
+    rows = samples[:, None] * num_patches + patches[None, :]  # int32 is enough
+    return rows, (samples[:, None] < last) & is_patch[None, :]
+
+
+@triton.jit
+def _mask_tile(mask_ptr, start, last, patches, is_patch, num_patches, BLOCK_B: tl.constexpr):
+    """``mask[b, n]`` (bool ``[B, N]``) at :func:`_patch_rows`, as int1 ``[BLOCK_B, BLOCK_N]``; False where no row
+    exists."""
+    rows, ok = _patch_rows(start, last, patches, is_patch, num_patches, BLOCK_B)
     return tl.load(mask_ptr + rows, mask=ok, other=0).to(tl.int1)
 
 
@@ -430,8 +437,7 @@ def _position_partials_kernel(
         ok = row_ok[:, :, None] & channel_ok[None, None, :]
         grad = tl.load(grad_ptr + rows[:, :, None] * D + channels[None, None, :], mask=ok, other=0.0)
         if HAS_PREFIX:
-            patch_rows = samples[:, None] * num_patches + patches[None, :]  # rows of perm: int32 is enough
-            patch_ok = (samples[:, None] < last) & is_patch[None, :]
+            patch_rows, patch_ok = _patch_rows(start, last, patches, is_patch, num_patches, BLOCK_B)
             patch_tile_ok = patch_ok[:, :, None] & channel_ok[None, None, :]
         else:
             patch_rows = rows
