@@ -148,20 +148,28 @@ class StepTimer:
 
 
 def _models(
-    name: str, image_size: int, device: torch.device, depth: int | None = None, backend: str | None = None
+    name: str,
+    image_size: int,
+    device: torch.device,
+    depth: int | None = None,
+    backend: str | None = None,
+    overrides: dict | None = None,
 ) -> dict[float | str | None, torch.nn.Module]:
     """The plain model, its copy with the fused patch embedding (key ``FAST``) and its MJP copies (one per prob),
     all with the same initial weights, in training mode.
 
-    ``depth``: fewer transformer blocks than the model has (smoke runs only). ``backend``: the fused embedding's
-    and the MJP models' backend (default automatic).
+    ``depth``: fewer transformer blocks than the model has (smoke runs, and parts of a step timed alone).
+    ``backend``: the fused embedding's and the MJP models' backend (default automatic). ``overrides``: more of
+    ``timm.create_model``'s keyword arguments (smaller shapes for smoke runs).
     """
     import timm
 
     import mjp_fast.timm as mjp_timm
 
     torch.manual_seed(0)
-    overrides = {} if depth is None else {"depth": depth}
+    overrides = dict(overrides or {})
+    if depth is not None:
+        overrides["depth"] = depth
     plain = timm.create_model(name, pretrained=False, img_size=image_size, num_classes=1000, **overrides)
     models: dict[float | str | None, torch.nn.Module] = {None: plain}
     # The honest baseline for MJP's own cost: MJP models run the fused patch embedding, so this one does too.
@@ -188,42 +196,59 @@ def _isolated(
     under the key ``FAST``, the fused embedding's busy time minus timm's own (its conv and position add); and on a
     GPU, per variant (None: timm's), the kernels of that part with their GPU time per call (:func:`_top_kernels`)."""
     baseline = models[FAST]
-    generator = torch.Generator().manual_seed(1)
-    image_size = baseline.patch_embed.img_size
-    images = torch.randn(batch, 3, *image_size, generator=generator).to(device)
-    num_tokens = baseline.patch_embed.num_patches + baseline.num_prefix_tokens
-    grad = torch.randn(batch, num_tokens, baseline.embed_dim, generator=generator).to(device)
-
-    def position_part(model: torch.nn.Module) -> Callable[[], None]:
-        # The fused patch embedding with the position step (and, for MJP, the jigsaw and the DAL loss), forward
-        # and backward, gradients set to None as in training.
-        def run() -> None:
-            model.zero_grad(set_to_none=True)
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-                out = model._pos_embed(model.patch_embed(images))  # MJP: DAL attached at mjp_dal_weight
-            out.backward(grad.to(out.dtype))
-
-        return run
-
-    functions = {variant_name(FAST): position_part(baseline)}
+    images, grad = part_inputs(baseline, batch, device)
+    functions = {variant_name(FAST): position_part(baseline, images, grad)}
     for prob in MJP_PROBS:
-        functions[variant_name(prob)] = position_part(models[prob])
+        functions[variant_name(prob)] = position_part(models[prob], images, grad)
     timings = measure(functions, repeats=repeats, warmup=2, min_sample_s=0.0 if smoke else 0.05, device=device)
     extra = {prob: timings[variant_name(prob)].median_s - timings[variant_name(FAST)].median_s for prob in MJP_PROBS}
     if device.type != "cuda":
         return extra, {}, {}
-    functions[variant_name(None)] = position_part(models[None])
+    functions[variant_name(None)] = position_part(models[None], images, grad)
     busy, kernels = _device_busy_seconds(functions, calls=3 if smoke else DEVICE_TIME_CALLS)
     gpu = {prob: busy[variant_name(prob)] - busy[variant_name(FAST)] for prob in MJP_PROBS}
     by_variant = {prob: _top_kernels(kernels[variant_name(prob)]) for prob in (None, FAST, *MJP_PROBS)}
     return extra, {**gpu, FAST: busy[variant_name(FAST)] - busy[variant_name(None)]}, by_variant
 
 
+def part_inputs(model: torch.nn.Module, batch: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(images [B, 3, H, W], grad [B, P + N, D])`` for :func:`position_part`: random float32 images of the
+    model's input size and a random gradient of its tokens (the same for every model of one shape)."""
+    generator = torch.Generator().manual_seed(1)
+    images = torch.randn(batch, 3, *model.patch_embed.img_size, generator=generator).to(device)
+    num_tokens = model.patch_embed.num_patches + model.num_prefix_tokens
+    grad = torch.randn(batch, num_tokens, model.embed_dim, generator=generator).to(device)
+    return images, grad
+
+
+def position_part(model: torch.nn.Module, images: torch.Tensor, grad: torch.Tensor) -> Callable[[], None]:
+    """One call of a model's patch embedding and position step (for MJP also the jigsaw and the DAL loss), forward
+    and backward, gradients set to None as in training; under bfloat16 autocast on a GPU. ``images``: ``[B, 3, H,
+    W]``; ``grad``: ``[B, P + N, D]``, the gradient of the step's tokens (cast to their dtype once per call)."""
+    autocast = images.device.type == "cuda"
+
+    def run() -> None:
+        model.zero_grad(set_to_none=True)
+        with torch.autocast(images.device.type, dtype=torch.bfloat16, enabled=autocast):
+            out = model._pos_embed(model.patch_embed(images))  # MJP: DAL attached at mjp_dal_weight
+        out.backward(grad.to(out.dtype))
+
+    return run
+
+
 def _device_busy_seconds(
     functions: dict[str, Callable[[], None]], calls: int, rounds: int = DEVICE_TIME_ROUNDS
 ) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
-    """Per function, the GPU's busy time per call: the summed durations of the kernels (and copies, fills) it runs,
-    as the profiler's CUDA activity records them; the median over ``rounds`` interleaved rounds of ``calls`` calls.
+    """Per function, the median of :func:`device_busy_samples`'s rounds, and its kernels' GPU time per call."""
+    samples, kernels = device_busy_samples(functions, calls, rounds)
+    return {name: float(np.median(values)) for name, values in samples.items()}, kernels
+
+
+def device_busy_samples(
+    functions: dict[str, Callable[[], None]], calls: int, rounds: int = DEVICE_TIME_ROUNDS
+) -> tuple[dict[str, list[float]], dict[str, dict[str, float]]]:
+    """Per function, the GPU's busy time per call in each of ``rounds`` interleaved rounds of ``calls`` calls: the
+    summed durations of the kernels (and copies, fills) it runs, as the profiler's CUDA activity records them.
     Also per function, each kernel's (copy's, fill's) GPU time per call, in s, averaged over all the rounds.
 
     Unlike CUDA events around a call, this leaves out the gaps where the GPU waits for the host: on the lent
@@ -246,7 +271,7 @@ def _device_busy_seconds(
             for event in device_events:
                 share = event.device_time_total * 1e-6 / (calls * rounds)
                 kernels[name][event.name] = kernels[name].get(event.name, 0.0) + share
-    return {name: float(np.median(values)) for name, values in samples.items()}, kernels
+    return samples, kernels
 
 
 def _top_kernels(kernels: dict[str, float], count: int = TOP_KERNELS) -> list[list]:

@@ -23,20 +23,20 @@
 #   6. the same under torch.compile (inductor)                                    120 s   ~60 s (DeiT-Ti: 51 s)
 #   7. timm-family sweep, triton backend on cuda, 1 block per model, models
 #      round-robin over the families, no model started after 30 s                 60 s   ~40 s (36 s a model)
-#   8. benchmarks, eager, in this order: train_step (batch 256), patch_embed,
-#      sampler, host_cost; the JSON is written after each case. train_step and    200 s   H200 2026-11-27, one
-#      host_cost measure each GPU backend built (triton, cuda) in rounds of its           backend: 124 s (train
-#      own: ~170 s                                                                        step 45, patch_embed 28,
-#                                                                                         sampler 38, host 12)
+#   8. benchmarks, eager, in this order: train_step (batch 256), kernels (the
+#      Triton kernels under each pipeline setting in question), host_cost,         230 s   H200 2026-11-27, one
+#      patch_embed, sampler; the JSON is written after each case. train_step and          backend: 124 s (train
+#      host_cost measure each GPU backend built (triton, cuda) in rounds of its           step 45, patch_embed 28,
+#      own: ~170 s; H100 2026-11-27, both backends: 195 s; kernels ~30-40 s               sampler 38, host 12)
 #   9. train_step benchmark under torch.compile                                the rest  ~160 s left: cut there
 #   the command: sum of the expected times 1-7 = ~400 s; 8 and 9 get the rest      540 s
 #   the session: start-up + command + transfers                                         ~11 min of the 15
 #   If stages 1-7 all ran to their limits (570 s) stages 8-9 would not run: the correctness checks come first.
 #
 # `bash bench/device_check.sh perf` runs stages 1-3, then what the default mode has no time for: Inductor's checks
-# (tests/test_compile.py and the Inductor tests of tests/test_gpu.py, ~60-120 s), the eager train step and host
-# cost benchmarks of both GPU backends (~120 s), and the compiled train-step benchmark in reduce-overhead mode (CUDA
-# graphs) with the rest (~300 s; estimates: not yet run).
+# (tests/test_compile.py and the Inductor tests of tests/test_gpu.py, ~60-120 s), the eager train step, Triton
+# kernels and host cost benchmarks (~160 s), and the compiled train-step benchmark in reduce-overhead mode (CUDA
+# graphs) with the rest (~260 s; estimates: not yet run).
 # `bash bench/device_check.sh tests` runs stages 1-4. `bash bench/device_check.sh reproduce [KEY=VALUE ...]` runs
 # `mjp reproduce --preset gpu` alone, under a deadline of 570 s (the KEY=VALUE overrides go to mjp reproduce, e.g.
 # epochs=3). It needs CIFAR-10: make the archive here once with `bash bench/device_check.sh pack-data`
@@ -269,8 +269,8 @@ timm_sweep() {
 benchmarks() {
   # each case's own repeats (sampler and host_cost 15); the JSON is written after every case, so a case cut at
   # the deadline loses only itself
-  stage "benchmarks, eager" 200 bench_eager.log python3 -m bench.run --device cuda \
-    --cases train_step,patch_embed,sampler,host_cost --out "$out"
+  stage "benchmarks, eager" 230 bench_eager.log python3 -m bench.run --device cuda \
+    --cases train_step,kernels,host_cost,patch_embed,sampler --out "$out"
   grep -E "^(PASS|FAIL|NOT RUN|NOISY|ERROR)" "$work/bench_eager.log" | head -n 50
   stage "benchmarks, torch.compile" 600 bench_compiled.log python3 -m bench.run --device cuda --cases train_step \
     --compile --repeats 20 --out "$out"
@@ -287,9 +287,9 @@ compile_checks() {
 
 perf_benchmarks() {
   # perf mode: what the default mode's 540 s leave out: the eager train step again (with the GPU busy time of
-  # MJP's work) and the host cost, then the compiled train step with all the time that is left (~300 s)
-  stage "benchmarks, eager" 180 bench_eager.log python3 -m bench.run --device cuda --cases train_step,host_cost \
-    --out "$out"
+  # MJP's work), the Triton kernels and the host cost, then the compiled train step with all the time that is left
+  stage "benchmarks, eager" 220 bench_eager.log python3 -m bench.run --device cuda \
+    --cases train_step,kernels,host_cost --out "$out"
   grep -E "^(PASS|FAIL|NOT RUN|NOISY|ERROR)" "$work/bench_eager.log" | head -n 50
   # reduce-overhead: CUDA graphs, so the slow host's launches leave the compiled steps (what a user on such a host
   # would run; Inductor's default mode still launches each kernel from the host)

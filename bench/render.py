@@ -60,6 +60,7 @@ CASE_TITLES = {
     "jigsaw_apply": "Applying the jigsaw",
     "host_cost": "Host cost",
     "train_step": "Training step",
+    "kernels": "Triton kernels",
     "train_loop": "Training loop",
 }
 
@@ -95,6 +96,8 @@ Cases:
 - **train_step**: forward, loss, backward and AdamW step of timm's DeiT-Tiny and DeiT-Small, plain against
   `mjp_fast.timm.convert` (ratio 0.1, prob 0.5 and 1.0, DAL) from the same weights; the overhead is the median
   over interleaved pairs of `t_mjp / t_plain - 1`.
+- **kernels** (GPU): the GPU time of each Triton kernel of MJP's part of a step (the fused embedding, position
+  step and DAL, forward and backward), with and without the jigsaw, under each pipeline setting in question.
 """
 
 

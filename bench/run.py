@@ -8,6 +8,8 @@ Cases (each measures its baselines in the same run, interleaved):
 - ``host_cost``: dispatched operations and host time of MJP's part of a step at tiny sizes, against timm's plain
   position add.
 - ``train_step``: whole DeiT-Tiny / DeiT-Small training steps, plain against MJP: the overhead in percent.
+- ``kernels`` (GPU): the GPU time of each Triton kernel of MJP's part of a step, with and without the jigsaw,
+  under each pipeline setting in question (a smoke run on the CPU runs them in the interpreter).
 - ``train_loop``: ``mjp train`` (mjp=false and mjp=true) against timm's own ``train.py``: training images per
   second over a fixed number of steps (timm's script from ``$TIMM_TRAIN_PY``; without it the timm rows are NOT RUN).
 
@@ -17,8 +19,8 @@ smoke runs, which go to a folder in the system's temporary directory unless ``--
 mean nothing, and the checkout keeps only recorded results. ``python bench/render.py`` turns the recorded files
 into ``docs/benchmarks.md``.
 
-    python -m bench.run [--smoke] [--cases sampler,patch_embed,jigsaw_apply,host_cost,train_step,train_loop] [--out DIR]
-        [--device cpu|cuda] [--threads N] [--repeats N] [--compile]
+    python -m bench.run [--smoke] [--cases sampler,patch_embed,jigsaw_apply,host_cost,train_step,kernels,train_loop]
+        [--out DIR] [--device cpu|cuda] [--threads N] [--repeats N] [--compile]
 
 ``mjp bench`` runs the same from a checkout of the repository.
 """
@@ -62,6 +64,7 @@ CASES = {
     "jigsaw_apply": "bench.bench_jigsaw_apply",
     "host_cost": "bench.bench_host_cost",
     "train_step": "bench.bench_train_step",
+    "kernels": "bench.bench_kernels",
     "train_loop": "bench.bench_train_loop",
 }
 

@@ -2,7 +2,8 @@
 
     mjp demo [--image astronaut|chelsea|coffee|rocket|PATH] [--ratios 0.1 0.3 0.5 0.9] [--png mjp_demo.png] ...
     mjp backends
-    mjp bench [--smoke] [--cases sampler,patch_embed,jigsaw_apply,host_cost,train_step,train_loop] [--output DIR] ...
+    mjp bench [--smoke] [--cases sampler,patch_embed,jigsaw_apply,host_cost,train_step,kernels,train_loop]
+        [--output DIR] ...
 
 This module only parses arguments; the work is in :mod:`mjp_fast.demo`, :mod:`mjp_fast.backend` and, for
 ``bench``, the repository checkout's ``bench/run.py`` (the benchmarks, their results and their baselines live in
@@ -148,7 +149,7 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
         "--cases",
         default=None,
         metavar="CASE[,CASE...]",
-        help="a comma-separated subset of sampler,patch_embed,jigsaw_apply,host_cost,train_step,train_loop "
+        help="a comma-separated subset of sampler,patch_embed,jigsaw_apply,host_cost,train_step,kernels,train_loop "
         "(default: all)",
     )
     bench.add_argument(

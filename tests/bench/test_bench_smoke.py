@@ -20,6 +20,8 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 if str(REPO_ROOT) not in sys.path:  # `bench` is a folder of the checkout, not an installed package
     sys.path.insert(0, str(REPO_ROOT))
 
+from tests.bench.test_bench_kernels import check_kernels_values  # noqa: E402 - the kernels case's own checks
+
 TOP_KEYS = {"benchmark", "smoke", "date", "device", "config", "backends", "results", "aims"}
 DEVICE_KEYS = {"device", "cpu", "torch_threads", "platform", "python", "torch", "backends", "extension_loaded", "gpu"}
 TIMING_KEYS = {"implementation", "median_s", "p20_s", "p80_s", "min_s", "samples", "calls_per_sample"}
@@ -204,6 +206,7 @@ VALUE_CHECKS = {
     "jigsaw_apply": _check_jigsaw_apply_values,
     "host_cost": _check_host_cost_values,
     "train_step": _check_train_step_values,
+    "kernels": check_kernels_values,
     "train_loop": _check_train_loop_values,
 }
 
@@ -310,6 +313,7 @@ CASE_ROW_KEYS = {
         "quiet_pairs",
         "isolated_overhead_pct",
     },
+    "kernels": {"model", "batch", "setting", "constants", "extra_busy_s", "kernels", "launches", "resolved"},
     "train_loop": {"data", "batch", "steps", "images_per_s", "ratio_vs_timm", "ratio_vs_mjp_false", "eval_s", "wall_s"},
 }
 
@@ -361,6 +365,7 @@ def test_mjp_bench_smoke_runs_every_case_into_one_json(tmp_path, capsys):
         "## Applying the jigsaw",
         "## Host cost",
         "## Training step",
+        "## Triton kernels",
         "## Training loop",
     )
     for title in (*titles, "## Aims"):
@@ -422,8 +427,8 @@ def test_mjp_bench_rejects_unknown_cases(tmp_path, capsys):
 
     assert main(["bench", "--smoke", "--cases", "sampler,nope", "--out", str(tmp_path)]) == 2
     assert (
-        "cases must be a comma-separated subset of sampler,patch_embed,jigsaw_apply,host_cost,train_step,train_loop"
-        in (capsys.readouterr().err)
+        "cases must be a comma-separated subset of "
+        "sampler,patch_embed,jigsaw_apply,host_cost,train_step,kernels,train_loop" in capsys.readouterr().err
     )
     assert not list(tmp_path.iterdir())
 

@@ -44,6 +44,21 @@ def test_one_deadline_inside_one_call():
     assert "steps)" not in text  # no second call planned
 
 
+def test_the_benchmark_cases_it_runs_exist():
+    import sys
+
+    if str(ROOT) not in sys.path:  # `bench` is a folder of the checkout, not an installed package
+        sys.path.insert(0, str(ROOT))
+    from bench.run import parse_cases
+
+    listed = re.findall(r"--cases ([\w,]+)", SCRIPT.read_text())
+    assert listed
+    for cases in listed:
+        assert parse_cases(cases) == cases.split(",")  # each a known case, once
+    # the default mode's eager stage: the judged train step first, then the kernels under each pipeline setting
+    assert listed[0].split(",")[:2] == ["train_step", "kernels"]
+
+
 def test_the_gpu_tests_it_runs_exist():
     text = SCRIPT.read_text()
     for path in re.findall(r"tests/[\w/]+(?:\.py)?", text):  # files and folders

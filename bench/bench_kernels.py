@@ -1,0 +1,325 @@
+"""MJP's Triton kernels one by one: the GPU time of each kernel of the fused patch embedding's part of a training
+step, with and without the jigsaw, under each pipeline setting still in question.
+
+The part is the train-step case's isolated work (:func:`bench.bench_train_step.position_part`): the fused patch
+embedding, the position step and, for MJP, the jigsaw and the DAL loss, forward and backward, bfloat16 autocast,
+on the ``triton`` backend. Per model (DeiT-Tiny and DeiT-Small shapes, batch 256) and per setting, two variants:
+
+- ``plain + fast patch embed``: timm's model with the fused embedding (no jigsaw), the baseline;
+- ``mjp prob=1``: MJP at ratio 0.1 with every sample jigsawed, DAL nonlinear.
+
+The settings change one module constant each, in this process, for the duration of their measurement (the
+position-gradient plans are made again on the way in and out):
+
+- ``default``: the constants as shipped;
+- ``partials unpipelined``: ``PARTIAL_STAGES = 1``: the position gradient's partials kernel without its software
+  pipeline (its loop as before commit 93b2e73, which the H100 timed at 103 us, and 201 us with a mask);
+- ``weight gradient, perm at 3 stages``: ``GRAD_WEIGHT_PERM_STAGES = 3``: the weight gradient with a jigsaw at
+  Triton's default depth (as before commit 694d4c7: 430 us with a perm against 260 us without).
+
+One GPU run answers which setting each kernel should ship with. The GPU time is the profiler's (the summed
+durations of the kernels: no host time; on the lent machines' slow host a small part is host-bound, and CUDA
+events around it would time the host), the median over interleaved rounds, and each kernel's time per call. Each
+row also records what the launches resolved under its setting (the partials kernel's plan, the weight gradient's
+stages), so a setting that did not reach the kernels shows. No aims: the train-step case judges the work's total.
+
+The kernels run compiled on a GPU only. On the CPU, a smoke run (tiny shapes, the Triton interpreter) runs every
+setting and variant and counts the launches; a full CPU run measures nothing and says so.
+
+    python bench/bench_kernels.py [--smoke] [--repeats ROUNDS] [--out DIR] [--device cpu|cuda]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make `bench` and `mjp_fast` importable from the checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np
+import torch
+
+from bench.bench_train_step import (
+    FAST,
+    MODEL_TITLES,
+    _models,
+    _top_kernels,
+    device_busy_samples,
+    part_inputs,
+    position_part,
+    variant_name,
+)
+from bench.common import format_seconds, markdown_table, run_standalone, where_measured
+
+NAME = "kernels"
+BACKEND = "triton"
+PROB = 1.0  # every sample jigsawed: each kernel's jigsaw path runs for the whole batch
+VARIANTS = (FAST, PROB)
+RUNS = (("deit_tiny_patch16_224", 256), ("deit_small_patch16_224", 256))
+IMAGE_SIZE = 224
+SMOKE_RUNS = (("deit_tiny_patch16_224", 2),)
+SMOKE_SHAPE = {"image_size": 16, "overrides": {"patch_size": 4, "embed_dim": 16, "num_heads": 2}}  # a 4x4 grid
+CALLS, ROUNDS = 10, 3  # profiled calls per round, interleaved rounds
+TOP_KERNELS = 16
+DEFAULT = "default"
+SETTINGS: dict[str, dict[str, int]] = {
+    DEFAULT: {},
+    "partials unpipelined": {"mjp_fast.triton.common.PARTIAL_STAGES": 1},
+    "weight gradient, perm at 3 stages": {"mjp_fast.triton.patch_embed.GRAD_WEIGHT_PERM_STAGES": 3},
+}
+
+
+@contextlib.contextmanager
+def applied(setting: dict[str, int]) -> Iterator[None]:
+    """The module constants of ``setting`` (``"package.module.NAME": value``) set for the duration, restored after;
+    the cached position-gradient plans, which read them, forgotten on the way in and out.
+
+    Raises:
+        ValueError: a name that is not a constant of its module.
+    """
+    from mjp_fast.triton import common
+
+    saved = []
+    try:
+        for path, value in setting.items():
+            module_name, _, attribute = path.rpartition(".")
+            module = importlib.import_module(module_name) if module_name else None
+            if module is None or not hasattr(module, attribute):
+                raise ValueError(f"setting: {path!r} names no module constant")
+            saved.append((module, attribute, getattr(module, attribute)))
+            setattr(module, attribute, value)
+        common._cached_plan.cache_clear()
+        yield
+    finally:
+        for module, attribute, value in reversed(saved):
+            setattr(module, attribute, value)
+        common._cached_plan.cache_clear()
+
+
+@contextlib.contextmanager
+def resolved_launches() -> Iterator[dict[str, list]]:
+    """Records what the launches inside resolve: ``"partials"``, the position-gradient plans as ``[num_stages,
+    chunks, block_b, block_n, block_d]``, and ``"grad_weight_stages"``, the weight gradient's stages as
+    ``[has_perm, stages]``; each distinct value once, in the order seen."""
+    from mjp_fast.triton import common, patch_embed
+
+    seen: dict[str, list] = {"partials": [], "grad_weight_stages": []}
+    plan_of, stages_of = common._position_plan, patch_embed.grad_weight_stages
+
+    def note(key: str, value: list) -> None:
+        if value not in seen[key]:
+            seen[key].append(value)
+
+    def plan(grad, **flags):
+        made = plan_of(grad, **flags)
+        note("partials", [made.num_stages, made.chunks, made.block_b, made.block_n, made.block_d])
+        return made
+
+    def stages(has_perm, device):
+        chosen = stages_of(has_perm, device)
+        note("grad_weight_stages", [bool(has_perm), chosen])
+        return chosen
+
+    common._position_plan, patch_embed.grad_weight_stages = plan, stages
+    try:
+        yield seen
+    finally:
+        common._position_plan, patch_embed.grad_weight_stages = plan_of, stages_of
+
+
+def _launch_counts(function: Callable[[], None]) -> dict[str, int]:
+    """The Triton kernels one call of ``function`` launches, by name."""
+    from tests.harness.host_cost import counting_triton_launches
+
+    with counting_triton_launches() as launches:
+        function()
+    return dict(launches)
+
+
+def _wall_samples(functions: dict[str, Callable[[], None]], calls: int, rounds: int) -> dict[str, list[float]]:
+    """Per function, the wall time per call of each of ``rounds`` interleaved rounds of ``calls`` calls (the CPU
+    smoke run's stand-in for the GPU's busy time: it only shows that each setting runs)."""
+    samples: dict[str, list[float]] = {name: [] for name in functions}
+    for _ in range(rounds):
+        for name, function in functions.items():
+            begin = time.perf_counter()
+            for _ in range(calls):
+                function()
+            samples[name].append((time.perf_counter() - begin) / calls)
+    return samples
+
+
+def _timing(samples: list[float], calls: int) -> dict:
+    """The rounds' busy times as the suite's timing fields (seconds per call)."""
+    array = np.asarray(samples)
+    return {
+        "median_s": float(np.median(array)),
+        "p20_s": float(np.percentile(array, 20)),
+        "p80_s": float(np.percentile(array, 80)),
+        "min_s": float(array.min()),
+        "samples": len(samples),
+        "calls_per_sample": calls,
+    }
+
+
+def run_model(name: str, batch: int, *, device: torch.device, smoke: bool, rounds: int) -> list[dict]:
+    """Every setting's rows of one model: per setting, one row per variant (the MJP row with its extra GPU time
+    over the baseline of the same setting)."""
+    shape = SMOKE_SHAPE if smoke else {"image_size": IMAGE_SIZE, "overrides": {}}
+    # depth 0: the blocks run nothing of MJP's and would only add kernels to the profile
+    models = _models(name, shape["image_size"], device, depth=0, backend=BACKEND, overrides=shape["overrides"])
+    images, grad = part_inputs(models[FAST], batch, device)
+    functions = {variant_name(variant): position_part(models[variant], images, grad) for variant in VARIANTS}
+    calls = 1 if smoke else CALLS
+    rows = []
+    for setting_name, setting in SETTINGS.items():
+        with applied(setting):
+            resolved = {}
+            for variant_label, function in functions.items():
+                with resolved_launches() as seen:
+                    function()  # compiles this setting's kernels; records what its launches resolve
+                resolved[variant_label] = seen
+            launches = {label: _launch_counts(function) for label, function in functions.items()}
+            if device.type == "cuda":
+                samples, kernels = device_busy_samples(functions, calls, rounds)
+            else:
+                samples, kernels = _wall_samples(functions, calls, rounds), {label: {} for label in functions}
+        timings = {label: _timing(values, calls) for label, values in samples.items()}
+        baseline = timings[variant_name(FAST)]["median_s"]
+        for variant in VARIANTS:
+            label = variant_name(variant)
+            rows.append(
+                {
+                    "model": name,
+                    "batch": batch,
+                    "image_size": shape["image_size"],
+                    "setting": setting_name,
+                    "constants": setting,
+                    "implementation": label,
+                    "prob": None if variant == FAST else variant,
+                    **timings[label],
+                    "timer": "profiler" if device.type == "cuda" else "wall clock",
+                    "extra_busy_s": None if variant == FAST else timings[label]["median_s"] - baseline,
+                    "kernels": _top_kernels(kernels[label], TOP_KERNELS),
+                    "launches": launches[label],
+                    "resolved": resolved[label],
+                }
+            )
+    return rows
+
+
+def collect(*, smoke: bool, device: str, repeats: int | None = None) -> dict:
+    """Measures the case; returns its section: ``config``, ``backends``, ``results``, ``aims`` (none), and
+    ``note`` when nothing could be measured here. ``repeats``: interleaved rounds per setting."""
+    import mjp_fast
+
+    runs = SMOKE_RUNS if smoke else RUNS
+    rounds = repeats or (1 if smoke else ROUNDS)
+    config = {
+        "runs": [{"model": name, "batch": batch} for name, batch in runs],
+        "image_size": SMOKE_SHAPE["image_size"] if smoke else IMAGE_SIZE,
+        "backend": BACKEND,
+        "prob": PROB,
+        "settings": SETTINGS,
+        "calls_per_round": 1 if smoke else CALLS,
+        "rounds": rounds,
+        "autocast": "bfloat16" if device == "cuda" else None,
+    }
+    section = {"config": config, "backends": [BACKEND], "results": [], "aims": []}
+    if BACKEND not in mjp_fast.available_backends():
+        section["note"] = "the triton backend is not available here"
+        return section
+    if device != "cuda" and not smoke:
+        section["note"] = "the Triton kernels run compiled on a GPU only: nothing to measure on the CPU"
+        return section
+    for name, batch in runs:
+        section["results"] += run_model(name, batch, device=torch.device(device), smoke=smoke, rounds=rounds)
+    return section
+
+
+def _title(name: str) -> str:
+    return MODEL_TITLES.get(name, name)
+
+
+def table(rows: list[dict]) -> str:
+    """Per model and setting: each variant's GPU busy time (wall time on the CPU), MJP's extra over the baseline of
+    the same setting, and the resolved partials plans and weight-gradient stages."""
+    headers = ["model", "setting", "implementation", "busy (median)", "MJP extra", "partials plans", "weight"]
+    body = []
+    for row in rows:
+        extra = row["extra_busy_s"]
+        plans = "; ".join(" ".join(str(value) for value in plan) for plan in row["resolved"]["partials"])
+        stages = ", ".join(
+            f"{'perm' if perm else 'no perm'} {count}" for perm, count in row["resolved"]["grad_weight_stages"]
+        )
+        body.append(
+            [
+                f"{_title(row['model'])}, batch {row['batch']}",
+                row["setting"],
+                row["implementation"],
+                format_seconds(row["median_s"]),
+                "" if extra is None else ("-" if extra < 0 else "+") + format_seconds(abs(extra)),
+                plans or "-",
+                stages or "-",
+            ]
+        )
+    return markdown_table(headers, body)
+
+
+def kernel_table(rows: list[dict], model: str) -> str:
+    """One model's kernels (rows) by setting and variant (columns), GPU time per call; empty without timings."""
+    mine = [row for row in rows if row["model"] == model and row["kernels"]]
+    if not mine:
+        return ""
+    names: list[str] = []
+    for row in mine:
+        names += [kernel for kernel, _ in row["kernels"] if kernel not in names]
+    columns = [(row["setting"], row["implementation"]) for row in mine]
+    times = {(row["setting"], row["implementation"]): dict(row["kernels"]) for row in mine}
+    headers = ["kernel"] + [f"{setting}: {'mjp' if label.startswith('mjp') else 'plain'}" for setting, label in columns]
+    body = []
+    for kernel in names:
+        cells = [format_seconds(times[column][kernel]) if kernel in times[column] else "" for column in columns]
+        body.append([kernel if len(kernel) <= 60 else kernel[:57] + "...", *cells])
+    return markdown_table(headers, body)
+
+
+def report(section: dict, info: dict) -> str:
+    """The printed Markdown: title, the busy-time table, one kernel table per model on a GPU."""
+    config = section["config"]
+    lines = [
+        f"## Triton kernels of MJP's part of a step, by setting (backend {config['backend']}, prob "
+        f"{config['prob']:g}, {config['image_size']} px; {where_measured(info)})",
+        "",
+    ]
+    if not section["results"]:
+        return "\n".join(lines + [f"NOT RUN: {section.get('note', 'no results')}"])
+    timer = section["results"][0]["timer"]
+    lines += [
+        table(section["results"]),
+        "",
+        f"busy: {'the GPU time of its kernels (profiler)' if timer == 'profiler' else 'wall time (no GPU)'} per "
+        f"call, the median over {config['rounds']} interleaved rounds of {config['calls_per_round']} calls; MJP "
+        "extra: the MJP variant's over the baseline's under the same setting; partials plans: the position-gradient "
+        "plans the launches resolved ([stages, batch chunks, block_b, block_n, block_d]); weight: the weight "
+        "gradient's stages.",
+        "",
+    ]
+    for name in dict.fromkeys(row["model"] for row in section["results"]):
+        kernels = kernel_table(section["results"], name)
+        if kernels:
+            lines += [f"{_title(name)}: GPU time per call of each kernel", "", kernels, ""]
+    return "\n".join(lines).rstrip()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_standalone(NAME, __doc__.split("\n\n")[0], collect, report, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

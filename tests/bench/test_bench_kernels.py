@@ -1,0 +1,144 @@
+"""bench/bench_kernels.py: its settings reach the launches they name, and are undone after; its smoke run runs every
+setting and variant in the interpreter, the jigsaw's kernels in the MJP rows only."""
+
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+if str(REPO_ROOT) not in sys.path:  # `bench` is a folder of the checkout, not an installed package
+    sys.path.insert(0, str(REPO_ROOT))
+
+from bench import bench_kernels as case  # noqa: E402
+from mjp_fast.triton import common, patch_embed  # noqa: E402
+
+H100_SHARED = 227 * 1024
+
+
+def _plan_stages() -> int:
+    # DeiT-S's float32 gradient on an H100 (132 SMs), compiled (not interpreting): the partials kernel's stages
+    return common.position_gradient_plan(256, 197, 384, torch.float32, 132, False, has_mask=True).num_stages
+
+
+def test_each_setting_reaches_what_it_names_and_is_undone(monkeypatch):
+    monkeypatch.setattr(patch_embed, "shared_memory_optin", lambda device: H100_SHARED)
+    cuda = torch.device("cuda", 0)  # only asked for its shared memory (the stand-in above)
+    default = (_plan_stages(), patch_embed.grad_weight_stages(True, cuda))
+    assert default == (2, patch_embed.GRAD_WEIGHT_PERM_STAGES) == (2, 5)
+    with case.applied(case.SETTINGS["partials unpipelined"]):
+        assert common.PARTIAL_STAGES == 1
+        assert _plan_stages() == 1  # the cached plan of the default is not handed out again
+    with case.applied(case.SETTINGS["weight gradient, perm at 3 stages"]):
+        assert patch_embed.grad_weight_stages(True, cuda) == 3
+        assert _plan_stages() == 2
+    assert (_plan_stages(), patch_embed.grad_weight_stages(True, cuda)) == default  # restored, plans made again
+    assert patch_embed.grad_weight_stages(False, cuda) == patch_embed.GRAD_WEIGHT_STAGES
+
+
+def test_a_setting_is_undone_when_its_measurement_raises():
+    before = common.PARTIAL_STAGES
+    with pytest.raises(RuntimeError, match="measured"), case.applied({"mjp_fast.triton.common.PARTIAL_STAGES": 7}):
+        assert common.PARTIAL_STAGES == 7
+        raise RuntimeError("measured")
+    assert common.PARTIAL_STAGES == before
+
+
+@pytest.mark.parametrize("path", ["mjp_fast.triton.common.NO_SUCH_CONSTANT", "PARTIAL_STAGES"])
+def test_a_setting_naming_no_constant_is_refused(path):
+    before = common.PARTIAL_STAGES
+    setting = {"mjp_fast.triton.common.PARTIAL_STAGES": 9, path: 1}  # the first is set, then undone
+    with pytest.raises(ValueError, match="names no module constant"), case.applied(setting):
+        pass
+    assert common.PARTIAL_STAGES == before
+
+
+def test_resolved_launches_records_what_the_launches_chose_and_puts_the_functions_back(monkeypatch):
+    plan_of, stages_of = common._position_plan, patch_embed.grad_weight_stages
+    monkeypatch.setattr(patch_embed, "shared_memory_optin", lambda device: H100_SHARED)
+    grad = torch.zeros(4, 10, 32)
+    with case.resolved_launches() as seen:
+        plan = common._position_plan(grad)
+        common._position_plan(grad)  # the same plan: recorded once
+        patch_embed.grad_weight_stages(True, torch.device("cuda", 0))
+        patch_embed.grad_weight_stages(False, torch.device("cuda", 0))
+    assert seen["partials"] == [[plan.num_stages, plan.chunks, plan.block_b, plan.block_n, plan.block_d]]
+    assert seen["grad_weight_stages"] == [[True, 5], [False, 3]]
+    assert (common._position_plan, patch_embed.grad_weight_stages) == (plan_of, stages_of)
+
+
+def test_a_cpu_run_that_is_not_a_smoke_run_measures_nothing_and_says_why():
+    section = case.collect(smoke=False, device="cpu")
+    assert section["results"] == [] and section["aims"] == []
+    assert "GPU only" in section["note"]
+    info = {"device": "cpu", "cpu": "x", "torch_threads": 2}
+    assert "NOT RUN: the Triton kernels run compiled on a GPU only" in case.report(section, info)
+
+
+def check_kernels_values(section: dict) -> None:
+    """Every setting of every model has both variants; MJP's extra is its median over the baseline's of the same
+    setting; the jigsaw's kernels (sampler, DAL) launch in the MJP rows only, and the weight gradient resolves
+    its perm stages there."""
+    rows = section["results"]
+    models = [run["model"] for run in section["config"]["runs"]]
+    assert [(row["model"], row["setting"]) for row in rows[::2]] == [
+        (model, setting) for model in models for setting in case.SETTINGS
+    ]
+    for plain, mjp in zip(rows[::2], rows[1::2], strict=True):
+        assert (plain["implementation"], mjp["implementation"]) == ("plain + fast patch embed", "mjp prob=1")
+        assert (plain["setting"], plain["model"]) == (mjp["setting"], mjp["model"])
+        assert plain["constants"] == case.SETTINGS[plain["setting"]]
+        assert plain["extra_busy_s"] is None
+        assert mjp["extra_busy_s"] == pytest.approx(mjp["median_s"] - plain["median_s"])
+        assert "_sample_jigsaw_kernel" in mjp["launches"] and "_sample_jigsaw_kernel" not in plain["launches"]
+        assert "_forward_partial_kernel" in mjp["launches"]  # DAL
+        assert plain["launches"]["_grad_weight_kernel"] == mjp["launches"]["_grad_weight_kernel"] == 1
+        assert [perm for perm, _ in plain["resolved"]["grad_weight_stages"]] == [False]
+        assert [perm for perm, _ in mjp["resolved"]["grad_weight_stages"]] == [True]
+        assert plain["resolved"]["partials"] and mjp["resolved"]["partials"]
+
+
+@pytest.mark.timeout(120)
+def test_kernels_benchmark_smoke(tmp_path, capsys):
+    assert case.main(["--smoke", "--out", str(tmp_path), "--device", "cpu"]) == 0
+    (path,) = tmp_path.glob("*.json")
+    assert path.name.endswith("-kernels-smoke.json")
+    payload = json.loads(path.read_text())
+    assert payload["benchmark"] == "kernels" and payload["smoke"] is True and payload["backends"] == ["triton"]
+    check_kernels_values(payload)
+    for row in payload["results"]:
+        assert row["timer"] == "wall clock" and row["kernels"] == []  # the profiler's times are a GPU's
+        assert 0 < row["p20_s"] <= row["median_s"] <= row["p80_s"]
+    printed = capsys.readouterr().out
+    assert "## Triton kernels of MJP's part of a step" in printed
+    assert printed.count("| DeiT-Tiny, batch 2 |") == 2 * len(case.SETTINGS)
+
+
+def test_the_kernel_table_lines_up_each_kernel_under_every_setting():
+    def row(setting: str, label: str, kernels: list) -> dict:
+        return {"model": "m", "setting": setting, "implementation": label, "kernels": kernels}
+
+    rows = [
+        row("default", "plain + fast patch embed", [["_grad_weight_kernel", 260e-6]]),
+        row("default", "mjp prob=1", [["_grad_weight_kernel", 300e-6], ["_sample_jigsaw_kernel", 19e-6]]),
+        row("x", "plain + fast patch embed", [["_grad_weight_kernel", 250e-6]]),
+        row("x", "mjp prob=1", [["_grad_weight_kernel", 430e-6], ["_sample_jigsaw_kernel", 19e-6]]),
+    ]
+    lines = case.kernel_table(rows, "m").splitlines()
+    assert [cell.strip() for cell in lines[0].split("|")[1:-1]] == [
+        "kernel",
+        "default: plain",
+        "default: mjp",
+        "x: plain",
+        "x: mjp",
+    ]
+    cells = {line.split("|")[1].strip(): [cell.strip() for cell in line.split("|")[2:-1]] for line in lines[2:]}
+    assert cells["_grad_weight_kernel"] == ["260 us", "300 us", "250 us", "430 us"]
+    assert cells["_sample_jigsaw_kernel"] == ["", "19 us", "", "19 us"]
+    assert case.kernel_table(rows, "other") == ""
