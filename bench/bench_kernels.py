@@ -8,20 +8,24 @@ on the ``triton`` backend. Per model (DeiT-Tiny and DeiT-Small shapes, batch 256
 - ``plain + fast patch embed``: timm's model with the fused embedding (no jigsaw), the baseline;
 - ``mjp prob=1``: MJP at ratio 0.1 with every sample jigsawed, DAL nonlinear.
 
-The settings change one module constant each, in this process, for the duration of their measurement (the
+The settings change module constants, in this process, for the duration of their measurement (the
 position-gradient plans are made again on the way in and out):
 
 - ``default``: the constants as shipped;
 - ``partials unpipelined``: ``PARTIAL_STAGES = 1``: the position gradient's partials kernel without its software
   pipeline (its loop as before commit 93b2e73, which the H100 timed at 103 us, and 201 us with a mask);
 - ``weight gradient, perm at 3 stages``: ``GRAD_WEIGHT_PERM_STAGES = 3``: the weight gradient with a jigsaw at
-  Triton's default depth (as before commit 694d4c7: 430 us with a perm against 260 us without).
+  Triton's default depth (as before commit 694d4c7: 430 us with a perm against 260 us without);
+- ``DAL wider steps``: the DAL loss's kernels in fewer, wider steps (see the setting's comment).
 
-One GPU run answers which setting each kernel should ship with. The GPU time is the profiler's (the summed
-durations of the kernels: no host time; on the lent machines' slow host a small part is host-bound, and CUDA
-events around it would time the host), the median over interleaved rounds, and each kernel's time per call. Each
-row also records what the launches resolved under its setting (the partials kernel's plan, the weight gradient's
-stages), so a setting that did not reach the kernels shows. No aims: the train-step case judges the work's total.
+One GPU run answers which setting each kernel should ship with, and checks that each setting computes what the
+default does: each row records its parameters' gradients' largest difference from the default setting's, for the
+same jigsaws (bit for bit where only the pipeline changes; within rounding where the tiles change the sums). The
+GPU time is the profiler's (the summed durations of the kernels: no host time; on the lent machines' slow host a
+small part is host-bound, and CUDA events around it would time the host), the median over interleaved rounds,
+and each kernel's time per call. Each row also records what the launches resolved under its setting (the partials
+kernel's plan, the weight gradient's stages), so a setting that did not reach the kernels shows. No aims: the
+train-step case judges the work's total.
 
 The kernels run compiled on a GPU only. On the CPU, a smoke run (tiny shapes, the Triton interpreter) runs every
 setting and variant and counts the launches; a full CPU run measures nothing and says so.
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import math
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -71,6 +76,15 @@ SETTINGS: dict[str, dict[str, int]] = {
     DEFAULT: {},
     "partials unpipelined": {"mjp_fast.triton.common.PARTIAL_STAGES": 1},
     "weight gradient, perm at 3 stages": {"mjp_fast.triton.patch_embed.GRAD_WEIGHT_PERM_STAGES": 3},
+    # DAL's kernels are latency-bound at DeiT's sizes (the H100 timed 20 us forward and 26 us backward for a [196,
+    # 384] table at 869c34c): the backward's weight programs with 7 steps of 32 positions instead of 13 of 16 (more
+    # of them: 144 and 84 programs against 72 and 78 for DeiT-S, 96 registers), the forward with 3 steps of 128
+    # channels at 4 warps instead of 6 of 64 at 2; neither spills on sm_90
+    "DAL wider steps": {
+        "mjp_fast.triton.dal_loss.BACKWARD_TILES": {"BLOCK_N": 32, "BLOCK_H": 32, "BLOCK_D": 32},
+        "mjp_fast.triton.dal_loss.FORWARD_TILES": {"BLOCK_N": 16, "BLOCK_K": 32, "BLOCK_D": 128, "BLOCK_B": 32},
+        "mjp_fast.triton.dal_loss.FORWARD_WARPS": 4,
+    },
 }
 
 
@@ -167,23 +181,59 @@ def _timing(samples: list[float], calls: int) -> dict:
     }
 
 
+def _gradients(model: torch.nn.Module, function: Callable[[], None]) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient from one call of ``function`` (a :func:`position_part` of ``model``), an MJP
+    model's sampler at the start of its stream, so that each setting's call draws the same jigsaws."""
+    state = getattr(model, "mjp", None)
+    if state is not None:
+        state.sampler.sample_counter.zero_()
+    function()
+    return {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def relative_difference(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> float:
+    """The largest difference of any gradient from the expected one, over that gradient's largest magnitude (0 for
+    bit-identical gradients; inf for a gradient missing or of another shape; NaN where a NaN or inf differs).
+
+    Raises:
+        ValueError: ``expected`` has no gradient.
+    """
+    if not expected:
+        raise ValueError("expected: no gradient to compare with")
+    worst = 0.0
+    for name, reference in expected.items():
+        value = got.get(name)
+        if value is None or value.shape != reference.shape:
+            return float("inf")
+        difference = (value.double() - reference.double()).abs().max().item()
+        if math.isnan(difference):  # a NaN on one side only, or inf against inf: never "the same"
+            return math.nan
+        if difference:
+            worst = max(worst, difference / max(reference.double().abs().max().item(), 1e-30))
+    return worst
+
+
 def run_model(name: str, batch: int, *, device: torch.device, smoke: bool, rounds: int) -> list[dict]:
     """Every setting's rows of one model: per setting, one row per variant (the MJP row with its extra GPU time
-    over the baseline of the same setting)."""
+    over the baseline of the same setting, each row with its gradients' largest difference from the default
+    setting's, for the same jigsaws)."""
     shape = SMOKE_SHAPE if smoke else {"image_size": IMAGE_SIZE, "overrides": {}}
     # depth 0: the blocks run nothing of MJP's and would only add kernels to the profile
     models = _models(name, shape["image_size"], device, depth=0, backend=BACKEND, overrides=shape["overrides"])
     images, grad = part_inputs(models[FAST], batch, device)
     functions = {variant_name(variant): position_part(models[variant], images, grad) for variant in VARIANTS}
     calls = 1 if smoke else CALLS
-    rows = []
+    rows, default_gradients = [], {}
     for setting_name, setting in SETTINGS.items():
         with applied(setting):
-            resolved = {}
-            for variant_label, function in functions.items():
-                with resolved_launches() as seen:
-                    function()  # compiles this setting's kernels; records what its launches resolve
-                resolved[variant_label] = seen
+            resolved, differences = {}, {}
+            for variant, label in ((variant, variant_name(variant)) for variant in VARIANTS):
+                with resolved_launches() as seen:  # also compiles this setting's kernels
+                    gradients = _gradients(models[variant], functions[label])
+                resolved[label] = seen
+                if setting_name == DEFAULT:  # the first setting
+                    default_gradients[label] = gradients
+                differences[label] = relative_difference(gradients, default_gradients[label])
             launches = {label: _launch_counts(function) for label, function in functions.items()}
             if device.type == "cuda":
                 samples, kernels = device_busy_samples(functions, calls, rounds)
@@ -208,6 +258,7 @@ def run_model(name: str, batch: int, *, device: torch.device, smoke: bool, round
                     "kernels": _top_kernels(kernels[label], TOP_KERNELS),
                     "launches": launches[label],
                     "resolved": resolved[label],
+                    "max_relative_difference": differences[label],
                 }
             )
     return rows
@@ -249,7 +300,8 @@ def _title(name: str) -> str:
 def table(rows: list[dict]) -> str:
     """Per model and setting: each variant's GPU busy time (wall time on the CPU), MJP's extra over the baseline of
     the same setting, and the resolved partials plans and weight-gradient stages."""
-    headers = ["model", "setting", "implementation", "busy (median)", "MJP extra", "partials plans", "weight"]
+    headers = ["model", "setting", "implementation", "busy (median)", "MJP extra", "vs default", "partials plans"]
+    headers.append("weight")
     body = []
     for row in rows:
         extra = row["extra_busy_s"]
@@ -264,6 +316,7 @@ def table(rows: list[dict]) -> str:
                 row["implementation"],
                 format_seconds(row["median_s"]),
                 "" if extra is None else ("-" if extra < 0 else "+") + format_seconds(abs(extra)),
+                f"{row['max_relative_difference']:.1e}" if row["max_relative_difference"] else "same",
                 plans or "-",
                 stages or "-",
             ]
@@ -305,7 +358,9 @@ def report(section: dict, info: dict) -> str:
         "",
         f"busy: {'the GPU time of its kernels (profiler)' if timer == 'profiler' else 'wall time (no GPU)'} per "
         f"call, the median over {config['rounds']} interleaved rounds of {config['calls_per_round']} calls; MJP "
-        "extra: the MJP variant's over the baseline's under the same setting; partials plans: the position-gradient "
+        "extra: the MJP variant's over the baseline's under the same setting; vs default: the largest difference "
+        "of its parameters' gradients from the default setting's (same jigsaws), over that gradient's largest "
+        "magnitude (same: bit for bit); partials plans: the position-gradient "
         "plans the launches resolved ([stages, batch chunks, block_b, block_n, block_d]); weight: the weight "
         "gradient's stages.",
         "",

@@ -102,6 +102,8 @@ def check_kernels_values(section: dict) -> None:
         assert [perm for perm, _ in plain["resolved"]["grad_weight_stages"]] == [False]
         assert [perm for perm, _ in mjp["resolved"]["grad_weight_stages"]] == [True]
         assert plain["resolved"]["partials"] and mjp["resolved"]["partials"]
+        if plain["setting"] == case.DEFAULT:
+            assert plain["max_relative_difference"] == mjp["max_relative_difference"] == 0.0
 
 
 @pytest.mark.timeout(120)
@@ -114,10 +116,35 @@ def test_kernels_benchmark_smoke(tmp_path, capsys):
     check_kernels_values(payload)
     for row in payload["results"]:
         assert row["timer"] == "wall clock" and row["kernels"] == []  # the profiler's times are a GPU's
+        # The interpreter takes none of the settings' GPU tiles, stages or warps: every setting computes the
+        # default's gradients bit for bit, for the same jigsaws (each setting's MJP call draws the stream's first)
+        assert row["max_relative_difference"] == 0.0
         assert 0 < row["p20_s"] <= row["median_s"] <= row["p80_s"]
     printed = capsys.readouterr().out
     assert "## Triton kernels of MJP's part of a step" in printed
     assert printed.count("| DeiT-Tiny, batch 2 |") == 2 * len(case.SETTINGS)
+
+
+def test_relative_difference_is_the_worst_gradient_over_its_own_scale():
+    expected = {"w": torch.tensor([2.0, -4.0]), "b": torch.tensor([0.5])}
+    assert case.relative_difference({name: value.clone() for name, value in expected.items()}, expected) == 0.0
+    got = {"w": torch.tensor([2.0, -4.4]), "b": torch.tensor([0.5])}
+    assert case.relative_difference(got, expected) == pytest.approx(0.1)  # 0.4 against the largest magnitude 4
+    got = {"w": torch.tensor([2.0, -4.0]), "b": torch.tensor([0.75])}
+    assert case.relative_difference(got, expected) == pytest.approx(0.5)
+    assert case.relative_difference({"w": expected["w"]}, expected) == float("inf")  # a gradient missing
+    assert case.relative_difference({**expected, "b": torch.zeros(2)}, expected) == float("inf")
+    nan = case.relative_difference({**expected, "b": torch.tensor([float("nan")])}, expected)
+    assert nan != nan  # NaN stays NaN: no verdict of "same"
+    assert case.relative_difference({"w": torch.ones(1)}, {"w": torch.zeros(1)}) > 1e20  # against a zero gradient
+    with pytest.raises(ValueError, match="expected: no gradient"):
+        case.relative_difference({}, {})
+
+
+def test_the_default_setting_comes_first_and_changes_nothing():
+    names = list(case.SETTINGS)
+    assert names[0] == case.DEFAULT and case.SETTINGS[case.DEFAULT] == {}
+    assert all(case.SETTINGS[name] for name in names[1:])
 
 
 def test_the_kernel_table_lines_up_each_kernel_under_every_setting():

@@ -568,6 +568,41 @@ def check_weight_gradient_pipelining(target) -> bool:
     return every_ok
 
 
+def check_benchmark_settings(target) -> bool:
+    """Each setting that bench/bench_kernels.py times on a GPU compiles there: under each, the variants whose tiles,
+    stages or warps it changes, compiled as a launch specializes them, within the block's shared memory. A setting
+    that changes no variant fails (it would measure the default twice)."""
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[2])
+    if root not in sys.path:  # `bench` is a folder of the checkout
+        sys.path.insert(0, root)
+    from bench.bench_kernels import DEFAULT, SETTINGS, applied
+
+    default = {name: (constexprs, options) for name, _, _, constexprs, options in _variants()}
+    every_ok = True
+    for setting_name, setting in SETTINGS.items():
+        if setting_name == DEFAULT:
+            continue
+        with applied(setting):
+            changed = [variant for variant in _variants() if (variant[3], variant[4]) != default.get(variant[0])]
+            for name, kernel, signature, constexprs, options in changed:
+                try:
+                    compiled = _compile_as_launched(kernel, signature, constexprs, options, target)
+                    shared = compiled.metadata.shared
+                    ok = shared <= MAX_SHARED_BYTES.get(target.arch, shared)
+                    detail = f"shared {shared} bytes"
+                except Exception:  # noqa: BLE001 - report every variant, then fail
+                    ok, detail = False, traceback.format_exc()
+                every_ok = every_ok and ok
+                verdict = "ok  " if ok else "FAIL"
+                print(f"{verdict} sm_{target.arch} setting {setting_name}: {name}: {detail}", flush=True)
+        if not changed:
+            every_ok = False
+            print(f"FAIL sm_{target.arch} setting {setting_name}: changes no kernel variant", flush=True)
+    return every_ok
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", default="80,90", help="compute capabilities, comma-separated")
@@ -603,6 +638,7 @@ def main(argv: list[str] | None = None) -> int:
         if arch >= 90:  # the pipeliner of Hopper's TTGIR, where it was measured
             failures += not check_weight_gradient_pipelining(target)
         failures += not check_position_partials_pipelining(target)
+        failures += not check_benchmark_settings(target)
     print(f"{failures} failed")
     return 1 if failures else 0
 

@@ -48,5 +48,13 @@ def test_every_triton_kernel_compiles_for_hopper():
             # its gradient tiles copied to shared memory steps ahead (NUM_STAGES): not a load waited on between adds
             pipelined = rf"ok   sm_90 pipelining of the {partials.removeprefix('grad_position ')}: [23] stages"
             assert re.search(pipelined, result.stdout), partials
+    # every setting that the kernels benchmark times on a GPU (bench/bench_kernels.py) compiles there
+    if str(SCRIPT.parents[2]) not in sys.path:  # `bench` is a folder of the checkout, not an installed package
+        sys.path.insert(0, str(SCRIPT.parents[2]))
+    from bench.bench_kernels import DEFAULT, SETTINGS
+
+    for name in SETTINGS:
+        if name != DEFAULT:
+            assert f"ok   sm_90 setting {name}: " in result.stdout, name
     # _dot with mixed operand dtypes (bfloat16 x float32) compiles its float32 branch alone
     assert result.stdout.count("(upcast): cubin") == 3
