@@ -3,7 +3,7 @@ step, with and without the jigsaw, under each pipeline setting still in question
 
 The part is the train-step case's isolated work (:func:`bench.bench_train_step.position_part`): the fused patch
 embedding, the position step and, for MJP, the jigsaw and the DAL loss, forward and backward, bfloat16 autocast,
-on the ``triton`` backend. Per model (DeiT-Tiny and DeiT-Small shapes, batch 256) and per setting, two variants:
+on the ``triton`` backend. For DeiT-Small at batch 256, per setting, two variants:
 
 - ``plain + fast patch embed``: timm's model with the fused embedding (no jigsaw), the baseline;
 - ``mjp prob=1``: MJP at ratio 0.1 with every sample jigsawed, DAL nonlinear.
@@ -65,7 +65,9 @@ NAME = "kernels"
 BACKEND = "triton"
 PROB = 1.0  # every sample jigsawed: each kernel's jigsaw path runs for the whole batch
 VARIANTS = (FAST, PROB)
-RUNS = (("deit_tiny_patch16_224", 256), ("deit_small_patch16_224", 256))
+# DeiT-S, where the aims are judged and the H100 timed the kernels; one model keeps the case within its share of the
+# device check (each setting compiles its kernels again, seconds each on the lent machines' slow host)
+RUNS = (("deit_small_patch16_224", 256),)
 IMAGE_SIZE = 224
 SMOKE_RUNS = (("deit_tiny_patch16_224", 2),)
 SMOKE_SHAPE = {"image_size": 16, "overrides": {"patch_size": 4, "embed_dim": 16, "num_heads": 2}}  # a 4x4 grid

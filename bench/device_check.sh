@@ -23,11 +23,11 @@
 #   6. the same under torch.compile (inductor)                                    120 s   ~60 s (DeiT-Ti: 51 s)
 #   7. timm-family sweep, triton backend on cuda, 1 block per model, models
 #      round-robin over the families, no model started after 30 s                 60 s   ~40 s (36 s a model)
-#   8. benchmarks, eager, in this order: train_step (batch 256), kernels (the
-#      Triton kernels under each pipeline setting in question), host_cost,         230 s   H200 2026-11-27, one
-#      patch_embed, sampler; the JSON is written after each case. train_step and          backend: 124 s (train
-#      host_cost measure each GPU backend built (triton, cuda) in rounds of its           step 45, patch_embed 28,
-#      own: ~170 s; H100 2026-11-27, both backends: 195 s; kernels ~30-40 s               sampler 38, host 12)
+#   8. benchmarks, eager, in this order: train_step (batch 256), host_cost,
+#      kernels (the Triton kernels under each setting in question), patch_embed,   230 s   H200 2026-11-27, one
+#      sampler; the JSON is written after each case. train_step and host_cost             backend: 124 s (train
+#      measure each GPU backend built (triton, cuda) in rounds of its own:                step 45, patch_embed 28,
+#      ~170 s; H100 2026-11-27, both backends: 195 s; kernels ~25-35 s (compiles)         sampler 38, host 12)
 #   9. train_step benchmark under torch.compile                                the rest  ~160 s left: cut there
 #   the command: sum of the expected times 1-7 = ~400 s; 8 and 9 get the rest      540 s
 #   the session: start-up + command + transfers                                         ~11 min of the 15
@@ -270,7 +270,7 @@ benchmarks() {
   # each case's own repeats (sampler and host_cost 15); the JSON is written after every case, so a case cut at
   # the deadline loses only itself
   stage "benchmarks, eager" 230 bench_eager.log python3 -m bench.run --device cuda \
-    --cases train_step,kernels,host_cost,patch_embed,sampler --out "$out"
+    --cases train_step,host_cost,kernels,patch_embed,sampler --out "$out"
   grep -E "^(PASS|FAIL|NOT RUN|NOISY|ERROR)" "$work/bench_eager.log" | head -n 50
   stage "benchmarks, torch.compile" 600 bench_compiled.log python3 -m bench.run --device cuda --cases train_step \
     --compile --repeats 20 --out "$out"
