@@ -344,6 +344,33 @@ def kernel_table(rows: list[dict], model: str) -> str:
     return markdown_table(headers, body)
 
 
+def setting_lines(rows: list[dict]) -> list[str]:
+    """One ``SETTING`` line per model and setting other than the default (what the device check's summary shows):
+    MJP's extra time and the MJP variant's busy time against the default's, the gradients' difference, and the
+    kernels whose time moved most (the MJP variant's, against the default setting's)."""
+    lines = []
+    defaults = {(row["model"], row["implementation"]): row for row in rows if row["setting"] == DEFAULT}
+    for row in rows:
+        default = defaults.get((row["model"], row["implementation"]))
+        if row["setting"] == DEFAULT or row["extra_busy_s"] is None or default is None:
+            continue
+        before, after = dict(default["kernels"]), dict(row["kernels"])
+        moved = sorted(set(before) | set(after), key=lambda name: -abs(after.get(name, 0.0) - before.get(name, 0.0)))
+
+        def time_of(times: dict[str, float], name: str) -> str:
+            return format_seconds(times[name]) if name in times else "not run"
+
+        kernels = ", ".join(f"{name} {time_of(after, name)} (default {time_of(before, name)})" for name in moved[:3])
+        difference = row["max_relative_difference"]
+        lines.append(
+            f"SETTING {row['setting']} ({_title(row['model'])}): MJP extra {format_seconds(row['extra_busy_s'])} "
+            f"(default {format_seconds(default['extra_busy_s'])}), busy {format_seconds(row['median_s'])} (default "
+            f"{format_seconds(default['median_s'])}), gradients {f'{difference:.1e}' if difference else 'same'}"
+            + (f"; {kernels}" if kernels else "")
+        )
+    return lines
+
+
 def report(section: dict, info: dict) -> str:
     """The printed Markdown: title, the busy-time table, one kernel table per model on a GPU."""
     config = section["config"]
@@ -371,7 +398,7 @@ def report(section: dict, info: dict) -> str:
         kernels = kernel_table(section["results"], name)
         if kernels:
             lines += [f"{_title(name)}: GPU time per call of each kernel", "", kernels, ""]
-    return "\n".join(lines).rstrip()
+    return "\n".join(lines + setting_lines(section["results"])).rstrip()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -271,7 +271,7 @@ benchmarks() {
   # the deadline loses only itself
   stage "benchmarks, eager" 230 bench_eager.log python3 -m bench.run --device cuda \
     --cases train_step,host_cost,kernels,patch_embed,sampler --out "$out"
-  grep -E "^(PASS|FAIL|NOT RUN|NOISY|ERROR)" "$work/bench_eager.log" | head -n 50
+  grep -E "^(PASS|FAIL|NOT RUN|NOISY|ERROR|SETTING)" "$work/bench_eager.log" | cut -c1-400 | head -n 60
   stage "benchmarks, torch.compile" 600 bench_compiled.log python3 -m bench.run --device cuda --cases train_step \
     --compile --repeats 20 --out "$out"
   grep -E "^(PASS|FAIL|NOT RUN|NOISY|ERROR)" "$work/bench_compiled.log" | head -n 20
@@ -290,7 +290,7 @@ perf_benchmarks() {
   # MJP's work), the Triton kernels and the host cost, then the compiled train step with all the time that is left
   stage "benchmarks, eager" 220 bench_eager.log python3 -m bench.run --device cuda \
     --cases train_step,kernels,host_cost --out "$out"
-  grep -E "^(PASS|FAIL|NOT RUN|NOISY|ERROR)" "$work/bench_eager.log" | head -n 50
+  grep -E "^(PASS|FAIL|NOT RUN|NOISY|ERROR|SETTING)" "$work/bench_eager.log" | cut -c1-400 | head -n 60
   # reduce-overhead: CUDA graphs, so the slow host's launches leave the compiled steps (what a user on such a host
   # would run; Inductor's default mode still launches each kernel from the host)
   stage "benchmarks, torch.compile" 600 bench_compiled.log python3 -m bench.run --device cuda --cases train_step \

@@ -147,6 +147,33 @@ def test_the_default_setting_comes_first_and_changes_nothing():
     assert all(case.SETTINGS[name] for name in names[1:])
 
 
+def test_each_setting_gets_a_summary_line_against_the_default():
+    def row(setting: str, label: str, busy: float, extra, kernels: list, difference: float = 0.0) -> dict:
+        return {
+            "model": "deit_small_patch16_224",
+            "setting": setting,
+            "implementation": label,
+            "median_s": busy,
+            "extra_busy_s": extra,
+            "kernels": kernels,
+            "max_relative_difference": difference,
+        }
+
+    rows = [
+        row("default", "plain + fast patch embed", 1e-3, None, [["a", 500e-6]]),
+        row("default", "mjp prob=1", 1.4e-3, 400e-6, [["a", 600e-6], ["b", 200e-6], ["c", 10e-6]]),
+        row("x", "plain + fast patch embed", 1e-3, None, [["a", 500e-6]]),
+        row("x", "mjp prob=1", 1.3e-3, 300e-6, [["a", 600e-6], ["b", 100e-6], ["d", 5e-6]], 2e-7),
+    ]
+    (line,) = case.setting_lines(rows)  # the default's rows and the baseline's get none
+    assert line.startswith("SETTING x (DeiT-Small): MJP extra 300 us (default 400 us), busy 1.3 ms (default 1.4 ms)")
+    assert "gradients 2.0e-07" in line
+    # the kernels that moved most, the MJP variant's against the default's: b by 100 us, c and d gone or new
+    assert line.endswith("; b 100 us (default 200 us), c not run (default 10 us), d 5 us (default not run)")
+    rows[3]["max_relative_difference"] = 0.0
+    assert "gradients same" in case.setting_lines(rows)[0]
+
+
 def test_the_kernel_table_lines_up_each_kernel_under_every_setting():
     def row(setting: str, label: str, kernels: list) -> dict:
         return {"model": "m", "setting": setting, "implementation": label, "kernels": kernels}
