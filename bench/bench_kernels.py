@@ -59,7 +59,7 @@ from bench.bench_train_step import (
     position_part,
     variant_name,
 )
-from bench.common import format_seconds, markdown_table, run_standalone, where_measured
+from bench.common import error_lines, format_seconds, markdown_table, run_standalone, where_measured
 
 NAME = "kernels"
 BACKEND = "triton"
@@ -215,54 +215,76 @@ def relative_difference(got: dict[str, torch.Tensor], expected: dict[str, torch.
     return worst
 
 
-def run_model(name: str, batch: int, *, device: torch.device, smoke: bool, rounds: int) -> list[dict]:
+def _measure_setting(
+    setting: dict[str, int],
+    models: dict,
+    functions: dict[str, Callable[[], None]],
+    default_gradients: dict[str, dict[str, torch.Tensor]],
+    *,
+    device: torch.device,
+    calls: int,
+    rounds: int,
+) -> dict[str, dict]:
+    """One setting's measurement of each variant (by label): its timing, kernels, launches, what its launches
+    resolved, and its gradients' difference from ``default_gradients`` (filled here when empty: the default's)."""
+    measured: dict[str, dict] = {}
+    with applied(setting):
+        for variant in VARIANTS:
+            label = variant_name(variant)
+            with resolved_launches() as seen:  # also compiles this setting's kernels
+                gradients = _gradients(models[variant], functions[label])
+            expected = default_gradients.setdefault(label, gradients)
+            measured[label] = {"resolved": seen, "max_relative_difference": relative_difference(gradients, expected)}
+        for label, function in functions.items():
+            measured[label]["launches"] = _launch_counts(function)
+        if device.type == "cuda":
+            samples, kernels = device_busy_samples(functions, calls, rounds)
+        else:
+            samples, kernels = _wall_samples(functions, calls, rounds), {label: {} for label in functions}
+    for label, values in samples.items():
+        measured[label].update(_timing(values, calls), kernels=_top_kernels(kernels[label], TOP_KERNELS))
+    return measured
+
+
+def run_model(
+    name: str, batch: int, *, device: torch.device, smoke: bool, rounds: int, errors: dict[str, str]
+) -> list[dict]:
     """Every setting's rows of one model: per setting, one row per variant (the MJP row with its extra GPU time
     over the baseline of the same setting, each row with its gradients' largest difference from the default
-    setting's, for the same jigsaws)."""
+    setting's, for the same jigsaws). A setting other than the default that raises is left out, its error recorded
+    in ``errors`` (the others are still measured); the default's error is raised (nothing to compare with)."""
     shape = SMOKE_SHAPE if smoke else {"image_size": IMAGE_SIZE, "overrides": {}}
     # depth 0: the blocks run nothing of MJP's and would only add kernels to the profile
     models = _models(name, shape["image_size"], device, depth=0, backend=BACKEND, overrides=shape["overrides"])
     images, grad = part_inputs(models[FAST], batch, device)
     functions = {variant_name(variant): position_part(models[variant], images, grad) for variant in VARIANTS}
-    calls = 1 if smoke else CALLS
     rows, default_gradients = [], {}
     for setting_name, setting in SETTINGS.items():
-        with applied(setting):
-            resolved, differences = {}, {}
-            for variant, label in ((variant, variant_name(variant)) for variant in VARIANTS):
-                with resolved_launches() as seen:  # also compiles this setting's kernels
-                    gradients = _gradients(models[variant], functions[label])
-                resolved[label] = seen
-                if setting_name == DEFAULT:  # the first setting
-                    default_gradients[label] = gradients
-                differences[label] = relative_difference(gradients, default_gradients[label])
-            launches = {label: _launch_counts(function) for label, function in functions.items()}
-            if device.type == "cuda":
-                samples, kernels = device_busy_samples(functions, calls, rounds)
-            else:
-                samples, kernels = _wall_samples(functions, calls, rounds), {label: {} for label in functions}
-        timings = {label: _timing(values, calls) for label, values in samples.items()}
-        baseline = timings[variant_name(FAST)]["median_s"]
+        try:
+            measured = _measure_setting(
+                setting, models, functions, default_gradients, device=device, calls=1 if smoke else CALLS, rounds=rounds
+            )
+        except Exception as error:
+            if setting_name == DEFAULT:
+                raise
+            errors[f"{_title(name)}, {setting_name}"] = f"{type(error).__name__}: {error}"
+            continue
+        baseline = measured[variant_name(FAST)]["median_s"]
         for variant in VARIANTS:
             label = variant_name(variant)
-            rows.append(
-                {
-                    "model": name,
-                    "batch": batch,
-                    "image_size": shape["image_size"],
-                    "setting": setting_name,
-                    "constants": setting,
-                    "implementation": label,
-                    "prob": None if variant == FAST else variant,
-                    **timings[label],
-                    "timer": "profiler" if device.type == "cuda" else "wall clock",
-                    "extra_busy_s": None if variant == FAST else timings[label]["median_s"] - baseline,
-                    "kernels": _top_kernels(kernels[label], TOP_KERNELS),
-                    "launches": launches[label],
-                    "resolved": resolved[label],
-                    "max_relative_difference": differences[label],
-                }
-            )
+            row = {
+                "model": name,
+                "batch": batch,
+                "image_size": shape["image_size"],
+                "setting": setting_name,
+                "constants": setting,
+                "implementation": label,
+                "prob": None if variant == FAST else variant,
+                "timer": "profiler" if device.type == "cuda" else "wall clock",
+                **measured[label],
+            }
+            row["extra_busy_s"] = None if variant == FAST else row["median_s"] - baseline
+            rows.append(row)
     return rows
 
 
@@ -290,8 +312,12 @@ def collect(*, smoke: bool, device: str, repeats: int | None = None) -> dict:
     if device != "cuda" and not smoke:
         section["note"] = "the Triton kernels run compiled on a GPU only: nothing to measure on the CPU"
         return section
+    errors: dict[str, str] = {}
     for name, batch in runs:
-        section["results"] += run_model(name, batch, device=torch.device(device), smoke=smoke, rounds=rounds)
+        section["results"] += run_model(
+            name, batch, device=torch.device(device), smoke=smoke, rounds=rounds, errors=errors
+        )
+    section["errors"] = errors
     return section
 
 
@@ -398,7 +424,7 @@ def report(section: dict, info: dict) -> str:
         kernels = kernel_table(section["results"], name)
         if kernels:
             lines += [f"{_title(name)}: GPU time per call of each kernel", "", kernels, ""]
-    return "\n".join(lines + setting_lines(section["results"])).rstrip()
+    return "\n".join(lines + setting_lines(section["results"]) + error_lines(section)).rstrip()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -125,6 +125,20 @@ def test_kernels_benchmark_smoke(tmp_path, capsys):
     assert printed.count("| DeiT-Tiny, batch 2 |") == 2 * len(case.SETTINGS)
 
 
+@pytest.mark.timeout(120)
+def test_a_setting_that_fails_is_reported_and_the_others_still_measured(monkeypatch):
+    settings = {case.DEFAULT: {}, "broken": {"mjp_fast.triton.common.NO_SUCH_CONSTANT": 1}}
+    monkeypatch.setattr(case, "SETTINGS", {**settings, "pipeline": case.SETTINGS["partials unpipelined"]})
+    section = case.collect(smoke=True, device="cpu")
+    assert [row["setting"] for row in section["results"]] == [case.DEFAULT] * 2 + ["pipeline"] * 2
+    (message,) = section["errors"].values()
+    assert list(section["errors"]) == ["DeiT-Tiny, broken"] and message.startswith("ValueError: setting:")
+    assert "ERROR DeiT-Tiny, broken: ValueError" in case.report(section, {"gpu": "test"})
+    monkeypatch.setattr(case, "SETTINGS", {case.DEFAULT: settings["broken"]})  # the default's error is raised
+    with pytest.raises(ValueError, match="names no module constant"):
+        case.collect(smoke=True, device="cpu")
+
+
 def test_relative_difference_is_the_worst_gradient_over_its_own_scale():
     expected = {"w": torch.tensor([2.0, -4.0]), "b": torch.tensor([0.5])}
     assert case.relative_difference({name: value.clone() for name, value in expected.items()}, expected) == 0.0
