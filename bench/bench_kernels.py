@@ -16,6 +16,8 @@ position-gradient plans are made again on the way in and out):
   pipeline (its loop as before commit 93b2e73, which the H100 timed at 103 us, and 201 us with a mask);
 - ``weight gradient, perm at 3 stages``: ``GRAD_WEIGHT_PERM_STAGES = 3``: the weight gradient with a jigsaw at
   Triton's default depth (as before commit 694d4c7: 430 us with a perm against 260 us without);
+- ``sampler at 1 warp``: ``SAMPLER_WARPS = 1``: a sample's program on one warp instead of Triton's default 4 (its
+  rounds' reductions are shuffles, not barriers; the H100 timed the sampler at 19 us for 256 samples);
 - ``DAL wider steps``: the DAL loss's kernels in fewer, wider steps (see the setting's comment).
 
 One GPU run answers which setting each kernel should ship with, and checks that each setting computes what the
@@ -82,6 +84,7 @@ SETTINGS: dict[str, dict[str, int]] = {
     # 384] table at 869c34c): the backward's weight programs with 7 steps of 32 positions instead of 13 of 16 (more
     # of them: 144 and 84 programs against 72 and 78 for DeiT-S, 96 registers), the forward with 3 steps of 128
     # channels at 4 warps instead of 6 of 64 at 2; neither spills on sm_90
+    "sampler at 1 warp": {"mjp_fast.sampler.triton_kernel.SAMPLER_WARPS": 1},
     "DAL wider steps": {
         "mjp_fast.triton.dal_loss.BACKWARD_TILES": {"BLOCK_N": 32, "BLOCK_H": 32, "BLOCK_D": 32},
         "mjp_fast.triton.dal_loss.FORWARD_TILES": {"BLOCK_N": 16, "BLOCK_K": 32, "BLOCK_D": 128, "BLOCK_B": 32},

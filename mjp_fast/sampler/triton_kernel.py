@@ -13,7 +13,7 @@ import triton.language as tl
 
 from mjp_fast.sampler import reference as _spec
 from mjp_fast.sampler.jigsaw import empty_jigsaw
-from mjp_fast.triton import launcher, next_power_of_2
+from mjp_fast.triton import launcher, next_power_of_2, warp_count
 
 # The sampler's constants as the compiler takes globals inside a kernel: constexpr. (The interpreter also reads
 # plain Python ints; compiling for a GPU refuses them, as tests/triton/compile_for_gpu.py found.)
@@ -22,6 +22,11 @@ ATTEMPTS_PER_ROUND = tl.constexpr(_spec.ATTEMPTS_PER_ROUND)
 TAG_COIN = tl.constexpr(_spec.TAG_COIN)
 TAG_MASK = tl.constexpr(_spec.TAG_MASK)
 TAG_PERM = tl.constexpr(_spec.TAG_PERM)
+
+# Warps per sample's program: Triton's default. Each round of a sample reduces its mask vector across the warps
+# (through shared memory, with barriers) while the rounds run one after another; bench/bench_kernels.py times one
+# warp, whose reductions are shuffles within the warp (as the cuda backend's sampler runs a sample on one warp).
+SAMPLER_WARPS = 4
 
 
 @triton.jit
@@ -152,5 +157,6 @@ def sample_jigsaw_launch(
         SHARED=shared,
         BLOCK_N=next_power_of_2(rows * cols),
         BLOCK_G=next_power_of_2(max(rows, cols)),
+        num_warps=warp_count(SAMPLER_WARPS),
     )  # fmt: skip
     return mask, perm

@@ -54,7 +54,7 @@ def _variants() -> list[tuple[str, object, dict[str, str], dict[str, object], di
                 sampler._sample_jigsaw_kernel,
                 sampler_signature,
                 {"SHARED": shared, "BLOCK_N": 256, "BLOCK_G": 16},
-                {},
+                {"num_warps": sampler.SAMPLER_WARPS},
             )
         )
 
