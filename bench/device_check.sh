@@ -27,7 +27,7 @@
 #      kernels (the Triton kernels under each setting in question), patch_embed,   230 s   H200 2026-11-27, one
 #      sampler; the JSON is written after each case. train_step and host_cost             backend: 124 s (train
 #      measure each GPU backend built (triton, cuda) in rounds of its own:                step 45, patch_embed 28,
-#      ~170 s; H100 2026-11-27, both backends: 195 s; kernels ~25-35 s (compiles)         sampler 38, host 12)
+#      ~170 s; H100 2026-11-27, both backends: 195 s; kernels ~30-40 s (compiles)         sampler 38, host 12)
 #   9. train_step benchmark under torch.compile                                the rest  ~160 s left: cut there
 #   the command: sum of the expected times 1-7 = ~400 s; 8 and 9 get the rest      540 s
 #   the session: start-up + command + transfers                                         ~11 min of the 15
