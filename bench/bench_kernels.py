@@ -29,6 +29,9 @@ and each kernel's time per call. Each row also records what the launches resolve
 kernel's plan, the weight gradient's stages), so a setting that did not reach the kernels shows. No aims: the
 train-step case judges the work's total.
 
+Stopped midway (a deadline's interrupt), the case hands the settings it finished to ``bench.run``, which records
+them (``cut_short``) before the run stops.
+
 The kernels run compiled on a GPU only. On the CPU, a smoke run (tiny shapes, the Triton interpreter) runs every
 setting and variant and counts the launches; a full CPU run measures nothing and says so.
 
@@ -61,7 +64,7 @@ from bench.bench_train_step import (
     position_part,
     variant_name,
 )
-from bench.common import error_lines, format_seconds, markdown_table, run_standalone, where_measured
+from bench.common import PartialResults, error_lines, format_seconds, markdown_table, run_standalone, where_measured
 
 NAME = "kernels"
 BACKEND = "triton"
@@ -250,18 +253,26 @@ def _measure_setting(
 
 
 def run_model(
-    name: str, batch: int, *, device: torch.device, smoke: bool, rounds: int, errors: dict[str, str]
-) -> list[dict]:
-    """Every setting's rows of one model: per setting, one row per variant (the MJP row with its extra GPU time
-    over the baseline of the same setting, each row with its gradients' largest difference from the default
-    setting's, for the same jigsaws). A setting other than the default that raises is left out, its error recorded
-    in ``errors`` (the others are still measured); the default's error is raised (nothing to compare with)."""
+    name: str,
+    batch: int,
+    *,
+    device: torch.device,
+    smoke: bool,
+    rounds: int,
+    errors: dict[str, str],
+    rows: list[dict],
+) -> None:
+    """Every setting's rows of one model, appended to ``rows`` as each setting is measured: per setting, one row per
+    variant (the MJP row with its extra GPU time over the baseline of the same setting, each row with its
+    gradients' largest difference from the default setting's, for the same jigsaws). A setting other than the
+    default that raises is left out, its error recorded in ``errors`` (the others are still measured); the
+    default's error is raised (nothing to compare with)."""
     shape = SMOKE_SHAPE if smoke else {"image_size": IMAGE_SIZE, "overrides": {}}
     # depth 0: the blocks run nothing of MJP's and would only add kernels to the profile
     models = _models(name, shape["image_size"], device, depth=0, backend=BACKEND, overrides=shape["overrides"])
     images, grad = part_inputs(models[FAST], batch, device)
     functions = {variant_name(variant): position_part(models[variant], images, grad) for variant in VARIANTS}
-    rows, default_gradients = [], {}
+    default_gradients: dict[str, dict[str, torch.Tensor]] = {}
     for setting_name, setting in SETTINGS.items():
         try:
             measured = _measure_setting(
@@ -288,7 +299,6 @@ def run_model(
             }
             row["extra_busy_s"] = None if variant == FAST else row["median_s"] - baseline
             rows.append(row)
-    return rows
 
 
 def collect(*, smoke: bool, device: str, repeats: int | None = None) -> dict:
@@ -315,12 +325,21 @@ def collect(*, smoke: bool, device: str, repeats: int | None = None) -> dict:
     if device != "cuda" and not smoke:
         section["note"] = "the Triton kernels run compiled on a GPU only: nothing to measure on the CPU"
         return section
-    errors: dict[str, str] = {}
-    for name, batch in runs:
-        section["results"] += run_model(
-            name, batch, device=torch.device(device), smoke=smoke, rounds=rounds, errors=errors
-        )
-    section["errors"] = errors
+    section["errors"] = {}
+    try:
+        for name, batch in runs:
+            run_model(
+                name,
+                batch,
+                device=torch.device(device),
+                smoke=smoke,
+                rounds=rounds,
+                errors=section["errors"],
+                rows=section["results"],
+            )
+    except KeyboardInterrupt as interrupt:  # a deadline: the settings measured so far are kept
+        section["note"] = "stopped before every setting was measured"
+        raise PartialResults(section) from interrupt
     return section
 
 

@@ -49,6 +49,16 @@ class Timing:
         return asdict(self)
 
 
+class PartialResults(KeyboardInterrupt):
+    """The interrupt of a case stopped midway (a lent GPU's deadline sends SIGINT), carrying the section of what it
+    measured before it: ``bench.run`` records that section (``"cut_short": True``) before the run stops. A
+    KeyboardInterrupt still, so every other handler treats it as the interrupt it is."""
+
+    def __init__(self, section: dict) -> None:
+        super().__init__()
+        self.section = section
+
+
 def synchronizer(device: torch.device | str) -> Callable[[], None]:
     """A function that waits for the device's queued work: a no-op on the CPU."""
     device = torch.device(device)

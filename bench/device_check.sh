@@ -268,7 +268,7 @@ timm_sweep() {
 
 benchmarks() {
   # each case's own repeats (sampler and host_cost 15); the JSON is written after every case, so a case cut at
-  # the deadline loses only itself
+  # the deadline loses only itself (the kernels case keeps the settings it finished)
   stage "benchmarks, eager" 230 bench_eager.log python3 -m bench.run --device cuda \
     --cases train_step,host_cost,kernels,patch_embed,sampler --out "$out"
   grep -E "^(PASS|FAIL|NOT RUN|NOISY|ERROR|SETTING)" "$work/bench_eager.log" | cut -c1-400 | head -n 60

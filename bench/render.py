@@ -156,9 +156,14 @@ def render_run(path: Path, payload: dict, *, cases: Sequence[str] | None = None,
             f"- machine load (1-minute average, other processes included) at start / end: {load.get('start')} / "
             f"{load.get('end')} on {info.get('cpu_count', '?')} CPUs"
         )
-    if payload.get("cases_missing"):
+    if payload.get("cases_missing") or payload.get("cases_cut_short"):
         stopped = "stopped before it finished" if payload.get("interrupted") else "unfinished"
-        lines.append(f"- a partial run, {stopped}: not measured: {', '.join(payload['cases_missing'])}")
+        parts = []
+        if payload.get("cases_cut_short"):
+            parts.append(f"cut short: {', '.join(payload['cases_cut_short'])}")
+        if payload.get("cases_missing"):
+            parts.append(f"not measured: {', '.join(payload['cases_missing'])}")
+        lines.append(f"- a partial run, {stopped}: {'; '.join(parts)}")
     lines += [f"- {note}" for note in notes]
     lines.append("")
     aims = [(name, aim) for name, section in sections.items() for aim in section.get("aims", [])]

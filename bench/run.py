@@ -44,6 +44,7 @@ if __package__ in (None, ""):  # run as a script: make `bench` and `mjp_fast` im
 import torch
 
 from bench.common import (
+    PartialResults,
     aim_line,
     default_device,
     device_info,
@@ -197,8 +198,10 @@ def run_suite(
             "load_average": {"start": load_before, "end": _load_average()},
         }
         missing = [name for name in names if name not in sections]
-        if missing:
+        cut = [name for name, section in sections.items() if section.get("cut_short")]
+        if missing or cut:
             payload["cases_missing"] = missing
+            payload["cases_cut_short"] = cut
             payload["interrupted"] = interrupted
         return write_results(payload, file_name, folder)
 
@@ -217,6 +220,10 @@ def run_suite(
                 options = {"compile_model": compile_model, "compile_mode": compile_mode} if name == "train_step" else {}
                 try:
                     section = module.collect(smoke=smoke, device=device, repeats=repeats, **options)
+                except PartialResults as stopped:  # what the case measured before the interrupt, kept
+                    sections[name] = {**stopped.section, "cut_short": True}
+                    sections[name]["elapsed_s"] = time.perf_counter() - case_begin
+                    raise
                 except Exception as error:  # one broken case must not lose the others' results
                     section = failed_section(error)
                 section["elapsed_s"] = time.perf_counter() - case_begin

@@ -139,6 +139,29 @@ def test_a_setting_that_fails_is_reported_and_the_others_still_measured(monkeypa
         case.collect(smoke=True, device="cpu")
 
 
+@pytest.mark.timeout(120)
+def test_an_interrupt_keeps_the_settings_measured_before_it(monkeypatch):
+    from bench.common import PartialResults
+
+    measure = case._measure_setting
+    calls = []
+
+    def measure_until_the_third(setting, *args, **kwargs):
+        calls.append(setting)
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # a deadline's SIGINT
+        return measure(setting, *args, **kwargs)
+
+    monkeypatch.setattr(case, "_measure_setting", measure_until_the_third)
+    with pytest.raises(PartialResults) as stopped:
+        case.collect(smoke=True, device="cpu")
+    section = stopped.value.section
+    settings = list(case.SETTINGS)
+    assert [row["setting"] for row in section["results"]] == [settings[0]] * 2 + [settings[1]] * 2
+    assert "stopped before every setting" in section["note"]
+    assert isinstance(stopped.value, KeyboardInterrupt)  # still the interrupt it was
+
+
 def test_relative_difference_is_the_worst_gradient_over_its_own_scale():
     expected = {"w": torch.tensor([2.0, -4.0]), "b": torch.tensor([0.5])}
     assert case.relative_difference({name: value.clone() for name, value in expected.items()}, expected) == 0.0

@@ -498,6 +498,39 @@ def test_a_suite_stopped_midway_keeps_the_cases_it_finished(tmp_path, monkeypatc
     assert "cases_missing" not in json.loads(path.read_text())
 
 
+def test_a_case_cut_short_keeps_what_it_measured(tmp_path, monkeypatch):
+    # A case that measures in parts (the kernels case, setting by setting) hands what it has to the runner with the
+    # interrupt: the file keeps it, marked cut short, and names the cases not measured.
+    import io
+
+    from bench import bench_kernels, render
+    from bench.common import PartialResults
+    from bench.run import run_suite
+
+    config = {"backend": "triton", "prob": 1.0, "image_size": 16, "rounds": 1, "calls_per_round": 1}
+    section = {"config": config, "backends": ["triton"], "results": [], "aims": [], "note": "stopped"}
+
+    def stopped(**_):
+        raise PartialResults(section)
+
+    monkeypatch.setattr(bench_kernels, "collect", stopped)
+    printed = io.StringIO()
+    with pytest.raises(KeyboardInterrupt):
+        run_suite(cases="sampler,kernels,patch_embed", smoke=True, out_dir=tmp_path, device="cpu", stream=printed)
+    (path,) = tmp_path.glob("*.json")
+    payload = json.loads(path.read_text())
+    assert list(payload["cases"]) == ["sampler", "kernels"]
+    kept = payload["cases"]["kernels"]
+    assert kept["cut_short"] is True and kept["results"] == section["results"] and kept["elapsed_s"] >= 0
+    assert payload["cases_cut_short"] == ["kernels"] and payload["cases_missing"] == ["patch_embed"]
+    assert payload["interrupted"] is True
+    recorded = tmp_path / "recorded"
+    recorded.mkdir()
+    (recorded / "cpu-test-2000-01-01.json").write_text(json.dumps({**payload, "smoke": False}))
+    page = render.render(recorded)
+    assert "a partial run, stopped before it finished: cut short: kernels; not measured: patch_embed" in page
+
+
 def test_sampler_aim_on_a_gpu_says_why_it_is_not_judged():
     # On a GPU the cpu backend is not measured: the note must not claim that the extension is missing (the H100 run
     # of 2026-11-26 said so with mjp_fast._C loaded).
