@@ -318,6 +318,30 @@ CASE_ROW_KEYS = {
 }
 
 
+def _rendered_as_recorded(tmp_path: Path, payload: dict) -> str:
+    """The page rendered from ``payload`` recorded as a real run (render skips smoke runs)."""
+    from bench import render
+
+    recorded = tmp_path / "recorded"
+    recorded.mkdir()
+    (recorded / "cpu-test-2000-01-01.json").write_text(json.dumps({**payload, "smoke": False}))
+    return render.render(recorded)
+
+
+def _interrupted_suite(tmp_path: Path, cases: str) -> tuple[dict, Path, str]:
+    """The suite's smoke run of ``cases`` up to the interrupt that a patched case raises: ``(payload, path,
+    printed)`` of the file it left."""
+    import io
+
+    from bench.run import run_suite
+
+    printed = io.StringIO()
+    with pytest.raises(KeyboardInterrupt):
+        run_suite(cases=cases, smoke=True, out_dir=tmp_path, device="cpu", stream=printed)
+    (path,) = tmp_path.glob("*.json")
+    return json.loads(path.read_text()), path, printed.getvalue()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_mjp_bench_smoke_runs_every_case_into_one_json(tmp_path, capsys):
@@ -373,10 +397,7 @@ def test_mjp_bench_smoke_runs_every_case_into_one_json(tmp_path, capsys):
     assert f"results: {files[0]}" in printed
 
     # The page: render skips smoke runs, so record this one as if it were real.
-    recorded = tmp_path / "recorded"
-    recorded.mkdir()
-    (recorded / "cpu-test-2000-01-01.json").write_text(json.dumps({**payload, "smoke": False}))
-    page = render.render(recorded)
+    page = _rendered_as_recorded(tmp_path, payload)
     assert page.startswith("# Benchmarks")
     assert "## Summary: the aims, newest run of each case per device" in page
     assert "### Training step" in page and "### Applying the jigsaw" in page
@@ -471,25 +492,19 @@ def test_a_suite_stopped_midway_keeps_the_cases_it_finished(tmp_path, monkeypatc
     # already on disk, and the file names the cases that were not measured.
     import io
 
-    from bench import bench_patch_embed, render
+    from bench import bench_patch_embed
     from bench.run import run_suite
 
     def stopped(**_):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(bench_patch_embed, "collect", stopped)
-    printed = io.StringIO()
-    with pytest.raises(KeyboardInterrupt):
-        run_suite(cases="sampler,patch_embed", smoke=True, out_dir=tmp_path, device="cpu", stream=printed)
-    (path,) = tmp_path.glob("*.json")
-    payload = json.loads(path.read_text())
+    payload, path, printed = _interrupted_suite(tmp_path, "sampler,patch_embed")
     assert list(payload["cases"]) == ["sampler"] and payload["cases"]["sampler"]["results"]
     assert payload["cases_missing"] == ["patch_embed"] and payload["interrupted"] is True
-    assert f"interrupted: the finished cases are in {path}" in printed.getvalue()
-    recorded = tmp_path / "recorded"
-    recorded.mkdir()
-    (recorded / "cpu-test-2000-01-01.json").write_text(json.dumps({**payload, "smoke": False}))
-    assert "a partial run, stopped before it finished: not measured: patch_embed" in render.render(recorded)
+    assert f"interrupted: the finished cases are in {path}" in printed
+    page = _rendered_as_recorded(tmp_path, payload)
+    assert "a partial run, stopped before it finished: not measured: patch_embed" in page
 
     # a finished run has no such keys
     monkeypatch.undo()
@@ -501,11 +516,8 @@ def test_a_suite_stopped_midway_keeps_the_cases_it_finished(tmp_path, monkeypatc
 def test_a_case_cut_short_keeps_what_it_measured(tmp_path, monkeypatch):
     # A case that measures in parts (the kernels case, setting by setting) hands what it has to the runner with the
     # interrupt: the file keeps it, marked cut short, and names the cases not measured.
-    import io
-
-    from bench import bench_kernels, render
+    from bench import bench_kernels
     from bench.common import PartialResults
-    from bench.run import run_suite
 
     config = {"backend": "triton", "prob": 1.0, "image_size": 16, "rounds": 1, "calls_per_round": 1}
     section = {"config": config, "backends": ["triton"], "results": [], "aims": [], "note": "stopped"}
@@ -514,20 +526,13 @@ def test_a_case_cut_short_keeps_what_it_measured(tmp_path, monkeypatch):
         raise PartialResults(section)
 
     monkeypatch.setattr(bench_kernels, "collect", stopped)
-    printed = io.StringIO()
-    with pytest.raises(KeyboardInterrupt):
-        run_suite(cases="sampler,kernels,patch_embed", smoke=True, out_dir=tmp_path, device="cpu", stream=printed)
-    (path,) = tmp_path.glob("*.json")
-    payload = json.loads(path.read_text())
+    payload, _, _ = _interrupted_suite(tmp_path, "sampler,kernels,patch_embed")
     assert list(payload["cases"]) == ["sampler", "kernels"]
     kept = payload["cases"]["kernels"]
     assert kept["cut_short"] is True and kept["results"] == section["results"] and kept["elapsed_s"] >= 0
     assert payload["cases_cut_short"] == ["kernels"] and payload["cases_missing"] == ["patch_embed"]
     assert payload["interrupted"] is True
-    recorded = tmp_path / "recorded"
-    recorded.mkdir()
-    (recorded / "cpu-test-2000-01-01.json").write_text(json.dumps({**payload, "smoke": False}))
-    page = render.render(recorded)
+    page = _rendered_as_recorded(tmp_path, payload)
     assert "a partial run, stopped before it finished: cut short: kernels; not measured: patch_embed" in page
 
 
