@@ -79,15 +79,15 @@ SMOKE_SHAPE = {"image_size": 16, "overrides": {"patch_size": 4, "embed_dim": 16,
 CALLS, ROUNDS = 10, 3  # profiled calls per round, interleaved rounds
 TOP_KERNELS = 16
 DEFAULT = "default"
-SETTINGS: dict[str, dict[str, int]] = {
+SETTINGS: dict[str, dict[str, object]] = {
     DEFAULT: {},
     "partials unpipelined": {"mjp_fast.triton.common.PARTIAL_STAGES": 1},
     "weight gradient, perm at 3 stages": {"mjp_fast.triton.patch_embed.GRAD_WEIGHT_PERM_STAGES": 3},
+    "sampler at 1 warp": {"mjp_fast.sampler.triton_kernel.SAMPLER_WARPS": 1},
     # DAL's kernels are latency-bound at DeiT's sizes (the H100 timed 20 us forward and 26 us backward for a [196,
     # 384] table at 869c34c): the backward's weight programs with 7 steps of 32 positions instead of 13 of 16 (more
     # of them: 144 and 84 programs against 72 and 78 for DeiT-S, 96 registers), the forward with 3 steps of 128
     # channels at 4 warps instead of 6 of 64 at 2; neither spills on sm_90
-    "sampler at 1 warp": {"mjp_fast.sampler.triton_kernel.SAMPLER_WARPS": 1},
     "DAL wider steps": {
         "mjp_fast.triton.dal_loss.BACKWARD_TILES": {"BLOCK_N": 32, "BLOCK_H": 32, "BLOCK_D": 32},
         "mjp_fast.triton.dal_loss.FORWARD_TILES": {"BLOCK_N": 16, "BLOCK_K": 32, "BLOCK_D": 128, "BLOCK_B": 32},
@@ -97,7 +97,7 @@ SETTINGS: dict[str, dict[str, int]] = {
 
 
 @contextlib.contextmanager
-def applied(setting: dict[str, int]) -> Iterator[None]:
+def applied(setting: dict[str, object]) -> Iterator[None]:
     """The module constants of ``setting`` (``"package.module.NAME": value``) set for the duration, restored after;
     the cached position-gradient plans, which read them, forgotten on the way in and out.
 
@@ -222,7 +222,7 @@ def relative_difference(got: dict[str, torch.Tensor], expected: dict[str, torch.
 
 
 def _measure_setting(
-    setting: dict[str, int],
+    setting: dict[str, object],
     models: dict,
     functions: dict[str, Callable[[], None]],
     default_gradients: dict[str, dict[str, torch.Tensor]],
