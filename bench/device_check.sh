@@ -28,8 +28,8 @@
 #      sampler; the JSON is written after each case. train_step and host_cost             backend: 124 s (train
 #      measure each GPU backend built (triton, cuda) in rounds of its own:                step 45, patch_embed 28,
 #      ~170 s; H100 2026-11-27, both backends: 195 s; kernels ~30-40 s (compiles)         sampler 38, host 12)
-#   9. train_step benchmark under torch.compile                                the rest  ~160 s left: cut there
-#   the command: sum of the expected times 1-7 = ~400 s; 8 and 9 get the rest      540 s
+#   9. train_step benchmark under torch.compile (the perf mode has time for it)  the rest  little or none left
+#   the command: stages 1-7 took 330 s on the H100 (2026-11-27), so 8 gets ~210 s  540 s
 #   the session: start-up + command + transfers                                         ~11 min of the 15
 #   If stages 1-7 all ran to their limits (570 s) stages 8-9 would not run: the correctness checks come first.
 #
