@@ -44,14 +44,12 @@ import contextlib
 import importlib
 import math
 import sys
-import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make `bench` and `mjp_fast` importable from the checkout
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import numpy as np
 import torch
 
 from bench.bench_train_step import (
@@ -64,7 +62,16 @@ from bench.bench_train_step import (
     position_part,
     variant_name,
 )
-from bench.common import PartialResults, error_lines, format_seconds, markdown_table, run_standalone, where_measured
+from bench.common import (
+    PartialResults,
+    Timing,
+    error_lines,
+    format_seconds,
+    markdown_table,
+    measure,
+    run_standalone,
+    where_measured,
+)
 
 NAME = "kernels"
 BACKEND = "triton"
@@ -163,32 +170,6 @@ def _launch_counts(function: Callable[[], None]) -> dict[str, int]:
     return dict(launches)
 
 
-def _wall_samples(functions: dict[str, Callable[[], None]], calls: int, rounds: int) -> dict[str, list[float]]:
-    """Per function, the wall time per call of each of ``rounds`` interleaved rounds of ``calls`` calls (the CPU
-    smoke run's stand-in for the GPU's busy time: it only shows that each setting runs)."""
-    samples: dict[str, list[float]] = {name: [] for name in functions}
-    for _ in range(rounds):
-        for name, function in functions.items():
-            begin = time.perf_counter()
-            for _ in range(calls):
-                function()
-            samples[name].append((time.perf_counter() - begin) / calls)
-    return samples
-
-
-def _timing(samples: list[float], calls: int) -> dict:
-    """The rounds' busy times as the suite's timing fields (seconds per call)."""
-    array = np.asarray(samples)
-    return {
-        "median_s": float(np.median(array)),
-        "p20_s": float(np.percentile(array, 20)),
-        "p80_s": float(np.percentile(array, 80)),
-        "min_s": float(array.min()),
-        "samples": len(samples),
-        "calls_per_sample": calls,
-    }
-
-
 def _gradients(model: torch.nn.Module, function: Callable[[], None]) -> dict[str, torch.Tensor]:
     """Every parameter's gradient from one call of ``function`` (a :func:`position_part` of ``model``), an MJP
     model's sampler at the start of its stream, so that each setting's call draws the same jigsaws."""
@@ -245,10 +226,12 @@ def _measure_setting(
             measured[label]["launches"] = _launch_counts(function)
         if device.type == "cuda":
             samples, kernels = device_busy_samples(functions, calls, rounds)
-        else:
-            samples, kernels = _wall_samples(functions, calls, rounds), {label: {} for label in functions}
-    for label, values in samples.items():
-        measured[label].update(_timing(values, calls), kernels=_top_kernels(kernels[label], TOP_KERNELS))
+            timings = {label: Timing.from_samples(values, calls) for label, values in samples.items()}
+        else:  # the smoke run's stand-in for the GPU's busy time: it only shows that each setting runs
+            timings = measure(functions, repeats=rounds, warmup=1, min_sample_s=0.0, device=device)
+            kernels = {label: {} for label in functions}
+    for label, timing in timings.items():
+        measured[label].update(timing.to_dict(), kernels=_top_kernels(kernels[label], TOP_KERNELS))
     return measured
 
 

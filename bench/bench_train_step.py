@@ -350,20 +350,16 @@ def run_model(
     rows = []
     for prob in order:
         values = np.asarray(times[prob])
+        timing = Timing.from_samples(values, 1)
         row = {
             "model": name,
             "batch": batch,
             "image_size": image_size,
             "implementation": variant_name(prob),
             "prob": prob,
-            "median_s": float(np.median(values)),
-            "p20_s": float(np.percentile(values, 20)),
-            "p80_s": float(np.percentile(values, 80)),
-            "min_s": float(values.min()),
-            "samples": len(values),
-            "calls_per_sample": 1,
-            "images_per_s": batch / float(np.median(values)),
-            "pairs": len(values),
+            **timing.to_dict(),
+            "images_per_s": batch / timing.median_s,
+            "pairs": timing.samples,
             "measured_s": measured_s,
             "overhead_median_pct": None,
             "overhead_p20_pct": None,

@@ -48,6 +48,20 @@ class Timing:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @classmethod
+    def from_samples(cls, samples: Sequence[float], calls_per_sample: int) -> Timing:
+        """The timing of ``samples`` (seconds per call each, at least one): their median, 20th and 80th percentiles
+        and minimum."""
+        array = np.asarray(samples, dtype=np.float64)
+        return cls(
+            median_s=float(np.median(array)),
+            p20_s=float(np.percentile(array, 20)),
+            p80_s=float(np.percentile(array, 80)),
+            min_s=float(array.min()),
+            samples=len(array),
+            calls_per_sample=calls_per_sample,
+        )
+
 
 class PartialResults(KeyboardInterrupt):
     """The interrupt of a case stopped midway (a lent GPU's deadline sends SIGINT), carrying the section of what it
@@ -142,18 +156,7 @@ def measure(
             if len(samples[name]) < wanted[name]:
                 samples[name].append(_time_loop(functions[name], numbers[name], device))
 
-    timings = {}
-    for name, values in samples.items():
-        array = np.asarray(values)
-        timings[name] = Timing(
-            median_s=float(np.median(array)),
-            p20_s=float(np.percentile(array, 20)),
-            p80_s=float(np.percentile(array, 80)),
-            min_s=float(array.min()),
-            samples=len(values),
-            calls_per_sample=numbers[name],
-        )
-    return timings
+    return {name: Timing.from_samples(values, numbers[name]) for name, values in samples.items()}
 
 
 def cpu_model() -> str:

@@ -2,8 +2,7 @@
 buffers of their partial sums, the row layout's checks, and the position gradient's kernels.
 
 ``patch_embed.py``, ``pos_embed.py`` and ``dal_loss.py`` import from this module (and triton, torch) only, never
-from one another; ``mjp_fast.triton`` re-exports :func:`interpreting`, :func:`launcher`, :func:`operator` and
-:func:`define_operator` for code outside the package.
+from one another; ``mjp_fast.triton`` re-exports what code outside the package uses of it (its ``__all__``).
 
 Row layout (the C++ operators' too): each sample's output has ``T = P + N`` rows of ``D`` channels. The first
 ``P`` (0 to 8) are the prefix tokens (class and register tokens), ``out[b, t] = prefix[t] + (pos[t] if t < Q
