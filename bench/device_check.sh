@@ -46,13 +46,16 @@
 #
 #   stage                                                                       limit   expected on an H100/H200
 #   machine start-up and transfers                                                   -   ~90 s
-#   1-3. preflight, build, import                                              150 s   ~40 s
-#   4. unpack CIFAR-10 (60,000 JPEGs) to /tmp                                      60 s   ~5 s
+#   1-3. preflight, build, import                                              150 s   63 s (H200, 2026-11-28)
+#   4. unpack CIFAR-10 (60,000 JPEGs) to /tmp                                      60 s   1 s
 #   5. mjp reproduce --preset gpu: the throughput probe (2 epochs on 8,192
-#      images), 12 runs sharing its 300 s training budget (3 to 60 epochs each),
-#      an evaluation per run, the attack (CPU, float64), the report             the rest  ~440-500 s
-#   the command: ~490-550 s against its 570 s deadline (the preset's training budget is 300 s so that it fits; a
-#   run cut short brings back only the logs: the report is written last). With `epochs=3` the training takes 3 x 12 x 50,000 images / throughput instead of 300 s.
+#      images, ~60 s with its first compiles), 12 runs sharing a 300 s budget
+#      that counts 11 s per run besides its epochs (3 to 60 epochs each; 3 at
+#      the H200's 9,190 images/s), the attack (CPU, float64, 12 s), the report     the rest  ~430 s
+#   the command: ~500 s against its 570 s deadline. The H200's first run (2026-11-28) chose 4 epochs from a budget
+#   that did not count each run's 4-14 s of evaluation and set-up, and was cut at the attack (the same command,
+#   run again, reuses the finished runs: 54 s for the attack and the report). A run cut short brings back only the
+#   logs: the report is written last. With `epochs=N` the training takes N x 12 x 50,000 images / throughput.
 #
 # `bash bench/device_check.sh loop` runs stages 1-3, then `mjp train` against timm's train.py (issue 21's GPU
 # loop ratios; bench/bench_train_loop.py): CIFAR-10 (unpacked as for reproduce), then the embedded digits, each

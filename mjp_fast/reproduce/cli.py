@@ -2,7 +2,7 @@
 
     mjp reproduce --preset smoke --data ../shared/data/cifar10              # seconds: the whole pipeline, for CI
     mjp reproduce --preset cpu --data ../shared/data/cifar10                # about 45 minutes on 2 CPU cores
-    mjp reproduce --preset gpu --data ../shared/data/cifar10                # about 12 minutes on one H100
+    mjp reproduce --preset gpu --data ../shared/data/cifar10                # about 8 minutes on one H100/H200
     mjp reproduce --preset cpu --data DIR --seeds 0,1,2 --rows A,G,J epochs=8
     mjp reproduce --preset cpu --data ../shared/data/cifar10 --report docs/reproduction.md   # the committed report
     mjp reproduce --preset cpu --data ../shared/data/cifar10 --cifar10-c /data/CIFAR-10-C   # + each run's CIFAR-10-C

@@ -117,8 +117,8 @@ def _setup(report: Mapping[str, Any]) -> list[str]:
         add(
             f"- Epochs chosen from the measured throughput: {choice['images_per_second']:,.0f} training images/s, "
             f"{choice['runs']} runs of {choice['train_images']:,} images in a {choice['budget_seconds']:.0f} s "
-            f"training budget: {choice['epochs']} epochs (expected {_minutes(choice['expected_training_seconds'])} "
-            "of training)."
+            f"budget{_overhead(choice)}: {choice['epochs']} epochs (expected "
+            f"{_minutes(choice['expected_training_seconds'])} of training)."
         )
     for note in preset["notes"]:
         add(f"- {note}")
@@ -408,6 +408,12 @@ def _relative(path: str | None, markdown: str) -> str:
         return str(Path(path).resolve().relative_to(Path(markdown).resolve().parent))
     except ValueError:
         return str(Path(path).resolve())
+
+
+def _overhead(choice: dict[str, Any]) -> str:
+    """The budget's per-run overhead as the report words it ('' for none, or a report from before it was kept)."""
+    seconds = choice.get("run_overhead_seconds") or 0.0
+    return f" ({seconds:g} s of it per run for evaluation and set-up)" if seconds else ""
 
 
 def _minutes(seconds: float | None) -> str:

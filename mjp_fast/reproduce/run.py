@@ -220,7 +220,8 @@ def _say(message: str) -> None:
 def choose_epochs(plan: Plan) -> dict[str, Any] | None:
     """For a preset with a training budget and no ``epochs=`` override: measures the throughput of the MJP config
     (two epochs on up to 8,192 images; the second, warm, counts) and gives every run the most epochs that fit the
-    budget. Updates the plan's configs; returns what it measured and chose (None when the epochs are fixed)."""
+    budget, less each run's overhead outside its epochs (the preset's ``run_overhead_s``). Updates the plan's
+    configs; returns what it measured and chose (None when the epochs are fixed)."""
     preset = plan.preset
     if preset.training_budget_s is None or "epochs" in plan.overrides or "epochs" in preset.config:
         return None
@@ -243,7 +244,9 @@ def choose_epochs(plan: Plan) -> dict[str, Any] | None:
     train_images = len(train_set)
     low, high = preset.epoch_bounds
     budget = preset.training_budget_s
-    epochs = int(budget * images_per_second // (len(plan.runs) * train_images))
+    # what each run spends besides its epochs comes out of the budget first: the epochs get the rest
+    overhead = preset.run_overhead_s * len(plan.runs)
+    epochs = int(max(budget - overhead, 0.0) * images_per_second // (len(plan.runs) * train_images))
     epochs = min(max(epochs, low), high)
     warmup = min(int(plan.overrides.get("warmup_epochs", preset.config.get("warmup_epochs", 0))), epochs - 1)
     for run in plan.runs:
@@ -254,6 +257,7 @@ def choose_epochs(plan: Plan) -> dict[str, Any] | None:
     choice = {
         "images_per_second": images_per_second,
         "budget_seconds": budget,
+        "run_overhead_seconds": preset.run_overhead_s,
         "runs": len(plan.runs),
         "train_images": train_images,
         "epochs": epochs,

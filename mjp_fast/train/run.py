@@ -32,7 +32,7 @@ from mjp_fast.train.outcome import (
 )
 from mjp_fast.train.records import RunWriters, format_record, say, summary_table
 from mjp_fast.train.resume import Start
-from mjp_fast.train.step import StepLosses, TrainStep, dal_weight_at
+from mjp_fast.train.step import StepLosses, TrainStep, dal_weight_at, syncs_allowed_while_compiling
 from mjp_fast.train.tally import StepTally, TallyReading, check_divergence
 from mjp_fast.train.validation import position_metrics, validation_metrics
 
@@ -251,14 +251,16 @@ class Run:
     def _strict_syncs(self) -> Iterator[None]:
         """With ``sync_debug``, a batch's training runs under ``torch.cuda.set_sync_debug_mode("error")``: a host
         read of a device tensor in it raises. Not the run's first batch (compiling and Triton's autotuning read the
-        device), nor the loop's own reads between batches (log intervals, checkpoints)."""
+        device), not while torch.compile compiles (a recompilation at a later batch), nor the loop's own reads
+        between batches (log intervals, checkpoints)."""
         if not (self.config.sync_debug and self._warm):
             self._warm = True
             yield
             return
         torch.cuda.set_sync_debug_mode("error")
         try:
-            yield
+            with syncs_allowed_while_compiling():
+                yield
         finally:
             torch.cuda.set_sync_debug_mode(0)
 

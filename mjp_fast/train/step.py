@@ -35,6 +35,38 @@ def _syncs_allowed() -> Iterator[None]:
             torch.cuda.set_sync_debug_mode(mode)
 
 
+@contextlib.contextmanager
+def syncs_allowed_while_compiling() -> Iterator[None]:
+    """Lifts ``sync_debug``'s error mode while torch.compile compiles (Dynamo tracing a frame, AOTAutograd's lazy
+    backward, the recording of CUDA graphs), and sets it back when the compilation ends.
+
+    A compile is not a step: Inductor reads device values while it compiles (its constant folding calls ``.item()``;
+    the H200 stopped ``mjp train compile=true sync_debug=true`` on it, 2026-11-28), and a recompilation can come at any
+    batch, not only the first. torch's compilation callbacks (``torch._dynamo.callback_handler``) mark where a
+    compile starts and ends; a torch without them leaves the mode as it is.
+    """
+    handler = getattr(torch._dynamo, "callback_handler", None)
+    if handler is None:
+        yield
+        return
+    modes: list[int | str] = []
+
+    def start(*_: object) -> None:
+        modes.append(torch.cuda.get_sync_debug_mode())
+        torch.cuda.set_sync_debug_mode(0)
+
+    def end(*_: object) -> None:
+        torch.cuda.set_sync_debug_mode(modes.pop() if modes else 0)
+
+    handler.register_start_callback(start)
+    handler.register_end_callback(end)
+    try:
+        yield
+    finally:
+        handler.remove_start_callback(start)
+        handler.remove_end_callback(end)
+
+
 @dataclass
 class StepLosses:
     """One micro-batch's losses: 0-d float tensors on the training device, not read back (see :class:`StepTally`)."""

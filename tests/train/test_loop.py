@@ -368,6 +368,40 @@ def test_sync_debug_makes_every_batch_after_the_first_strict_and_the_loops_reads
     assert [name for name, _ in events].count("read") >= 6 and mode[0] == 0
 
 
+def test_sync_debug_is_lifted_while_a_batch_compiles_and_set_back_after(tmp_path, monkeypatch):
+    # A recompilation at a later batch (the H200's `mjp train compile=true sync_debug=true`, 2026-11-28: Inductor's
+    # constant folding read a device value while compiling at batch 2): torch's compilation callbacks lift the error
+    # mode for the compile, nested ones included, and the batch's own work after it is strict again.
+    from torch._dynamo.callback import CallbackTrigger, callback_handler
+
+    config = load_config(None, tiny_overrides(output=str(tmp_path), max_train_samples=48))
+    run = loop._build_run(config, loop.Distributed(), tmp_path, None)
+    run.config = run.config.replace(sync_debug=True)  # past the device check, which needs CUDA
+    mode, seen = [0], []
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", lambda value: mode.__setitem__(0, value or 0))
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: mode[0])
+    batch = run._train_batch
+
+    def compiling_batch(*args, **kwargs):
+        seen.append(("before", mode[0]))
+        with callback_handler.install_callbacks(CallbackTrigger.DYNAMO, "0/0"):
+            seen.append(("compiling", mode[0]))
+            with callback_handler.install_callbacks(CallbackTrigger.LAZY_BACKWARD, "0/0"):
+                seen.append(("nested", mode[0]))
+            seen.append(("compiling", mode[0]))
+        seen.append(("after", mode[0]))
+        return batch(*args, **kwargs)
+
+    monkeypatch.setattr(run, "_train_batch", compiling_batch)
+    callbacks = (list(callback_handler.start_callbacks), list(callback_handler.end_callbacks))
+    run.fit()
+    strict = seen[5:10]  # the second batch: the first is never strict
+    assert strict == [("before", "error"), ("compiling", 0), ("nested", 0), ("compiling", 0), ("after", "error")]
+    assert mode[0] == 0  # the loop's reads and the end of the run: lenient
+    # the callbacks live for a strict batch only
+    assert (callback_handler.start_callbacks, callback_handler.end_callbacks) == callbacks
+
+
 def test_normalizing_on_the_device_gives_the_batches_of_the_loader_that_normalizes(tmp_path):
     # auto is on for CUDA only: forced on here, the loader gives uint8 and the step normalizes; random erasing off, so
     # the two paths must give the same float batches (each sample's augmentation has its own seed).
