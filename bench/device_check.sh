@@ -8,35 +8,37 @@
 #
 #   run(command="bash bench/device_check.sh", timeout_s=600)
 #
-# Per stage: its limit (a stage gets at most what is left before the deadline), and what the first GPU run (H200,
-# 2026-11-26, shared/measurements/h200-2026-11-26) took, or an estimate (~) where it did not run the stage.
+# Per stage: its limit (a stage gets at most what is left before the deadline), and what the newest GPU run that
+# ran it took (H200, 2026-11-28, at 388dee0, shared/measurements/h200-2026-11-28), or an estimate (~).
 #
 #   stage                                                                       limit   expected on an H200
 #   machine start-up, sending the tree, bringing $OUT back (outside the command)     -   ~90 s (60-120)
-#   1. preflight: versions, nvcc, nvidia-smi, the GPU; a missing GPU ends the run 30 s   ~10 s
-#   2. build the extension with CUDA for sm_90 (skipped when already built)       90 s    23 s
-#   3. import mjp_fast and its extension; the backends                            30 s   ~8 s
+#   1. preflight: versions, nvcc, nvidia-smi, the GPU; a missing GPU ends the run 30 s    14 s
+#   2. build the extension with CUDA for sm_90 (skipped when already built)       90 s    33 s
+#   3. import mjp_fast and its extension; the backends                            30 s    12 s
 #   4. every test with a CUDA or Triton variant, real kernels (TRITON_INTERPRET=0),
-#      but max-autotune; -v, so that a run cut short still names its failures     180 s  117 s (H100: over 160)
+#      but max-autotune and the CUDA-graph compiles (the perf mode's: ~50 s
+#      each); -v, so that a run cut short still names its failures               200 s   ~130 s (176 s with them)
 #   5. `mjp train` with sync_debug=true (set_sync_debug_mode("error")), eager:
-#      the digits preset, MJP from step 1, 32 steps of batch 32                    60 s   ~20 s
-#   6. the same under torch.compile (inductor)                                    120 s   ~60 s (DeiT-Ti: 51 s)
-#   7. timm-family sweep, triton backend on cuda, 1 block per model, models
-#      round-robin over the families, no model started after 30 s                 60 s   ~40 s (36 s a model)
-#   8. benchmarks, eager, in this order: train_step (batch 256), host_cost,
-#      kernels (the Triton kernels under each setting in question), patch_embed,   230 s   H200 2026-11-27, one
-#      sampler; the JSON is written after each case. train_step and host_cost             backend: 124 s (train
-#      measure each GPU backend built (triton, cuda) in rounds of its own:                step 45, patch_embed 28,
-#      ~170 s; H100 2026-11-27, both backends: 195 s; kernels ~30-40 s (compiles)         sampler 38, host 12)
-#   9. train_step benchmark under torch.compile (the perf mode has time for it)  the rest  little or none left
-#   the command: stages 1-7 took 330 s on the H100 (2026-11-27), so 8 gets ~210 s  540 s
+#      the digits preset, MJP from step 1, 32 steps of batch 32                    60 s    33 s
+#   6. the same under torch.compile (inductor)                                    120 s   ~50 s
+#   7. benchmarks, eager: train_step (batch 256), host_cost, kernels (the Triton
+#      kernels under each setting in question); the JSON is written after each
+#      case; train_step and host_cost measure each GPU backend built (triton,
+#      cuda) in rounds of its own                                                180 s   ~170 s
+#   8. train_step benchmark under torch.compile                                  the rest  ~80 s
+#   9. benchmarks, eager: patch_embed, sampler (measured by earlier runs: what
+#      time is left, if any)                                                     the rest  little or none
+#   the command: 540 s. The timm-family sweep (one model in its 60 s on the last two runs) is a mode of its own.
 #   the session: start-up + command + transfers                                         ~11 min of the 15
-#   If stages 1-7 all ran to their limits (570 s) stages 8-9 would not run: the correctness checks come first.
+#   If stages 1-6 all ran to their limits (530 s) stages 7-9 would not run: the correctness checks come first.
 #
 # `bash bench/device_check.sh perf` runs stages 1-3, then what the default mode has no time for: Inductor's checks
 # (tests/test_compile.py and the Inductor tests of tests/test_gpu.py, ~60-120 s), the eager train step, Triton
 # kernels and host cost benchmarks (~160 s), and the compiled train-step benchmark in reduce-overhead mode (CUDA
 # graphs) with the rest (~260 s; estimates: not yet run).
+# `bash bench/device_check.sh sweep` runs stages 1-3, then the timm-family sweep (triton on cuda, one block per
+# model, models round-robin over the families) with the rest of the deadline: ~36 s a model, about 12 models.
 # `bash bench/device_check.sh tests` runs stages 1-4. `bash bench/device_check.sh reproduce [KEY=VALUE ...]` runs
 # `mjp reproduce --preset gpu` alone, under a deadline of 570 s (the KEY=VALUE overrides go to mjp reproduce, e.g.
 # epochs=3). It needs CIFAR-10: make the archive here once with `bash bench/device_check.sh pack-data`
@@ -228,8 +230,10 @@ sys.exit(0 if C.has_cuda() else 'the extension was built without its CUDA kernel
 tests() {
   # max-autotune benchmarks many GEMM configurations per graph (minutes on its own): the default mode runs here,
   # the same test with max-autotune where a longer check has the time
+  # the CUDA-graph compiles (reduce_overhead, ~50 s each) run in the perf mode's compile checks
   local selection=(tests/ops tests/test_compile.py tests/test_timm.py tests/test_timm_patch_embed.py tests/test_nn.py
-    tests/sampler tests/test_host_cost.py tests/test_gpu.py -k "(cuda or triton or compile or gpu) and not max-autotune")
+    tests/sampler tests/test_host_cost.py tests/test_gpu.py
+    -k "(cuda or triton or compile or gpu) and not max-autotune and not reduce_overhead")
   if [[ $dry_run == 1 ]]; then  # no GPU: the selection is collected under the image's versions, not run
     stage "tests (dry run: collection only)" 150 tests.log \
       python3 -m pytest -q -p no:cacheprovider --co "${selection[@]}"
@@ -237,7 +241,7 @@ tests() {
     # -v: each test's name and outcome as it ends (the H100's first run, 2026-11-26, was stopped at its limit with
     # 13 failures that -q had not yet named); --timeout: a test that hangs fails with its stack after 100 s
     # instead of holding its worker to the stage's end; -n 12 of the 16 cores, the others for the GPU's host work
-    stage "tests" 180 tests.log python3 -m pytest -v -p no:cacheprovider -n 12 --timeout 100 --durations 15 -rfE \
+    stage "tests" 200 tests.log python3 -m pytest -v -p no:cacheprovider -n 12 --timeout 100 --durations 15 -rfE \
       --tb=short "${selection[@]}"
   fi
   grep -E "^(FAILED|ERROR) |Timeout" "$work/tests.log" | cut -c1-200 | head -n 40
@@ -264,27 +268,35 @@ sync_train() {
 }
 
 timm_sweep() {
-  stage "timm sweep, triton on cuda" 60 timm-sweep.log python3 bench/timm_coverage.py --device cuda --backend triton \
-    --depth 1 --time-limit 30 --json "$out/timm-coverage-cuda-triton.json" --doc "$work/timm-coverage-cuda-triton.md"
+  # no model started after what is left less 60 s (a model takes ~36 s on the H200)
+  local start_limit=$(($(budget 600) - 60))
+  ((start_limit < 30)) && start_limit=30
+  stage "timm sweep, triton on cuda" 600 timm-sweep.log python3 bench/timm_coverage.py --device cuda --backend triton \
+    --depth 1 --time-limit "$start_limit" --json "$out/timm-coverage-cuda-triton.json" \
+    --doc "$work/timm-coverage-cuda-triton.md"
   grep -E "pass|FAILED" "$work/timm-sweep.log" | tail -n 12
 }
 
 benchmarks() {
   # each case's own repeats (sampler and host_cost 15); the JSON is written after every case, so a case cut at
-  # the deadline loses only itself (the kernels case keeps the settings it finished)
-  stage "benchmarks, eager" 230 bench_eager.log python3 -m bench.run --device cuda \
-    --cases train_step,host_cost,kernels,patch_embed,sampler --out "$out"
+  # the deadline loses only itself (the kernels case keeps the settings it finished). The judged cases first, then
+  # the compiled train step, then the cases whose kernels earlier runs measured, with what is left.
+  stage "benchmarks, eager" 180 bench_eager.log python3 -m bench.run --device cuda \
+    --cases train_step,host_cost,kernels --out "$out"
   grep -E "^(PASS|FAIL|NOT RUN|NOISY|ERROR|SETTING)" "$work/bench_eager.log" | cut -c1-400 | head -n 60
   stage "benchmarks, torch.compile" 600 bench_compiled.log python3 -m bench.run --device cuda --cases train_step \
     --compile --repeats 20 --out "$out"
   grep -E "^(PASS|FAIL|NOT RUN|NOISY|ERROR)" "$work/bench_compiled.log" | head -n 20
+  stage "benchmarks, eager, the rest" 600 bench_rest.log python3 -m bench.run --device cuda \
+    --cases patch_embed,sampler --out "$out"
+  grep -E "^(PASS|FAIL|NOT RUN|NOISY|ERROR)" "$work/bench_rest.log" | cut -c1-400 | head -n 20
 }
 
 compile_checks() {
   # perf mode: the compiled models' gradients first (a wrong result outranks any timing), with the report of how
   # each DAL gradient relates to the eager one (tests/test_compile.py)
   stage "compile checks" 150 compile-tests.log python3 -m pytest -v -p no:cacheprovider -n 8 --timeout 120 -rfE \
-    --tb=short tests/test_compile.py tests/test_gpu.py -k "dal or inductor"
+    --tb=short tests/test_compile.py tests/test_gpu.py -k "dal or inductor or reduce_overhead"
   grep -E "^(FAILED|ERROR) |MISMATCH|compiled/eager|DAL loss" "$work/compile-tests.log" | cut -c1-200 | head -n 40
 }
 
@@ -375,8 +387,12 @@ case "$mode" in
     tests
     sync_train "sync-debug train, eager" sync-eager 60 false
     sync_train "sync-debug train, compiled" sync-compiled 120 true
-    timm_sweep
     benchmarks
+    ;;
+  sweep)
+    preflight
+    build
+    timm_sweep
     ;;
   tests)
     preflight
@@ -400,7 +416,7 @@ case "$mode" in
     train_loop
     ;;
   *)
-    echo "usage: bash bench/device_check.sh [dry-run] [all|tests|perf|reproduce [KEY=VALUE ...]|loop|pack-data [DIR]]" >&2
+    echo "usage: bash bench/device_check.sh [dry-run] [all|tests|perf|sweep|reproduce [KEY=VALUE ...]|loop|pack-data [DIR]]" >&2
     exit 2
     ;;
 esac

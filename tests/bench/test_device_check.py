@@ -20,9 +20,9 @@ STAGES = (  # the stages of the default mode after the build, in order
     "tests",
     "sync-debug train, eager",
     "sync-debug train, compiled",
-    "timm sweep, triton on cuda",
     "benchmarks, eager",
     "benchmarks, torch.compile",
+    "benchmarks, eager, the rest",
 )
 
 
@@ -153,6 +153,25 @@ def test_a_hanging_stage_is_stopped_at_the_deadline(tmp_path):
     summary = _summary(env)
     assert summary[0].startswith("preflight: TIMED OUT after")
     assert any(line.startswith("build: NOT RUN (the 8 s deadline is reached)") for line in summary)
+
+
+def test_the_sweep_mode_runs_the_timm_sweep_alone_with_the_calls_time(tmp_path):
+    # the default mode no longer sweeps (one model in its 60 s on the last two GPU runs); the sweep mode gives it
+    # the deadline less a minute as the time after which it starts no model
+    env = _fake_python(
+        tmp_path,
+        f'case "$*" in *"-m pip install"*|*"mjp_fast._C as C"*) echo built; exit 0;; esac; '
+        f'echo "$*" >> "{tmp_path}/calls"; {NO_GPU}',
+    )
+    result, _ = _run(env, "dry-run", "sweep")
+    assert result.returncode == 1, result.stdout + result.stderr
+    stages = [line.split(":")[0] for line in _summary(env) if "FAILED (exit 1)" in line]
+    assert stages == ["preflight", "timm sweep, triton on cuda"], _summary(env)
+    sweep = [line for line in (tmp_path / "calls").read_text().splitlines() if "timm_coverage" in line]
+    assert len(sweep) == 1 and 400 < int(sweep[0].split("--time-limit ")[1].split()[0]) < 540, sweep
+    _run(env, "dry-run")
+    calls = (tmp_path / "calls").read_text()
+    assert calls.count("timm_coverage") == 1  # the default mode did not sweep
 
 
 @pytest.mark.parametrize("mode", ["nonsense"])
