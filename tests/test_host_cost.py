@@ -5,8 +5,8 @@ position step forward and backward, plain against MJP (sampler, move, position t
 ``mjp explicit``: with ``mjp_aux_loss()`` added by the loop too). Each dispatched operator is one trip through Python
 and the dispatcher, and on a GPU most are one kernel launch: on the H200's slow host, each cost tens of microseconds.
 Issue 11 aims at 25 for the MJP step; the ceilings below are what this code reaches (the plain step: 11), so an
-added operation fails here. On the ``triton`` backend (the GPU default where the extension has no CUDA kernels), the kernel launches of the same steps are
-counted in the interpreter.
+added operation fails here. On the ``triton`` backend (the GPU default where the extension has no CUDA kernels),
+the kernel launches of the same steps are counted in the interpreter.
 """
 
 import pytest
