@@ -335,6 +335,11 @@ def patch_embed_step(
     """A ViT's patch embedding and whole position step in one operation each way, for callers that checked the
     arguments and resolved the backend (the timm models' per-step path).
 
+    Those callers skip :func:`check_patch_embed_args`, so the dtypes are settled here (metadata only, no sync): the
+    Triton kernels multiply float32, float16 or bfloat16 tiles, and float64 images or weight (a ``model.double()``)
+    run the ``torch`` backend's computation instead, as :func:`mjp_fast.ops.pos_embed.mjp_position_step` does for
+    float64 tokens (given to the kernels, such a model's tokens were garbage: issue 42).
+
     Args:
         images: ``[B, C, H, W]``; weight ``[D, C, P, P]``; bias ``[D]`` or None.
         pos_embed: the model's whole table, last two dims ``[Q + N, D]`` (``[1, Q + N, D]`` in timm); its first
@@ -352,7 +357,13 @@ def patch_embed_step(
 
     Returns:
         ``[B, P + N, D]``.
+
+    Raises:
+        TypeError: images of a dtype no backend embeds (uint8 images: normalise them to a float dtype first).
     """
+    check_float_dtype("images", images)  # uint8 (unnormalised) images: no backend's arithmetic is timm's for them
+    if backend == "triton" and (images.dtype == torch.float64 or weight.dtype == torch.float64):
+        backend = "torch"
     if compute_dtype is not None:
         if backend == "cpu" or backend == "cuda":
             images = autocast_like_conv(images, compute_dtype)
@@ -383,6 +394,9 @@ def patch_embed_step(
     )  # fmt: skip
 
 
+# The images' dtypes the Triton kernels embed (mjp_fast/triton/patch_embed.py); float64 is the other backends'.
+TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
 # The backends whose fused patch embedding computes the DAL loss of its table in the same node
 # (:func:`patch_embed_dal_step`).
 EMBED_WITH_DAL_BACKENDS = frozenset({"triton"})
@@ -397,15 +411,16 @@ def patch_embed_dal_step(
     """:func:`patch_embed_step` and the DAL loss of the same table (``pos_embed``, its first ``prefix_positions``
     rows skipped) as one autograd node, for the timm models' training step: ``(tokens, dal_loss)``, or None where
     that does not apply (then call the two functions): a backend other than ``triton`` (the extension's backends
-    run their two operators), a regressor the fused kernels do not compute, float64, or torch.compile (which sees
-    the two operators and fuses what it likes).
+    run their two operators), a regressor the fused kernels do not compute, float64 or images of no float dtype, or
+    torch.compile (which sees the two operators and fuses what it likes).
 
     The arguments are :func:`patch_embed_step`'s, then the DAL loss's: ``regressor``, ``coords`` float32 ``[N, 2]``,
     ``dal_mask`` bool ``[B, N]`` (the positions the loss leaves out: the sampled mask) and ``scale``.
     """
     if backend not in EMBED_WITH_DAL_BACKENDS or torch.compiler.is_compiling():
         return None
-    if torch.float64 in (images.dtype, pos_embed.dtype):
+    # float64 (no Triton kernels in it), or images of no float dtype: patch_embed_step's torch path, or its error
+    if images.dtype not in TRITON_DTYPES or torch.float64 in (weight.dtype, pos_embed.dtype):
         return None
     layers = fused_layers(regressor)
     if layers is None:
@@ -472,7 +487,10 @@ def mjp_patch_embed(
     if chosen == "torch":
         return _mjp_patch_embed_torch(images, weight, bias, pos_embed, unk_embed, jigsaw, geometry)
     if chosen == "triton" and images.dtype == torch.float64:
-        raise TypeError("images: the triton backend supports float32, float16 and bfloat16, got float64")
+        raise TypeError(
+            "images: the triton backend supports float32, float16 and bfloat16, got float64; float64 runs on "
+            "backend='torch' (or 'cpu' / 'cuda', the compiled extension's)"
+        )
     if jigsaw is not None:
         jigsaw = Jigsaw(jigsaw.mask.contiguous(), jigsaw.perm.contiguous())
     return patch_embed_step(images, weight, bias, pos_embed, unk_embed, jigsaw, chosen)

@@ -450,6 +450,27 @@ def _grad_weight_tiles(dim: int, k: int) -> tuple[int, int, int]:
     return tile_size(64), tile_size(block_d), tile_size(power_of_two_tile(k, 16, 64))
 
 
+# The images' and weight's dtypes the GEMMs multiply (their tiles accumulate in float32).
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def check_kernel_dtypes(images: torch.Tensor, weight: torch.Tensor) -> None:
+    """Refuses images or a weight the GEMM kernels cannot multiply: float64, or no float dtype (uint8 images would be
+    multiplied as floats, then the sums truncated to uint8 tokens). tl.dot of two float64 tiles (the forward's, or
+    the weight gradient's of float64 images) returns float64, which the float32 accumulator does not hold: the
+    interpreter stored each float32 sum in the low half of a float64 slot, the high half left as ``torch.empty``
+    found it (issue 42). The timm models send float64 to the ``torch`` backend before this
+    (:func:`mjp_fast.ops.patch_embed.patch_embed_step`); this guards the operators themselves. Dtypes only: no sync.
+    """
+    for name, tensor in (("images", images), ("weight", weight)):
+        if tensor.dtype not in KERNEL_DTYPES:
+            hint = "; float64 runs on the 'torch' backend (or 'cpu' / 'cuda', the compiled extension's)"
+            raise TypeError(
+                f"{name}: the triton patch embedding takes float32, float16 or bfloat16, got {tensor.dtype}"
+                + (hint if tensor.dtype == torch.float64 else "")
+            )
+
+
 def _image_strides(images: torch.Tensor) -> tuple[int, int, int, int]:
     return tuple(images.stride())  # type: ignore[return-value]
 
@@ -492,6 +513,7 @@ def patch_embed_forward_launch(
     ``out[b, t] = prefix[t] + (pos[t] if t < Q else 0)`` for ``t < P``; ``out[b, P + n] = patch(b, perm[b, n]) @
     W^T + bias + (unk if mask[b, n] else pos[Q + n])``, summed in float32 and rounded once.
     """
+    check_kernel_dtypes(images, weight)
     batch, patch = images.shape[0], weight.shape[2]
     num_positions, cols, k, dim = _patch_sizes(images, weight)
     prefix_count = prefix_rows(prefix, dim)
@@ -579,6 +601,7 @@ def patch_embed_backward_launch(
     grad_out ``[B, P + N, D]``. The weight, bias and image gradients come from the patch rows only; grad_pos's
     rows and grad_prefix from the same one pass over grad_out (:func:`launch_position_gradient`).
     """
+    check_kernel_dtypes(images, weight)
     batch = images.shape[0]
     num_positions, _, _, dim = _patch_sizes(images, weight)
     if tuple(grad_out.shape) != (batch, prefix_count + num_positions, dim):

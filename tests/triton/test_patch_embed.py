@@ -138,3 +138,32 @@ def test_autocast_gradients_are_rounded_for_the_tensor_cores(monkeypatch):
     assert pe._mixing(f32, bf16, gradient=True) == (pe.UPCAST_BOTH, pe.BFLOAT16_IN_FLOAT32)
     assert pe._mixing(f32, f32, compute=bf16) == (pe.UPCAST_BOTH, pe.BFLOAT16_IN_FLOAT32)
     assert pe._mixing(f32, f32, compute=f16) == (pe.SAME_DTYPE, pe.TO_FLOAT16)
+
+
+@pytest.mark.parametrize(
+    "images_dtype, weight_dtype",
+    [
+        (torch.float64, torch.float64),
+        (torch.float64, torch.float32),
+        (torch.float32, torch.float64),
+        (torch.uint8,) * 2,
+    ],
+    ids=str,
+)
+def test_the_launchers_refuse_dtypes_the_gemms_cannot_multiply(images_dtype, weight_dtype):
+    # Two float64 tiles make tl.dot return float64, which the float32 accumulator does not hold: the interpreter left
+    # the high half of each float64 output as torch.empty found it (issue 42). uint8 images would be summed as floats
+    # and truncated to uint8 tokens. The timm models' step sends float64 to the torch backend before the kernels.
+    images = torch.randn(1, CHANNELS, GRID[0] * PATCH, GRID[1] * PATCH, device=DEVICE).to(images_dtype)
+    weight = torch.randn(DIM, CHANNELS, PATCH, PATCH, device=DEVICE).to(weight_dtype)
+    pos = torch.zeros(NUM_POSITIONS, DIM, device=DEVICE)
+    refused = torch.float64 if torch.float64 in (images_dtype, weight_dtype) else torch.uint8
+    words = str(refused).removeprefix("torch.")
+    with pytest.raises(TypeError, match=words):
+        patch_kernels.patch_embed_forward_launch(images, weight, None, pos, None, None, None)
+    grad = torch.zeros(1, NUM_POSITIONS, DIM, device=DEVICE)
+    needs = (True, True, False, False, False, False)
+    with pytest.raises(TypeError, match=words):
+        patch_kernels.patch_embed_backward_launch(
+            grad, images, weight, None, None, *needs, 0, 0, [NUM_POSITIONS, DIM], [0]
+        )
