@@ -17,9 +17,12 @@ if str(REPO_ROOT) not in sys.path:  # `bench` is a folder of the checkout, not a
     sys.path.insert(0, str(REPO_ROOT))
 
 from bench import bench_kernels as case  # noqa: E402
-from mjp_fast.triton import common, patch_embed  # noqa: E402
+from mjp_fast.triton import common, dal_loss, patch_embed  # noqa: E402
 
 H100_SHARED = 227 * 1024
+
+
+PARTIALS_UNPIPELINED = {"mjp_fast.triton.common.PARTIAL_STAGES": 1}
 
 
 def _plan_stages() -> int:
@@ -32,14 +35,21 @@ def test_each_setting_reaches_what_it_names_and_is_undone(monkeypatch):
     cuda = torch.device("cuda", 0)  # only asked for its shared memory (the stand-in above)
     default = (_plan_stages(), patch_embed.grad_weight_stages(True, cuda))
     assert default == (2, patch_embed.GRAD_WEIGHT_PERM_STAGES) == (2, 5)
-    with case.applied(case.SETTINGS["partials unpipelined"]):
+    # the settings the H200 answered (2026-11-28), as a setting names them: the cached plans follow them
+    with case.applied(PARTIALS_UNPIPELINED):
         assert common.PARTIAL_STAGES == 1
         assert _plan_stages() == 1  # the cached plan of the default is not handed out again
-    with case.applied(case.SETTINGS["weight gradient, perm at 3 stages"]):
+    with case.applied({"mjp_fast.triton.patch_embed.GRAD_WEIGHT_PERM_STAGES": 3}):
         assert patch_embed.grad_weight_stages(True, cuda) == 3
         assert _plan_stages() == 2
     assert (_plan_stages(), patch_embed.grad_weight_stages(True, cuda)) == default  # restored, plans made again
     assert patch_embed.grad_weight_stages(False, cuda) == patch_embed.GRAD_WEIGHT_STAGES
+    # the one still in question: the DAL backward's earlier tiles against the adopted ones
+    adopted = dict(dal_loss.BACKWARD_TILES)
+    assert adopted == {"BLOCK_N": 32, "BLOCK_H": 32, "BLOCK_D": 32}
+    with case.applied(case.SETTINGS["DAL backward, earlier tiles"]):
+        assert dal_loss.BACKWARD_TILES == {"BLOCK_N": 16, "BLOCK_H": 32, "BLOCK_D": 64}
+    assert dal_loss.BACKWARD_TILES == adopted
 
 
 def test_a_setting_is_undone_when_its_measurement_raises():
@@ -128,7 +138,7 @@ def test_kernels_benchmark_smoke(tmp_path, capsys):
 @pytest.mark.timeout(120)
 def test_a_setting_that_fails_is_reported_and_the_others_still_measured(monkeypatch):
     settings = {case.DEFAULT: {}, "broken": {"mjp_fast.triton.common.NO_SUCH_CONSTANT": 1}}
-    monkeypatch.setattr(case, "SETTINGS", {**settings, "pipeline": case.SETTINGS["partials unpipelined"]})
+    monkeypatch.setattr(case, "SETTINGS", {**settings, "pipeline": PARTIALS_UNPIPELINED})
     section = case.collect(smoke=True, device="cpu")
     assert [row["setting"] for row in section["results"]] == [case.DEFAULT] * 2 + ["pipeline"] * 2
     (message,) = section["errors"].values()
@@ -153,6 +163,7 @@ def test_an_interrupt_keeps_the_settings_measured_before_it(monkeypatch):
         return measure(setting, *args, **kwargs)
 
     monkeypatch.setattr(case, "_measure_setting", measure_until_the_third)
+    monkeypatch.setattr(case, "SETTINGS", {**case.SETTINGS, "pipeline": PARTIALS_UNPIPELINED})  # three settings
     with pytest.raises(PartialResults) as stopped:
         case.collect(smoke=True, device="cpu")
     section = stopped.value.section
