@@ -7,17 +7,19 @@ results = evaluate_checkpoint("runs/x/mjp/last.pt")
 from typing import Any
 
 from mjp_fast.evaluate.metrics import accuracy, consistency, diff_norm, evaluate_model
-from mjp_fast.evaluate.ood_metrics import aupr, aurra, rms_calibration_error
+from mjp_fast.evaluate.ood_metrics import aupr, auroc, aurra, fpr_at_recall, rms_calibration_error
 from mjp_fast.evaluate.position import position_regression
 
 __all__ = [
     "accuracy",
     "aupr",
+    "auroc",
     "aurra",
     "consistency",
     "diff_norm",
     "evaluate_checkpoint",
     "evaluate_model",
+    "fpr_at_recall",
     "position_regression",
     "rms_calibration_error",
 ]

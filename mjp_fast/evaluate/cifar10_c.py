@@ -27,6 +27,7 @@ from PIL import Image
 from torch.utils.data import Dataset
 
 from mjp_fast.evaluate.common_corruptions import ALL_CORRUPTIONS, BENCHMARK, SEVERITIES, StoredCorruptions
+from mjp_fast.evaluate.releases import CIFAR10_C_IMAGES
 
 OPTION = "--cifar10-c"
 BENCHMARK_NAME = "CIFAR-10-C"
@@ -73,8 +74,11 @@ def cifar10_targets(classes: Sequence[str]) -> list[int]:
 def _load(path: Path) -> np.ndarray:
     try:
         return np.load(path, mmap_mode="r", allow_pickle=False)
-    except (ValueError, OSError) as error:
-        raise ValueError(f"{OPTION}: cannot read {str(path)!r} as a NumPy array ({error})") from None
+    # EOFError: an empty file; OverflowError: a header whose shape has a negative (or huge) dimension, which the
+    # memory map refuses (a negative 1D length is NumPy's ValueError)
+    except (ValueError, OSError, EOFError, OverflowError) as error:
+        reason = str(error) or type(error).__name__
+        raise ValueError(f"{OPTION}: cannot read {str(path)!r} as a NumPy array ({reason})") from None
 
 
 def _severity_maker(images: np.ndarray, labels: np.ndarray, targets: list[int]) -> Callable[[], SeverityImages]:
@@ -144,4 +148,4 @@ def open_cifar10_c(root: str | Path, classes: Sequence[str]) -> StoredCorruption
             for offset in range(0, count * len(SEVERITIES), count)
         ]
     missing = [name for name in BENCHMARK if name not in paths]
-    return StoredCorruptions(BENCHMARK_NAME, OPTION, root, sources, missing)
+    return StoredCorruptions(BENCHMARK_NAME, OPTION, root, sources, missing, release_images=CIFAR10_C_IMAGES)

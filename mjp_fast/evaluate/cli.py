@@ -37,25 +37,37 @@ Evaluates a checkpoint of `mjp train` on a dataset and measures what the paper m
   ImageNet-C        --imagenet-c DIR: the benchmark itself, as released by Hendrycks & Dietterich (ICLR 2019;
                     Zenodo record 2235448, github.com/hendrycks/robustness): DIR/<corruption>/<severity 1-5>/
                     <wnid>/*.JPEG, 15 corruptions in 4 families (+ the 4 extra ones where present); top-1 error per
-                    corruption and severity, CE normalized by AlexNet's errors and the mCE over the 15; with
-                    --baseline, the mCE relative to the baseline too
+                    corruption and severity, CE normalized by AlexNet's errors and the mCE over the 15, the relative
+                    mCE (the paper's Eq. 2, from the clean error), the unnormalized mean error over the 15 and over
+                    the 15 + 4 extra (as the authors' test.py); with --baseline, the mean CE against the baseline
+                    (baseline = 100: not the paper's relative mCE)
   CIFAR-10-C        --cifar10-c DIR: the same authors' CIFAR-10 release (Zenodo record 2535967): DIR/<corruption>.npy
                     (uint8 [50000, 32, 32, 3]: 5 severities x 10,000 test images) and DIR/labels.npy; the same table
-                    for CIFAR-10 models, with the unnormalized mean corruption error (no AlexNet reference for it)
-                    and with --baseline the mCE relative to the baseline
+                    for CIFAR-10 models, with the unnormalized mean corruption error over the 15 and over the 15 + 4
+                    extra (no AlexNet reference for it) and with --baseline the mean CE against the baseline
   ImageNet-A        --imagenet-a DIR: Hendrycks, Zhao, Basart, Steinhardt, Song, "Natural Adversarial Examples"
                     (CVPR 2021; github.com/hendrycks/natural-adv-examples): DIR/<wnid>/*.jpg, 200 classes; top-1,
-                    AURRA and RMS calibration error (adaptive bins of 100 images) from the max-softmax confidence
+                    AURRA and the authors' RMS calibration error (calib_err: bins of 100 images, the last one left
+                    out of the sum) from the max-softmax confidence
   ImageNet-R        --imagenet-r DIR: Hendrycks et al., "The Many Faces of Robustness" (ICCV 2021;
-                    github.com/hendrycks/imagenet-r): DIR/<wnid>/*.jpg, 200 classes; top-1
+                    github.com/hendrycks/imagenet-r): DIR/<wnid>/*.jpg, 200 classes; top-1, and as the authors'
+                    eval.py the top-1 on the --data validation images of the same classes (ImageNet-200) and the
+                    drop from it
   ImageNet-O        --imagenet-o DIR: from "Natural Adversarial Examples" too (github.com/hendrycks/natural-adv-
                     examples): DIR/<wnid>/*.jpg, 2,000 images of classes outside ImageNet-1k, foldered by the
-                    ImageNet-1k class a ResNet-50 mistook them for; AUPR with them as positives, the --data
-                    validation images of those 200 classes as negatives, anomaly score the negative max-softmax
-                    (as the authors' eval_many_models.py computes it)
+                    ImageNet-1k class a ResNet-50 mistook them for; AUPR, AUROC and FPR95 with them as positives,
+                    the --data validation images of those 200 classes as negatives, anomaly score the negative
+                    max-softmax (as the authors' eval_many_models.py computes them)
                     For all three the logits are restricted to the set's classes, mapped by WordNet id from the
                     folder names, as the authors' code does; the model needs those ImageNet-1k classes (a
                     1000-class model, or one trained on class folders named by WordNet id)
+  partial sets      a benchmark that is not its whole release (ImageNet-C or CIFAR-10-C without some of the 15
+                    corruptions, ImageNet-A/-R/-O with other classes than the published 200, fewer images than
+                    released, --max-images) is measured and its rows marked "partial set" with what it lacks (JSON:
+                    partial, missing_classes, missing_images, ...); --require-complete refuses it instead
+  precision         the robustness benchmarks run in float32, as their authors evaluate, unless --amp names bf16
+                    or fp16 (--amp auto's bf16 on CUDA is for the other passes; with --imagenet-c the clean pass is
+                    float32 too: its error enters the relative mCE); the JSON's precision keys say which
 
 Prints the results as tables (the robustness rows beside the paper's DeiT-S and DeiT-S + MJP) and writes them as
 JSON (keys: top1, top5, consistency, diff_norm, pos_mae_1d, pos_mae_2d, position_regression, corruptions, mce,
@@ -64,10 +76,11 @@ mean_corruption_error (these three: the on-the-fly proxy), imagenet_c, cifar10_c
 
 # what mjp eval measures on each of ImageNet-A, -R, -O (mjp_fast/evaluate/natural.py)
 NATURAL_MEASURES = {
-    "imagenet_a": "top-1, AURRA and RMS calibration error (%) over its 200 classes' logits",
-    "imagenet_r": "top-1 (%) over its 200 classes' logits",
-    "imagenet_o": "AUPR (%) of its images among the --data validation images of its 200 classes, anomaly score "
-    "the negative max-softmax over those classes' logits",
+    "imagenet_a": "top-1, AURRA and the authors' RMS calibration error (%) over its 200 classes' logits",
+    "imagenet_r": "top-1 (%) over its 200 classes' logits, and on the --data validation images of those classes "
+    "(ImageNet-200) with the drop between them",
+    "imagenet_o": "AUPR, AUROC and FPR95 (%) of its images among the --data validation images of its 200 classes, "
+    "anomaly score the negative max-softmax over those classes' logits",
 }
 
 
@@ -124,6 +137,35 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="severities of the on-the-fly corruptions, 1..5 (default: all five; --imagenet-c and --cifar10-c "
         "always measure all five)",
     )
+    _add_robustness_arguments(parser)
+    parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    parser.add_argument(
+        "--attention-images", type=non_negative_int, default=4, help="images in the attention plot (default: 4)"
+    )
+    parser.add_argument("--folds", type=positive_int, default=5, help="cross-validation folds of position regression")
+    parser.add_argument("--batch-size", type=positive_int, default=128, help="images per batch (default: 128)")
+    parser.add_argument("--workers", type=non_negative_int, default=None, help="data loader processes (default: auto)")
+    parser.add_argument("--max-images", type=positive_int, default=None, help="evaluate a fixed subset of N images")
+    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
+    parser.add_argument(
+        "--amp",
+        choices=("auto", "none", "bf16", "fp16"),
+        default="auto",
+        help="autocast (default auto: bf16 on CUDA, except the robustness benchmarks, which run in float32 unless "
+        "bf16 or fp16 is named)",
+    )
+    parser.add_argument(
+        "--progress",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="progress bars (default: on a terminal; elsewhere one line per pass over the data; off: neither)",
+    )
+    parser.set_defaults(handler=run)
+    return parser
+
+
+def _add_robustness_arguments(parser: argparse.ArgumentParser) -> None:
+    """The benchmarks as released (--imagenet-c, --cifar10-c, --imagenet-a/-r/-o), --baseline, --require-complete."""
     parser.add_argument(
         "--imagenet-c",
         metavar="DIR",
@@ -146,26 +188,14 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
             help=f"{info.name} as its authors release it, unpacked: DIR/<WordNet id>/<image> ({info.source}); "
             f"{NATURAL_MEASURES[info.key]}".replace("%", "%%"),  # argparse formats help with %
         )
-    parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     parser.add_argument(
-        "--attention-images", type=non_negative_int, default=4, help="images in the attention plot (default: 4)"
+        "--require-complete",
+        action="store_true",
+        help="refuse (exit 2) a robustness set that is not its whole release: some of the 15 corruptions of "
+        "--imagenet-c or --cifar10-c missing, other classes than the published 200 of --imagenet-a/-r/-o, fewer "
+        "images than released (--max-images included); checked before any pass where the trees tell (default: "
+        "measure it and mark its rows partial)",
     )
-    parser.add_argument("--folds", type=positive_int, default=5, help="cross-validation folds of position regression")
-    parser.add_argument("--batch-size", type=positive_int, default=128, help="images per batch (default: 128)")
-    parser.add_argument("--workers", type=non_negative_int, default=None, help="data loader processes (default: auto)")
-    parser.add_argument("--max-images", type=positive_int, default=None, help="evaluate a fixed subset of N images")
-    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
-    parser.add_argument(
-        "--amp", choices=("auto", "none", "bf16", "fp16"), default="auto", help="autocast (default: bf16 on CUDA)"
-    )
-    parser.add_argument(
-        "--progress",
-        choices=("auto", "on", "off"),
-        default="auto",
-        help="progress bars (default: on a terminal; elsewhere one line per pass over the data; off: neither)",
-    )
-    parser.set_defaults(handler=run)
-    return parser
 
 
 def _say(line: str) -> None:
@@ -208,6 +238,7 @@ def run(args: argparse.Namespace) -> int:
             imagenet_a=args.imagenet_a,
             imagenet_r=args.imagenet_r,
             imagenet_o=args.imagenet_o,
+            require_complete=args.require_complete,
         )
         path = write_json(results, args.json or output / "eval.json")
     except ConfigError as error:

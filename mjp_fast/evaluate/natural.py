@@ -4,10 +4,12 @@
   hendrycks/natural-adv-examples): 7,500 natural images of 200 ImageNet-1k classes that fool ResNet-50s.
   Accuracy, AURRA and the RMS calibration error from the max-softmax confidence.
 - **ImageNet-R** (Hendrycks et al., "The Many Faces of Robustness", ICCV 2021; GitHub hendrycks/imagenet-r):
-  30,000 renditions (art, cartoons, sculptures, ...) of 200 ImageNet-1k classes. Accuracy.
+  30,000 renditions (art, cartoons, sculptures, ...) of 200 ImageNet-1k classes. Accuracy; and, as the authors'
+  ``eval.py`` reports beside it, the accuracy on the ImageNet validation images of the same 200 classes (their
+  "ImageNet-200") and the drop from it to ImageNet-R.
 - **ImageNet-O** (the ImageNet-A paper): 2,000 images of classes outside ImageNet-1k that ResNet-50s take
-  confidently for one of 200 ImageNet-1k classes. AUPR of detecting them among the in-distribution validation
-  images, anomaly score the negative max-softmax probability.
+  confidently for one of 200 ImageNet-1k classes. AUPR, AUROC and FPR95 of detecting them among the
+  in-distribution validation images, anomaly score the negative max-softmax probability.
 
 Each release unpacks to ``DIR/<wnid>/<image>.jpg`` (and a README.txt), one folder per class named by its WordNet id:
 the folder of an ImageNet-O image names the class the ResNet-50 mistook it for. As the authors' code
@@ -16,11 +18,16 @@ the model's logits are restricted to the classes of the folders before the softm
 model is scored as a 200-class one. The model's classes are named by its data's class folders when those are
 WordNet ids, and for a 1000-class model otherwise by the ImageNet-1k order (timm's ``ImageNetInfo``: the wnids
 sorted, as an ImageNet folder lists them).
+
+A tree that is not the whole release (other classes than the published 200, or fewer images: a partial download,
+``--max-images``) is measured over what it holds, and its results say so (:func:`release_coverage`): restricted to
+10 classes, the accuracy is a 10-way one, not comparable with a published number.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import re
 import time
@@ -33,7 +40,8 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, Subset
 
-from mjp_fast.evaluate.ood_metrics import aupr, aurra, rms_calibration_error
+from mjp_fast.evaluate.ood_metrics import aupr, auroc, aurra, fpr_at_recall, rms_calibration_error
+from mjp_fast.evaluate.releases import IMAGENET_VAL_IMAGES_PER_CLASS, NATURAL_RELEASES, class_coverage
 
 WNID = re.compile(r"n\d{8}")
 
@@ -148,10 +156,15 @@ def read_subset_folder(root: str | Path, option: str, name: str) -> SubsetFolder
     extensions = get_img_extensions(as_set=True)
     images = 0
     for folder in folders:
-        count = sum(1 for entry in os.scandir(root / folder) if os.path.splitext(entry.name)[1].lower() in extensions)
+        # files only (links to files too): a folder named like an image is not one, and timm's reader skips it
+        count = sum(
+            1
+            for entry in os.scandir(root / folder)
+            if os.path.splitext(entry.name)[1].lower() in extensions and entry.is_file()
+        )
         if count == 0:
             raise ValueError(
-                f"{option}: folder {str(root / folder)!r} holds no images ({', '.join(sorted(extensions))})"
+                f"{option}: folder {str(root / folder)!r} holds no images ({', '.join(sorted(extensions))} files)"
             )
         images += count
     return SubsetFolder(root, folders, images)
@@ -234,31 +247,85 @@ def confidence_and_correct(logits: torch.Tensor, targets: torch.Tensor) -> tuple
     return confidence, predictions.eq(targets)
 
 
-def imagenet_a_metrics(logits: torch.Tensor, targets: torch.Tensor) -> dict[str, float | int]:
-    """``top1``, ``aurra``, ``calibration_rms`` (%), ``images``, ``classes`` of restricted logits ``[N, K]``."""
+def imagenet_a_metrics(logits: torch.Tensor, targets: torch.Tensor) -> dict[str, float | int | None]:
+    """``top1``, ``aurra``, ``calibration_rms`` (%), ``images``, ``classes`` of restricted logits ``[N, K]``.
+
+    ``calibration_rms`` is the authors' RMS calibration error (:func:`~mjp_fast.evaluate.ood_metrics.
+    rms_calibration_error`: bins of 100 images, the last one left out of the sum), None with fewer than 200 images,
+    where that definition has no bin to sum."""
     confidence, correct = confidence_and_correct(logits, targets)
+    calibration = rms_calibration_error(confidence, correct)
     return {
         "top1": 100.0 * float(correct.double().mean()),
         "aurra": 100.0 * aurra(confidence, correct),
-        "calibration_rms": 100.0 * rms_calibration_error(confidence, correct),
+        "calibration_rms": None if math.isnan(calibration) else 100.0 * calibration,
         "images": len(targets),
         "classes": logits.shape[1],
     }
 
 
-def imagenet_r_metrics(logits: torch.Tensor, targets: torch.Tensor) -> dict[str, float | int]:
-    """``top1`` (%), ``images``, ``classes`` of restricted logits ``[N, K]``."""
+def imagenet_r_metrics(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    logits_200: torch.Tensor | None = None,
+    targets_200: torch.Tensor | None = None,
+) -> dict[str, float | int | None]:
+    """``top1`` (%), ``images``, ``classes`` of restricted logits ``[N, K]``; with the in-distribution validation
+    images of the same classes (``logits_200`` ``[M, K]``, ``targets_200`` ``[M]``: the authors' "ImageNet-200"
+    of hendrycks/imagenet-r's eval.py), their ``imagenet_200_top1`` (%) and ``imagenet_200_images``, and
+    ``top1_drop``, ImageNet-200's top-1 minus ImageNet-R's (their "Delta Acc"); these three None without them."""
     _, correct = confidence_and_correct(logits, targets)
-    return {"top1": 100.0 * float(correct.double().mean()), "images": len(targets), "classes": logits.shape[1]}
+    top1 = 100.0 * float(correct.double().mean())
+    results: dict[str, float | int | None] = {"top1": top1, "images": len(targets), "classes": logits.shape[1]}
+    top1_200 = None
+    if logits_200 is not None and targets_200 is not None and len(targets_200):
+        top1_200 = 100.0 * float(confidence_and_correct(logits_200, targets_200)[1].double().mean())
+    results["imagenet_200_top1"] = top1_200
+    results["imagenet_200_images"] = len(targets_200) if top1_200 is not None else 0
+    results["top1_drop"] = top1_200 - top1 if top1_200 is not None else None
+    return results
 
 
 def imagenet_o_metrics(logits_out: torch.Tensor, logits_in: torch.Tensor) -> dict[str, float | int]:
-    """``aupr`` (%), ``images_out``, ``images_in``: ImageNet-O's images ``[P, K]`` as the positives, the
-    in-distribution images ``[M, K]`` as the negatives, anomaly score the negative max-softmax probability of the
-    logits restricted to ImageNet-O's classes (``get_imagenet_o_results`` of the authors' eval_many_models.py)."""
+    """``aupr``, ``auroc``, ``fpr95`` (%), ``images_out``, ``images_in``: ImageNet-O's images ``[P, K]`` as the
+    positives, the in-distribution images ``[M, K]`` as the negatives, anomaly score the negative max-softmax
+    probability of the logits restricted to ImageNet-O's classes (``get_imagenet_o_results`` of the authors'
+    eval_many_models.py, which prints the same three: :func:`~mjp_fast.evaluate.ood_metrics.aupr`,
+    :func:`~mjp_fast.evaluate.ood_metrics.auroc`, :func:`~mjp_fast.evaluate.ood_metrics.fpr_at_recall` at 95%)."""
     anomaly_out = -logits_out.double().softmax(dim=1).max(dim=1).values
     anomaly_in = -logits_in.double().softmax(dim=1).max(dim=1).values
-    return {"aupr": 100.0 * aupr(anomaly_out, anomaly_in), "images_out": len(logits_out), "images_in": len(logits_in)}
+    return {
+        "aupr": 100.0 * aupr(anomaly_out, anomaly_in),
+        "auroc": 100.0 * auroc(anomaly_out, anomaly_in),
+        "fpr95": 100.0 * fpr_at_recall(anomaly_out, anomaly_in, 0.95),
+        "images_out": len(logits_out),
+        "images_in": len(logits_in),
+    }
+
+
+def release_coverage(key: str, wnids: Sequence[str], images: int, images_in: int | None = None) -> dict[str, Any]:
+    """How the measured set compares with the authors' release (:mod:`mjp_fast.evaluate.releases`): ``partial``
+    (True unless the tree has exactly the release's classes and the pass as many images as the release, and for
+    ImageNet-O as many in-distribution images as the authors' 50 per class), ``release_classes``,
+    ``missing_classes`` (a count), ``extra_classes`` (the WordNet ids outside the release), ``release_images`` and
+    ``missing_images`` (the release's images not measured: a partial tree, or ``--max-images``)."""
+    published, release_images = NATURAL_RELEASES[key]
+    coverage = class_coverage(wnids, published)
+    partial = coverage.partial or images != release_images
+    found: dict[str, Any] = {}
+    if images_in is not None:  # ImageNet-O: the negatives weigh in its AUPR as much as the positives
+        release_in = len(published) * IMAGENET_VAL_IMAGES_PER_CLASS
+        partial = partial or images_in != release_in
+        found["release_images_in"] = release_in
+    return {
+        "partial": partial,
+        "release_classes": len(published),
+        "missing_classes": len(coverage.missing),
+        "extra_classes": list(coverage.extra),
+        "release_images": release_images,
+        "missing_images": max(release_images - images, 0),
+        **found,
+    }
 
 
 def _targets(dataset: Dataset) -> list[int] | None:
@@ -289,12 +356,30 @@ class NaturalSet:
     folder: SubsetFolder
     columns: torch.Tensor  # int64 [K]: the model outputs of its classes
     loader: Any  # its images, through the validation transform
-    in_loader: Any = None  # ImageNet-O: the in-distribution validation images
-    target_map: torch.Tensor | None = None  # ImageNet-O: model class -> set class, -1: not one of them
+    # ImageNet-O (its negatives) and ImageNet-R (its ImageNet-200): the validation images of the set's classes
+    in_loader: Any = None
+    target_map: torch.Tensor | None = None  # model class -> set class, -1: not one of them (left out)
 
     @property
     def passes(self) -> int:
         return 2 if self.in_loader is not None else 1
+
+
+def _in_distribution(
+    val_loader: Any, columns: torch.Tensor, num_classes: int, make_loader: Callable[[Dataset], Any]
+) -> tuple[Any, torch.Tensor | None]:
+    """(loader, target map) of the validation images of the classes ``columns``: a subset of the validation
+    split, or the whole split filtered in the pass when it is a stream; (None, None) when the split has none of
+    them. The target map (int64 ``[num_classes]``) maps each model class to its index among ``columns``, -1
+    elsewhere: the pass turns the split's targets into the set's."""
+    target_map = torch.full((num_classes,), -1, dtype=torch.long)
+    target_map[columns] = torch.arange(len(columns))
+    val_set = val_loader.dataset
+    targets = _targets(val_set)
+    if targets is None:  # a stream: its images are filtered in the pass
+        return val_loader, target_map
+    chosen = [index for index, target in enumerate(targets) if target_map[target] >= 0]
+    return (make_loader(_subset(val_set, chosen)), target_map) if chosen else (None, None)
 
 
 def open_natural_sets(
@@ -315,7 +400,8 @@ def open_natural_sets(
         classes: the class names of the evaluation data, in the model's order (None: unknown).
         num_classes: the model's outputs.
         val_loader: the validation images (``val_loader.dataset`` the dataset, its transform set): ImageNet-O's
-            negatives are those of its classes; the sets' images get the same transform.
+            negatives and ImageNet-R's ImageNet-200 are those of the set's classes; the sets' images get the same
+            transform.
         make_loader: ``make_loader(dataset) -> loader`` of batches ``(uint8 images, targets)``.
         max_images: a fixed subset of this many images of each set (``--max-images``).
         max_bad_images: unreadable images tolerated per pass (default: the training package's).
@@ -337,28 +423,24 @@ def open_natural_sets(
         class_wnids = model_class_wnids(classes, num_classes, info.option, info.name)
         columns = subset_columns(folder.wnids, class_wnids, info.option, info.name)
         class_map = {wnid: index for index, wnid in enumerate(folder.wnids)}
-        dataset = folder_images(
-            folder.root, class_map, DEFAULT_MAX_BAD_IMAGES if max_bad_images is None else max_bad_images
-        )
+        try:
+            dataset = folder_images(
+                folder.root, class_map, DEFAULT_MAX_BAD_IMAGES if max_bad_images is None else max_bad_images
+            )
+        except RuntimeError:  # timm's folder reader: no file with an image extension (as ImageNet-C's loader)
+            raise ValueError(f"{info.option}: {str(folder.root)!r} holds no images") from None
         set_transform(dataset, transform)
         natural = NaturalSet(info, folder, columns, make_loader(fixed_subset(dataset, max_images)))
-        if key == "imagenet_o":
-            # The authors' negatives (eval_many_models.py): the ImageNet validation images of ImageNet-O's 200
-            # classes, scored, like the positives, over those 200 classes' logits only; not all 1000 classes.
-            target_map = torch.full((num_classes,), -1, dtype=torch.long)
-            target_map[columns] = torch.arange(len(columns))
-            targets = _targets(val_set)
-            if targets is None:  # a stream: its images are filtered in the pass
-                natural.in_loader, natural.target_map = val_loader, target_map
-            else:
-                chosen = [index for index, target in enumerate(targets) if target_map[target] >= 0]
-                if not chosen:
-                    raise ValueError(
-                        f"{info.option}: the validation split has no images of ImageNet-O's {len(columns)} classes "
-                        f"({_listing(folder.wnids)}): its in-distribution images (the negatives) are those"
-                    )
-                natural.in_loader = make_loader(_subset(val_set, chosen))
-                natural.target_map = None
+        if key in ("imagenet_o", "imagenet_r"):
+            # The authors' in-distribution images (eval_many_models.py's ImageNet-O negatives, imagenet-r's eval.py
+            # ImageNet-200): the ImageNet validation images of the set's 200 classes, scored, like the set's own,
+            # over those 200 classes' logits only; not all 1000 classes.
+            natural.in_loader, natural.target_map = _in_distribution(val_loader, columns, num_classes, make_loader)
+            if key == "imagenet_o" and natural.in_loader is None:
+                raise ValueError(
+                    f"{info.option}: the validation split has no images of ImageNet-O's {len(columns)} classes "
+                    f"({_listing(folder.wnids)}): its in-distribution images (the negatives) are those"
+                )
         opened.append(natural)
     return opened
 
@@ -374,15 +456,22 @@ def evaluate_natural_sets(
     progress_bar: Callable[[int, str], Any] | None = None,
     pass_done: Callable[[str, dict[str, Any], float], None] | None = None,
 ) -> dict[str, dict[str, Any]]:
-    """Each set's results (:func:`imagenet_a_metrics`, :func:`imagenet_r_metrics`, :func:`imagenet_o_metrics`),
-    by key.
+    """Each set's results (:func:`imagenet_a_metrics`, :func:`imagenet_r_metrics`, :func:`imagenet_o_metrics`)
+    with how its tree compares with the authors' release (:func:`release_coverage`), by key.
 
     Args:
+        amp_dtype: autocast's dtype; None: float32, as the authors evaluate.
         progress_bar: ``progress_bar(total_images, description)`` -> a tqdm-like bar (or None) for each pass.
         pass_done: called after each pass with its description, ``{"top1": % or None, "images": N}`` and seconds.
     """
 
-    def run(loader: Any, columns: torch.Tensor, description: str, target_map: torch.Tensor | None = None):
+    def run(
+        loader: Any,
+        columns: torch.Tensor,
+        description: str,
+        target_map: torch.Tensor | None = None,
+        scored_by_accuracy: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         bar = progress_bar(len(loader.dataset), description) if progress_bar is not None else None
         start = time.perf_counter()
         try:
@@ -400,30 +489,47 @@ def evaluate_natural_sets(
         finally:
             if bar is not None:
                 bar.close()
-        return logits, targets, time.perf_counter() - start
+        if pass_done is not None:  # ImageNet-O's passes have no accuracy (scored by AUPR)
+            top1 = None
+            if scored_by_accuracy and len(targets):
+                top1 = 100.0 * float(confidence_and_correct(logits, targets)[1].double().mean())
+            pass_done(description, {"top1": top1, "images": len(targets)}, time.perf_counter() - start)
+        return logits, targets
 
     results: dict[str, dict[str, Any]] = {}
     for natural in sets:
         key, name = natural.info.key, natural.info.name
-        logits, targets, seconds = run(natural.loader, natural.columns, name)
+        logits, targets = run(natural.loader, natural.columns, name, scored_by_accuracy=key != "imagenet_o")
         if key == "imagenet_o":
-            if pass_done is not None:
-                pass_done(name, {"top1": None, "images": len(targets)}, seconds)
             description = f"{name} in-distribution"
-            logits_in, _, seconds = run(natural.in_loader, natural.columns, description, natural.target_map)
+            logits_in, _ = run(natural.in_loader, natural.columns, description, natural.target_map, False)
             if len(logits_in) == 0:
                 raise ValueError(
                     f"{natural.info.option}: the validation split has no images of ImageNet-O's "
                     f"{len(natural.columns)} classes: its in-distribution images (the negatives) are those"
                 )
             results[key] = imagenet_o_metrics(logits, logits_in)
-            if pass_done is not None:
-                pass_done(description, {"top1": None, "images": len(logits_in)}, seconds)
-            continue
-        results[key] = (imagenet_a_metrics if key == "imagenet_a" else imagenet_r_metrics)(logits, targets)
-        if pass_done is not None:
-            pass_done(name, results[key], seconds)
+            results[key].update(release_coverage(key, natural.folder.wnids, len(logits), len(logits_in)))
+        elif key == "imagenet_r":
+            logits_200 = targets_200 = None
+            if natural.in_loader is not None:
+                description = f"{name} {IMAGENET_200}"
+                logits_200, targets_200 = run(natural.in_loader, natural.columns, description, natural.target_map)
+            results[key] = imagenet_r_metrics(logits, targets, logits_200, targets_200)
+            results[key].update(release_coverage(key, natural.folder.wnids, len(targets)))
+            # the ImageNet-200 is whole with the release's 200 classes and their 50 validation images each
+            classes_200 = len(set(targets_200.tolist())) if targets_200 is not None else 0
+            results[key]["imagenet_200_classes"] = classes_200
+            results[key]["imagenet_200_partial"] = results[key]["partial"] or (
+                results[key]["imagenet_200_images"] != results[key]["release_classes"] * IMAGENET_VAL_IMAGES_PER_CLASS
+            )
+        else:
+            results[key] = imagenet_a_metrics(logits, targets)
+            results[key].update(release_coverage(key, natural.folder.wnids, len(targets)))
     return results
+
+
+IMAGENET_200 = "ImageNet-200"  # ImageNet-R's in-distribution pass: the validation images of its 200 classes
 
 
 __all__ = [
@@ -438,6 +544,7 @@ __all__ = [
     "model_class_wnids",
     "open_natural_sets",
     "read_subset_folder",
+    "release_coverage",
     "subset_columns",
     "subset_logits",
 ]

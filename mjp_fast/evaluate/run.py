@@ -27,13 +27,14 @@ from mjp_fast._atomic import write_atomically
 from mjp_fast._model_geometry import input_size
 from mjp_fast._seeds import draw_seed
 from mjp_fast.evaluate.cifar10_c import open_cifar10_c
-from mjp_fast.evaluate.common_corruptions import StoredCorruptions, corruption_table, measure_errors
+from mjp_fast.evaluate.common_corruptions import StoredCorruptions, corruption_table, measure_errors, stored_coverage
 from mjp_fast.evaluate.corruptions import CORRUPTIONS, SEVERITIES, corrupt, corruption_errors, resolve_corruptions
 from mjp_fast.evaluate.imagenet_c import open_imagenet_c
 from mjp_fast.evaluate.metrics import evaluate_model, resolve_jigsaw_mode
 from mjp_fast.evaluate.natural import NaturalSet, evaluate_natural_sets, open_natural_sets
 from mjp_fast.evaluate.plots import plot_attention_maps, plot_corruption_severity, plot_position_embeddings
 from mjp_fast.evaluate.position import model_position_regression, patch_position_embeddings
+from mjp_fast.evaluate.releases import NATURAL_RELEASES, class_coverage
 from mjp_fast.evaluate.robustness_table import robustness_rows, stored_corruption_rows
 
 REQUIRED_KEYS = ("top1", "top5", "consistency", "diff_norm", "pos_mae_1d", "pos_mae_2d")
@@ -61,6 +62,19 @@ class _Opened:
     loader_for: Callable[[Any], DataLoader] | None = None
     # ImageNet-A, -R, -O asked for, their trees checked and their classes mapped to the model's outputs
     natural: list[NaturalSet] = field(default_factory=list)
+    # autocast's dtype for the robustness benchmarks (ImageNet-C, CIFAR-10-C, ImageNet-A, -R, -O); None: float32
+    robustness_dtype: torch.dtype | None = None
+
+
+def precision_name(dtype: torch.dtype | None) -> str:
+    """``float32`` (no autocast), ``bfloat16`` or ``float16``: the results' ``precision`` of a pass."""
+    return "float32" if dtype is None else str(dtype).removeprefix("torch.")
+
+
+def robustness_dtype(amp: str, dtype: torch.dtype | None) -> torch.dtype | None:
+    """Autocast's dtype for the robustness benchmarks: float32 (None) unless ``--amp`` names one (bf16, fp16);
+    ``auto``, which is bf16 on CUDA for the other passes, keeps them in float32, as their authors evaluate."""
+    return None if amp == "auto" else dtype
 
 
 def _progress_bar(total: int, description: str, enabled: bool):
@@ -98,8 +112,11 @@ class _Evaluator:
         show_progress: bool,
         passes: _PassLog,
         label: str = "",
+        dtype: torch.dtype | None | str = "opened",
     ) -> None:
-        self.model, self.loader, self.device, self.dtype = model, opened.loader, opened.device, opened.dtype
+        """``dtype``: autocast's (None: float32); by default the opened checkpoint's (``--amp``)."""
+        self.model, self.loader, self.device = model, opened.loader, opened.device
+        self.dtype = opened.dtype if dtype == "opened" else dtype
         self.mean, self.std = mean, std
         self.show_progress = show_progress
         self.images = len(opened.loader.dataset)
@@ -230,6 +247,7 @@ def _open_checkpoint(
     except ValueError as error:
         raise ConfigError(str(error)) from None
     opened = _Opened(model, state, config, loader, torch_device, mean, std, dtype, mode, baseline_model)
+    opened.robustness_dtype = robustness_dtype(amp, dtype)
     opened.stored = stored
     opened.loader_for = _loader_maker(batch_size, workers, max_images, torch_device)
     if baseline_state is not None:
@@ -347,24 +365,34 @@ def evaluate_checkpoint(
     imagenet_a: str | Path | None = None,
     imagenet_r: str | Path | None = None,
     imagenet_o: str | Path | None = None,
+    require_complete: bool = False,
 ) -> dict[str, Any]:
     """Evaluates a checkpoint of ``mjp train``; returns the results (see ``mjp eval --help``).
 
     ``imagenet_a``, ``imagenet_r``, ``imagenet_o``: the folders of ImageNet-A, -R, -O as their authors release them
     (:mod:`mjp_fast.evaluate.natural`): the results' ``imagenet_a`` (``top1``, ``aurra``, ``calibration_rms``, in
-    %, ``images``, ``classes``), ``imagenet_r`` (``top1``, ``images``, ``classes``) and ``imagenet_o`` (``aupr``
-    in %, ``images_out``, ``images_in``: the validation images of its classes), each with ``dir``, and with a
-    baseline its own under ``baseline`` and its path under ``baseline_checkpoint``.
+    %, ``images``, ``classes``), ``imagenet_r`` (``top1``, ``images``, ``classes``, ``imagenet_200_top1``,
+    ``top1_drop``, ...) and ``imagenet_o`` (``aupr``, ``auroc``, ``fpr95`` in %, ``images_out``, ``images_in``: the
+    validation images of its classes), each with ``dir``, ``precision``, ``partial`` and what the tree lacks of the
+    release (:func:`~mjp_fast.evaluate.natural.release_coverage`), and with a baseline its own under ``baseline``
+    and its path under ``baseline_checkpoint``.
 
     ``imagenet_c``, ``cifar10_c``: the benchmarks' folders as released; their tables are the results' ``imagenet_c``
     and ``cifar10_c`` (:func:`_stored_results`), the baseline's inside.
+
+    ``require_complete``: refuse a robustness benchmark short of its release (before any pass where the trees
+    tell: :func:`_incomplete_sets`); without it, such a benchmark is measured and its results marked ``partial``.
+    The benchmarks run in float32 unless ``amp`` names a dtype (``auto``'s bf16 on CUDA is for the other passes;
+    with ``imagenet_c`` the clean pass, whose error enters the relative mCE, is float32 too): see ``precision``.
 
     ``progress`` shows a tqdm bar per pass over the data; ``log``, if given, is called with one line after each
     pass (the clean one, then each corruption and severity, the baseline's too), numbered out of all of them.
 
     Raises:
-        ConfigError: a bad path or value.
+        ConfigError: a bad path or value; with ``require_complete``, a robustness benchmark short of its release.
     """
+    from mjp_fast.train.config import ConfigError
+
     opened, names = _open_checkpoint(
         checkpoint,
         data=data,
@@ -384,38 +412,28 @@ def evaluate_checkpoint(
         natural={"imagenet_a": imagenet_a, "imagenet_r": imagenet_r, "imagenet_o": imagenet_o},
     )
     model, loader = opened.model, opened.loader
-    corrupted = len(names) * len(severities) * (2 if opened.baseline_model is not None else 1)
-    corrupted += sum(sets.passes() for sets in opened.stored) * (2 if opened.baseline_model is not None else 1)
-    corrupted += sum(natural.passes for natural in opened.natural) * (2 if opened.baseline_model is not None else 1)
-    passes = _PassLog(log, 1 + corrupted)
+    if require_complete and (lacking := _incomplete_sets(opened, max_images)):
+        raise ConfigError(f"--require-complete: {'; '.join(lacking)}")
+    models = 2 if opened.baseline_model is not None else 1
+    corrupted = len(names) * len(severities) * models + sum(sets.passes() for sets in opened.stored) * models
+    passes = _PassLog(log, 1 + corrupted + sum(natural.passes for natural in opened.natural) * models)
     evaluator = _Evaluator(model, opened, opened.mean, opened.std, progress, passes)
-    clean = evaluator.run("clean", ratio=ratio, seed=seed, jigsaw=opened.jigsaw)
-    regression = model_position_regression(model, folds=folds)
-    results: dict[str, Any] = {
-        "checkpoint": str(checkpoint),
-        "model_name": opened.state["model_name"],
-        "mjp": bool(opened.config.mjp),
-        "data": opened.config.data or "digits",
-        "images": clean["images"],
-        "top1": clean["top1"],
-        "top5": clean["top5"],
-        "loss": clean["loss"],
-        "consistency": clean["consistency"],
-        "diff_norm": clean["diff_norm"],
-        "eval_ratio": ratio,
-        "eval_seed": seed,
-        "jigsaw": opened.jigsaw if ratio > 0 else "none",
-        "pos_mae_1d": regression["mae_1d"] if regression else None,
-        "pos_mae_2d": regression["mae_2d"] if regression else None,
-        "position_regression": regression,
-        "epoch": opened.state.get("epoch"),
-    }
+    # ImageNet-C's relative mCE takes the clean error of this pass: then it runs in the benchmarks' precision
+    relative_mce = any(sets.reference_clean_error is not None for sets in opened.stored)
+    clean_dtype = opened.robustness_dtype if relative_mce else opened.dtype
+    clean_evaluator = _Evaluator(model, opened, opened.mean, opened.std, progress, passes, dtype=clean_dtype)
+    clean = clean_evaluator.run("clean", ratio=ratio, seed=seed, jigsaw=opened.jigsaw)
+    results = _clean_results(checkpoint, opened, clean, model_position_regression(model, folds=folds), ratio, seed)
+    results["precision"] = precision_name(clean_dtype)  # of the clean pass; each robustness benchmark has its own
     if names:
         results.update(_corruption_results(evaluator, opened, names, severities, seed, baseline, progress, passes))
     for sets in opened.stored:
-        results[_STORED_KEYS[sets.benchmark]] = _stored_results(evaluator, opened, sets, baseline, progress, passes)
+        clean_error = 100.0 - clean["top1"]
+        results[_STORED_KEYS[sets.benchmark]] = _stored_results(opened, sets, baseline, progress, passes, clean_error)
     if opened.natural:
         results.update(_natural_results(opened, baseline, progress, passes))
+    if require_complete and (lacking := _partial_results(results)):
+        raise ConfigError(f"--require-complete: {'; '.join(lacking)}: no results written")
     if plots is not None:
         written = _write_plots(model, loader, Path(plots), opened.mean, opened.std, attention_images)
         written += _stored_plots(results, opened.stored, Path(plots))
@@ -465,6 +483,75 @@ def _corruption_results(
 
 
 _STORED_KEYS = {"ImageNet-C": "imagenet_c", "CIFAR-10-C": "cifar10_c"}  # the results' key of each benchmark
+_NATURAL_NAMES = (("imagenet_a", "ImageNet-A"), ("imagenet_r", "ImageNet-R"), ("imagenet_o", "ImageNet-O"))
+
+
+def _clean_results(
+    checkpoint: str | Path,
+    opened: _Opened,
+    clean: dict[str, Any],
+    regression: dict[str, Any] | None,
+    ratio: float,
+    seed: int,
+) -> dict[str, Any]:
+    """The results of the clean pass and of the position regression, with what identifies the checkpoint."""
+    return {
+        "checkpoint": str(checkpoint),
+        "model_name": opened.state["model_name"],
+        "mjp": bool(opened.config.mjp),
+        "data": opened.config.data or "digits",
+        "images": clean["images"],
+        "top1": clean["top1"],
+        "top5": clean["top5"],
+        "loss": clean["loss"],
+        "consistency": clean["consistency"],
+        "diff_norm": clean["diff_norm"],
+        "eval_ratio": ratio,
+        "eval_seed": seed,
+        "jigsaw": opened.jigsaw if ratio > 0 else "none",
+        "pos_mae_1d": regression["mae_1d"] if regression else None,
+        "pos_mae_2d": regression["mae_2d"] if regression else None,
+        "position_regression": regression,
+        "epoch": opened.state.get("epoch"),
+    }
+
+
+def _partial_results(results: dict[str, Any]) -> list[str]:
+    """The robustness benchmarks measured on less than their releases (their ``partial``), one phrase each."""
+    return [
+        f"{name} is not its whole release (measured on less of it)"
+        for key, name in (("imagenet_c", "ImageNet-C"), ("cifar10_c", "CIFAR-10-C"), *_NATURAL_NAMES)
+        if isinstance(results.get(key), dict) and results[key].get("partial")
+    ]
+
+
+def _incomplete_sets(opened: _Opened, max_images: int | None) -> list[str]:
+    """What the robustness sets asked for lack of their releases, as far as it is known before any pass: the
+    stored benchmarks' missing corruptions (of the 15) and a ``--max-images`` below a pass's images; ImageNet-A,
+    -R, -O's classes other than the release's and fewer images (in the tree, or kept by ``--max-images``)."""
+    lacking = []
+    for sets in opened.stored:
+        reasons = []
+        if sets.missing:
+            reasons.append(f"{len(sets.missing)} of the 15 corruptions missing ({', '.join(sets.missing[:3])}, ...)")
+        if max_images is not None and sets.release_images is not None and max_images < sets.release_images:
+            reasons.append(f"--max-images {max_images} of the {sets.release_images:,} images a pass")
+        if reasons:
+            lacking.append(f"{sets.option} {str(sets.root)!r}: " + ", ".join(reasons))
+    for natural in opened.natural:
+        published, release_images = NATURAL_RELEASES[natural.info.key]
+        coverage = class_coverage(natural.folder.wnids, published)
+        images = len(natural.loader.dataset)
+        reasons = []
+        if coverage.missing:
+            reasons.append(f"{len(coverage.missing)} of its {len(published)} classes missing")
+        if coverage.extra:
+            reasons.append(f"{len(coverage.extra)} classes not its own ({', '.join(coverage.extra[:3])})")
+        if images != release_images:
+            reasons.append(f"{images:,} images, not its {release_images:,}")
+        if reasons:
+            lacking.append(f"{natural.info.option} {str(natural.folder.root)!r}: " + ", ".join(reasons))
+    return lacking
 
 
 def _stored_plots(results: dict[str, Any], stored: list[StoredCorruptions], out_dir: Path) -> list[Path]:
@@ -479,17 +566,19 @@ def _stored_plots(results: dict[str, Any], stored: list[StoredCorruptions], out_
 
 
 def _stored_results(
-    evaluator: _Evaluator,
     opened: _Opened,
     sets: StoredCorruptions,
     baseline: str | Path | None,
     progress: bool,
     passes: _PassLog,
+    clean_error: float,
 ) -> dict[str, Any]:
     """One stored benchmark's table (:func:`~mjp_fast.evaluate.common_corruptions.corruption_table`): the model's
-    error per corruption and severity, CE and mCE against the benchmark's reference errors (ImageNet-C: AlexNet's),
-    and with a baseline its table and the CE and mCE against it; beside them ``dir``, ``images`` (of each pass; the
-    distinct counts when passes differ) and with a baseline ``baseline_checkpoint``."""
+    error per corruption and severity, CE, mCE and relative mCE (from ``clean_error``, the clean pass's top-1 error
+    in %) against the benchmark's reference errors (ImageNet-C: AlexNet's), and with a baseline its table and the
+    CE and mCE against it; beside them ``dir``, ``images`` (of each pass; the distinct counts when passes differ),
+    how it compares with the release (:func:`~mjp_fast.evaluate.common_corruptions.stored_coverage`), the passes'
+    ``precision`` and with a baseline ``baseline_checkpoint``."""
     from mjp_fast.train.data import eval_transform, set_transform
 
     config = opened.config
@@ -507,19 +596,37 @@ def _stored_results(
 
         return evaluate
 
+    dtype = opened.robustness_dtype
+    evaluator = _Evaluator(opened.model, opened, opened.mean, opened.std, progress, passes, dtype=dtype)
     errors = measure_errors(sets, on(evaluator))
     baseline_errors = None
     if opened.baseline_model is not None:
         other = _Evaluator(
-            opened.baseline_model, opened, opened.baseline_mean, opened.baseline_std, progress, passes, "baseline "
+            opened.baseline_model,
+            opened,
+            opened.baseline_mean,
+            opened.baseline_std,
+            progress,
+            passes,
+            "baseline ",
+            dtype=dtype,
         )
         baseline_errors = measure_errors(sets, on(other))
-    table = corruption_table(errors, reference=sets.reference, baseline=baseline_errors)
+    table = corruption_table(
+        errors,
+        reference=sets.reference,
+        baseline=baseline_errors,
+        clean_error=clean_error if sets.reference_clean_error is not None else None,
+        reference_clean_error=sets.reference_clean_error,
+    )
     counts = sorted(set(images))
+    coverage = stored_coverage(table, counts[0], sets.release_images) if sets.release_images is not None else {}
     return {
         "dir": str(sets.root),
         "images": counts[0] if len(counts) == 1 else counts,
         **table,
+        **coverage,
+        "precision": precision_name(dtype),
         **({"baseline_checkpoint": str(baseline)} if baseline_errors is not None else {}),
     }
 
@@ -540,7 +647,7 @@ def _natural_results(
                 device=opened.device,
                 mean=mean,
                 std=std,
-                amp_dtype=opened.dtype,
+                amp_dtype=opened.robustness_dtype,
                 progress_bar=lambda total, description: _progress_bar(total, description, progress),
                 pass_done=lambda description, result, seconds: passes(f"{label}{description}", result, seconds),
             )
@@ -550,6 +657,7 @@ def _natural_results(
     results = measure(opened.model, opened.mean, opened.std, "")
     for natural in opened.natural:
         results[natural.info.key]["dir"] = str(natural.folder.root)
+        results[natural.info.key]["precision"] = precision_name(opened.robustness_dtype)
     if opened.baseline_model is not None:
         other = measure(opened.baseline_model, opened.baseline_mean, opened.baseline_std, "baseline ")
         for key, values in other.items():
@@ -598,6 +706,7 @@ def results_table(results: dict[str, Any]) -> str:
         f"| diff-norm | {_number(results['diff_norm'], '{:.3f}')} |",
         f"| position MAE 1D (cells) | {_number(results['pos_mae_1d'], '{:.3f}')} |",
         f"| position MAE 2D (cells) | {_number(results['pos_mae_2d'], '{:.3f}')} |",
+        f"| precision of the clean pass | {results.get('precision', '-')} |",
     ]
     corruption = results.get("corruptions")
     if corruption:

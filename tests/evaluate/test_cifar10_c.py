@@ -11,7 +11,7 @@ import pytest
 
 from mjp_fast.cli import main
 from mjp_fast.evaluate.cifar10_c import CIFAR10_CLASSES, open_cifar10_c
-from mjp_fast.evaluate.common_corruptions import corruption_table
+from mjp_fast.evaluate.common_corruptions import BENCHMARK, corruption_table
 from tests.evaluate.corruption_helpers import (
     PER_SEVERITY,
     ConstantClassifier,
@@ -80,6 +80,14 @@ def _broken(root: Path, case: str) -> None:
         np.save(root / "labels.npy", np.full(20, 10, np.int64))
     elif case == "not numpy":
         (root / "fog.npy").write_text("not an array")
+    elif case in ("empty labels", "empty corruption"):
+        (root / ("labels.npy" if case == "empty labels" else "fog.npy")).write_bytes(b"")
+    elif case in ("negative dimension", "negative length"):
+        # a header that declares a negative dimension, the data after it intact
+        name = "fog.npy" if case == "negative dimension" else "labels.npy"
+        stored = (root / name).read_bytes()
+        shape = str(np.load(root / name).shape).encode()
+        (root / name).write_bytes(stored.replace(shape, shape.replace(b"(", b"(-", 1), 1))
 
 
 @pytest.mark.parametrize(
@@ -93,6 +101,10 @@ def _broken(root: Path, case: str) -> None:
         ("labels count", "--cifar10-c: '{root}/labels.npy' has 7 labels for the 20 images of '{root}/fog.npy'"),
         ("labels range", "--cifar10-c: '{root}/labels.npy' holds labels outside 0..9 (from 10 to 10)"),
         ("not numpy", "--cifar10-c: cannot read '{root}/fog.npy' as a NumPy array"),
+        ("empty labels", "--cifar10-c: cannot read '{root}/labels.npy' as a NumPy array (No data left in file)"),
+        ("empty corruption", "--cifar10-c: cannot read '{root}/fog.npy' as a NumPy array (No data left in file)"),
+        ("negative dimension", "--cifar10-c: cannot read '{root}/fog.npy' as a NumPy array ("),
+        ("negative length", "--cifar10-c: cannot read '{root}/labels.npy' as a NumPy array ("),
         ("no folder", "--cifar10-c: folder '{root}' does not exist"),
         ("fewer classes", "--cifar10-c: the model's 3 classes (airplane, automobile, cat) lack CIFAR-10's bird, deer,"),
     ],
@@ -137,9 +149,14 @@ def test_eval_cli_on_a_cifar10_c_set(cifar_runs, tmp_path, capsys):
         sum(sum(errors) / 5 for errors in table["error"].values()) / 2
     )
     assert table["mce_vs_baseline"] == pytest.approx(sum(table["ce_vs_baseline"].values()) / 2)
-    row = f"| CIFAR-10-C mean corruption error (%) ↓ | {table['mean_corruption_error']:.2f} | "
+    # 2 of the 15 corruptions, 4 of the 10,000 test images a pass: marked as not the release
+    assert table["partial"] is True and table["missing_corruptions"] == 13 and table["missing_images"] == 10_000 - 4
+    assert table["relative_mce"] is None and table["precision"] == "float32"
+    row = f"| CIFAR-10-C mean corruption error (%) ↓ (partial set†) | {table['mean_corruption_error']:.2f} | "
     assert row + f"{table['baseline']['mean_corruption_error']:.2f} | - | - |" in printed
-    assert "| CIFAR-10-C mCE relative to the baseline (%) ↓ | " in printed and "| fog | weather |" in printed
+    assert "| CIFAR-10-C mean CE against the baseline (%, baseline = 100) ↓ (partial set†) | " in printed
+    assert "† CIFAR-10-C is not the whole release (13 of the 15 corruptions missing" in printed
+    assert "| fog | weather |" in printed
     assert (tmp_path / "cifar10_c_severity.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "imagenet_c" not in results
 
@@ -156,3 +173,41 @@ def test_eval_cli_errors_are_one_line(cifar_runs, tmp_path, capsys):
         "(gaussian_noise.npy, shot_noise.npy, ...): expected --cifar10-c DIR/<corruption>.npy and "
         "DIR/labels.npy\n"
     )
+
+
+@pytest.mark.parametrize("case", ["empty labels", "empty corruption", "negative dimension"])
+def test_eval_cli_unreadable_arrays_are_one_line_and_exit_2(cifar_runs, pictures, tmp_path, capsys, case):
+    # an empty .npy was an EOFError, a negative dimension in a 4D header an OverflowError: tracebacks
+    root = write_cifar10_c(tmp_path / "c", pictures, corruptions=("fog",))
+    _broken(root, case)
+    arguments = ["eval", "--checkpoint", str(cifar_runs["mjp"]), "--cifar10-c", str(root), "--output", str(tmp_path)]
+    assert main(arguments) == 2
+    err = capsys.readouterr().err
+    name = "labels.npy" if case == "empty labels" else "fog.npy"
+    assert err.startswith(f"mjp eval: error: --cifar10-c: cannot read {str(root / name)!r} as a NumPy array (")
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+
+
+def test_require_complete_refuses_a_set_short_of_the_release(cifar_runs, pictures, tmp_path, capsys):
+    arguments = ["eval", "--checkpoint", str(cifar_runs["mjp"]), "--output", str(tmp_path), "--no-plots"]
+    # 2 of the 15 corruptions: refused before any pass
+    assert main([*arguments, "--require-complete", "--cifar10-c", str(cifar_runs["set"])]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"mjp eval: error: --require-complete: --cifar10-c {str(cifar_runs['set'])!r}: 13 of the 15 corruptions "
+        "missing (shot_noise, impulse_noise, defocus_blur, ...)\n"
+    )
+    # all 15, on 4 of the 10,000 test images a pass: known once measured, then refused, no results written
+    whole = write_cifar10_c(tmp_path / "c15", pictures, corruptions=BENCHMARK)
+    assert main([*arguments, "--require-complete", "--cifar10-c", str(whole)]) == 2
+    err = capsys.readouterr().err  # after the passes' lines
+    assert err.endswith(
+        "\nmjp eval: error: --require-complete: CIFAR-10-C is not its whole release (measured on less of it): no "
+        "results written\n"
+    )
+    assert not (tmp_path / "eval.json").exists()
+    # without the flag: measured, and marked partial for its images only
+    assert main([*arguments, "--cifar10-c", str(whole)]) == 0
+    table = json.loads((tmp_path / "eval.json").read_text())["cifar10_c"]
+    assert table["partial"] is True and table["missing_corruptions"] == 0 and table["missing_images"] == 10_000 - 4
+    assert table["partial_with_extras"] is True and len(table["missing_extras"]) == 4

@@ -27,6 +27,7 @@ def test_eval_writes_json_tables_and_plots(checkpoints, tmp_path, capsys):
     assert main(arguments) == 0
     printed = capsys.readouterr().out
     assert "| top-1 (%) |" in printed and "| position MAE 2D (cells) |" in printed
+    assert "| precision of the clean pass | float32 |" in printed  # on the CPU, --amp auto: no autocast
     results = json.loads(json_path.read_text())
     for key in REQUIRED_KEYS:
         assert isinstance(results[key], float), key

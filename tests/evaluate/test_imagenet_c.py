@@ -11,9 +11,15 @@ from pathlib import Path
 import pytest
 
 from mjp_fast.cli import main
-from mjp_fast.evaluate.common_corruptions import BENCHMARK, corruption_table
-from mjp_fast.evaluate.imagenet_c import open_imagenet_c
+from mjp_fast.evaluate.common_corruptions import ALL_CORRUPTIONS, BENCHMARK, corruption_table, stored_coverage
+from mjp_fast.evaluate.imagenet_c import (
+    ALEXNET_CLEAN_ERROR,
+    ALEXNET_ERROR,
+    ALEXNET_MEAN_ERROR_FRACTION,
+    open_imagenet_c,
+)
 from mjp_fast.train.config import ConfigError
+from tests.evaluate.authors_reference import relative_mce_authors, unnormalized_mean_authors
 from tests.evaluate.corruption_helpers import ConstantClassifier, link, measure, train_tiny
 
 SAMPLES = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "imagenet-samples"
@@ -90,6 +96,60 @@ def test_family_folders_and_a_1000_class_model(images, tmp_path):
     dataset = sets.sources["shot_noise"][2]()
     targets = sorted(dataset.reader[index][1] for index in range(len(dataset)))
     assert targets == sorted(expected[wnid] for wnid in WNIDS)
+
+
+def _all_errors(extras: bool = True) -> dict[str, list[float]]:
+    """Top-1 errors (%) at the five severities of all 15 corruptions (and the 4 extra ones), made up and distinct."""
+    names = ALL_CORRUPTIONS if extras else BENCHMARK
+    return {
+        name: [30.0 + 3 * index + 5 * severity + 0.25 * index * severity for severity in range(5)]
+        for index, name in enumerate(names)
+    }
+
+
+def test_relative_mce_and_the_mean_over_19_are_the_authors():
+    errors = _all_errors()
+    table = corruption_table(
+        errors, reference=ALEXNET_ERROR, clean_error=21.5, reference_clean_error=ALEXNET_CLEAN_ERROR
+    )
+    fractions = {name: [error / 100 for error in by_severity] for name, by_severity in errors.items()}
+    in_mce = {name: fractions[name] for name in BENCHMARK}
+    # AlexNet's clean error in the authors' mCE spreadsheet: 0.4348 (torchvision's AlexNet: 56.522% top-1)
+    assert ALEXNET_CLEAN_ERROR == pytest.approx(43.48)
+    expected = relative_mce_authors(in_mce, 0.215, ALEXNET_MEAN_ERROR_FRACTION, 0.4348)
+    assert table["relative_mce"] == pytest.approx(expected, rel=1e-12)
+    assert len(table["relative_ce"]) == 15 and table["clean_error"] == 21.5
+    # the authors' test.py averages the 15 and the 4 extra ones; the mCE's unnormalized mean, the 15
+    assert table["mean_corruption_error_with_extras"] == pytest.approx(100 * unnormalized_mean_authors(fractions))
+    assert table["mean_corruption_error"] == pytest.approx(100 * unnormalized_mean_authors(in_mce))
+    assert table["mean_corruption_error"] != pytest.approx(table["mean_corruption_error_with_extras"])
+    assert table["missing"] == [] and table["missing_extras"] == [] and table["missing_corruptions"] == 0
+    # without the clean errors, or without a reference (CIFAR-10-C), no relative mCE
+    assert corruption_table(errors, reference=ALEXNET_ERROR)["relative_mce"] is None
+    assert corruption_table(errors, clean_error=21.5)["relative_mce"] is None
+
+
+def test_a_partial_imagenet_c_is_marked():
+    whole = corruption_table(_all_errors(), reference=ALEXNET_ERROR)
+    assert stored_coverage(whole, 50_000, 50_000) == {
+        "partial": False,
+        "partial_with_extras": False,
+        "release_images": 50_000,
+        "missing_images": 0,
+    }
+    # the 15 without the extras: the mCE is the published one, the mean over 19 is not
+    fifteen = stored_coverage(corruption_table(_all_errors(extras=False), reference=ALEXNET_ERROR), 50_000, 50_000)
+    assert fifteen["partial"] is False and fifteen["partial_with_extras"] is True
+    # 2 of the 15: an "mCE" over 2
+    two = corruption_table({name: _all_errors()[name] for name in ("fog", "snow")}, reference=ALEXNET_ERROR)
+    assert two["missing_corruptions"] == 13 and stored_coverage(two, 50_000, 50_000)["partial"] is True
+    # all of them on fewer images a pass (--max-images)
+    assert stored_coverage(whole, 5_000, 50_000) == {
+        "partial": True,
+        "partial_with_extras": True,
+        "release_images": 50_000,
+        "missing_images": 45_000,
+    }
 
 
 @pytest.mark.parametrize(
@@ -182,11 +242,35 @@ def test_eval_cli_on_an_imagenet_c_tree(imagenet_runs, tmp_path, capsys):
     assert table["mce_vs_baseline"] == pytest.approx(
         sum(table["ce_vs_baseline"][name] for name in ("gaussian_noise", "contrast")) / 2
     )
+    # the relative mCE from the clean pass's error; the mean over the corruptions present, extras included
+    assert table["clean_error"] == pytest.approx(100 - results["top1"])
+    assert table["relative_mce"] == pytest.approx(
+        relative_mce_authors(
+            {name: [error / 100 for error in table["error"][name]] for name in ("gaussian_noise", "contrast")},
+            table["clean_error"] / 100,
+            ALEXNET_MEAN_ERROR_FRACTION,
+            0.4348,
+        )
+    )
+    assert table["mean_corruption_error_with_extras"] == pytest.approx(sum(table["mean_error"].values()) / 3)
+    # 2 of the 15 corruptions, 6 of 50,000 images a pass: marked, in the JSON and in the printed table
+    assert table["partial"] is True and table["missing_corruptions"] == 13 and table["missing_images"] == 49_994
+    assert table["precision"] == "float32" and results["precision"] == "float32"
     printed = captured.out
+    mce_row = (
+        f"| ImageNet-C mCE (%, AlexNet = 100) ↓ (partial set†) | {table['mce']:.2f} | {table['baseline']['mce']:.2f}"
+    )
+    assert mce_row + " | 54.60 | 51.60 |" in printed
+    assert "† ImageNet-C is not the whole release (13 of the 15 corruptions missing (shot_noise, " in printed
+    assert "6 of its 50,000 images a pass): its marked rows are not comparable with published numbers" in printed
     assert (
-        f"| ImageNet-C mCE (%, AlexNet = 100) ↓ | {table['mce']:.2f} | {table['baseline']['mce']:.2f} | 54.60 | 51.60 |"
+        "| ImageNet-C relative mCE (%, AlexNet = 100, Eq. 2 of Hendrycks & Dietterich) ↓ (partial set†) | " in printed
+    )
+    assert (
+        "| ImageNet-C mean CE against the baseline (%, baseline = 100; not the relative mCE) ↓ (partial set†) | "
         in printed
     )
+    assert "precision: float32: ImageNet-C (the authors evaluate in float32)" in printed
     assert "| spatter | extra (outside the mCE) |" in printed
     assert "the means cover 2 of the 15 corruptions (missing: shot_noise, impulse_noise," in printed
     # 1 clean pass, then 3 corruptions x 5 severities for each model
