@@ -32,11 +32,16 @@ path of the timm models). What it promises, on every backend (``torch``, ``cpu``
   token's gradient, which one unspecified; a patch no token shows still gets zeros.
 
 A valid jigsaw (what :func:`~mjp_fast.sample_jigsaw` returns) gives the same results with either setting.
+
+``validate`` itself must be True or False (``None`` or ``"yes"`` is a TypeError). On the meta device there are no
+values to read: ``validate=True`` skips the value checks there, as ``validate=False`` does, and keeps the others, and
+the operations give meta outputs of the right shapes (on the ``torch`` backend; the others refuse meta tensors).
 """
 
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
 
 import torch
@@ -54,6 +59,31 @@ def check_int(name: str, value: object, *, minimum: int | None = None, maximum: 
     if maximum is not None and value > maximum:
         raise ValueError(f"{name} must be <= {maximum}, got {value}")
     return int(value)
+
+
+def check_int_like(name: str, value: object, *, minimum: int | None = None) -> int:
+    """Returns ``value`` as a Python int: an int, a NumPy integer or a 0-dim integer tensor (what a loop's
+    counter may be). Bools (Python's, NumPy's, a bool tensor) and floats are refused, as by :func:`check_int`."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 0 or value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+            raise TypeError(f"{name} must be an int, got a {value.dtype} tensor of shape {list(value.shape)}")
+    elif isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    try:
+        # operator.index takes exactly the integer types: int, numpy.int64, a 0-dim integer tensor; not floats, nor
+        # numpy.bool_ (NumPy refuses it).
+        number = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
+    return check_int(name, number, minimum=minimum)
+
+
+def check_bool(name: str, value: object) -> bool:
+    """Returns ``value``, which must be True or False: ``None`` or ``"yes"`` would pass an ``if`` with the opposite
+    or an unintended meaning (``validate=None`` would skip every check)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool (True or False), got {type(value).__name__} {value!r}")
+    return value
 
 
 def check_fraction(name: str, value: object) -> float:
@@ -111,21 +141,35 @@ def check_same_device(**tensors: torch.Tensor | None) -> torch.device:
     return next(iter(devices))
 
 
-def with_index(device: torch.device) -> torch.device:
-    """``device`` with its index: an index-less ``cuda`` is the current CUDA device, where torch puts tensors made
-    on ``"cuda"``. Tensors report indexed devices, and ``torch.device("cuda") != torch.device("cuda:0")``."""
+# Device types whose tensors report no index: a tensor made on "cpu:0" (or "cpu:1") is on "cpu".
+INDEXLESS_DEVICE_TYPES = ("cpu", "meta")
+
+
+def canonical_device(device: torch.device) -> torch.device:
+    """``device`` as the tensors made there report it, so that ``==`` compares devices: an index-less ``cuda`` is
+    the current CUDA device (tensors report ``cuda:<index>``, and ``torch.device("cuda") != torch.device("cuda:0")``),
+    and ``cpu:0`` is ``cpu`` (CPU tensors report no index)."""
     if device.type == "cuda" and device.index is None and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
+    if device.type in INDEXLESS_DEVICE_TYPES and device.index is not None:
+        return torch.device(device.type)
     return device
 
 
+def holds_values(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s values can be read: not on the meta device, whose tensors have shapes and dtypes only
+    (a model built there, a shape check). The checks that read values skip such tensors; the others still run."""
+    return tensor.device.type != "meta"
+
+
 def to_device(device: torch.device | str | None) -> torch.device:
-    """The device a ``device=`` argument names (None: the CPU), with its index (see :func:`with_index`)."""
+    """The device a ``device=`` argument names (None: the CPU), as its tensors report it (see
+    :func:`canonical_device`)."""
     if device is None:
         return torch.device("cpu")
     if isinstance(device, (str, torch.device)):
         try:
-            return with_index(torch.device(device))
+            return canonical_device(torch.device(device))
         except RuntimeError as error:
             raise ValueError(f"device: not a valid torch device: {device!r} ({error})") from None
     raise TypeError(f"device must be a str, torch.device or None, got {type(device).__name__}")

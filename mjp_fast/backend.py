@@ -163,7 +163,7 @@ def resolve_backend(backend: str | None, device: torch.device) -> str:
     if not runs_on(backend, device):
         hint = (
             " (set TRITON_INTERPRET=1 before importing mjp_fast to run Triton on the CPU)"
-            if backend == "triton"
+            if backend == "triton" and device.type == "cpu"  # the hint is no help on the meta device
             else ""
         )
         raise ValueError(f"{source}={backend!r} cannot run on tensors on device {device}{hint}")

@@ -30,6 +30,9 @@ def _check_args(images: object, jigsaw: object, patch_size: object, *, validate:
 def jigsaw_images_ref(images: torch.Tensor, jigsaw: Jigsaw, patch_size: int) -> torch.Tensor:
     """Oracle: cut the image into ``[B, N, C, P, P]`` patches, gather them, glue them back.
 
+    The contract of :func:`jigsaw_images` with ``validate=False`` (no check of the perm's values): a ``perm`` entry
+    outside ``[0, N)`` gives a zero patch and sends no gradient back (:mod:`mjp_fast._validate`).
+
     Args:
         images: ``[B, C, H, W]`` of any dtype; jigsaw ``Jigsaw(mask [B, N], perm [B, N])``; ``H``, ``W``
             multiples of ``patch_size``.
@@ -39,11 +42,15 @@ def jigsaw_images_ref(images: torch.Tensor, jigsaw: Jigsaw, patch_size: int) -> 
     """
     rows, cols, jigsaw = _check_args(images, jigsaw, patch_size, validate=False)
     batch, channels, height, width = images.shape
-    patch = patch_size
+    patch, num_positions = patch_size, rows * cols
     patches = images.reshape(batch, channels, rows, patch, cols, patch).permute(0, 2, 4, 1, 3, 5)
-    patches = patches.reshape(batch, rows * cols, channels, patch, patch)
-    index = jigsaw.perm.reshape(batch, rows * cols, 1, 1, 1).expand_as(patches)
-    shuffled = patches.gather(1, index).reshape(batch, rows, cols, channels, patch, patch)
+    patches = patches.reshape(batch, num_positions, channels, patch, patch)
+    in_range = ((jigsaw.perm >= 0) & (jigsaw.perm < num_positions)).reshape(batch, num_positions, 1, 1, 1)
+    # gather refuses an index outside [0, N): such an entry reads patch 0 here, and its patch is zeroed below.
+    index = torch.where(in_range, jigsaw.perm.reshape(in_range.shape), 0).expand_as(patches)
+    gathered = patches.gather(1, index)
+    shuffled = torch.where(in_range, gathered, torch.zeros((), dtype=images.dtype, device=images.device))
+    shuffled = shuffled.reshape(batch, rows, cols, channels, patch, patch)
     return shuffled.permute(0, 3, 1, 4, 2, 5).reshape(batch, channels, height, width)
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from mjp_fast._validate import check_float_dtype, check_same_device, check_tensor
+from mjp_fast._validate import check_bool, check_float_dtype, check_same_device, check_tensor
 
 
 def check_rope_identity_args(rope: object, mask: object) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,7 +87,7 @@ def rope_identity(rope: torch.Tensor, mask: torch.Tensor, *, validate: bool = Tr
     Raises:
         TypeError/ValueError: bad arguments, named.
     """
-    if validate:
+    if check_bool("validate", validate):  # one isinstance even when the checks are off: None must not skip them
         rope, mask = check_rope_identity_args(rope, mask)
     identity = identity_rotation(rope.shape[-1], rope.dtype, rope.device)
     if rope.dim() == 4:  # [depth, H, N, E] -> [depth, B, H, N, E]

@@ -17,11 +17,11 @@ import torch
 
 from mjp_fast import backend as backend_module
 from mjp_fast._validate import (
+    canonical_device,
     check_fraction,
     check_int,
     check_positive_float,
     to_device,
-    with_index,
 )
 from mjp_fast.sampler.jigsaw import Jigsaw, empty_jigsaw
 from mjp_fast.sampler.reference import (
@@ -270,7 +270,7 @@ def _check_offset(offset: object, batch_size: int, device: torch.device) -> int 
             raise TypeError(
                 f"offset must be an int or a one-element integer tensor, got {offset.dtype} {list(offset.shape)}"
             )
-        if with_index(offset.device) != device:
+        if canonical_device(offset.device) != device:
             raise ValueError(f"offset is on {offset.device} but the jigsaw is made on {device}")
         if offset.device.type == "cpu" and not torch.compiler.is_compiling():
             _check_offset_range(int(offset.reshape(())), batch_size)

@@ -6,7 +6,7 @@ from typing import NamedTuple
 
 import torch
 
-from mjp_fast._validate import check_same_device, check_tensor
+from mjp_fast._validate import check_bool, check_same_device, check_tensor, holds_values
 
 
 class Jigsaw(NamedTuple):
@@ -36,8 +36,10 @@ def check_jigsaw(
 ) -> Jigsaw | None:
     """Checks a ``Jigsaw(mask [B, N] bool, perm [B, N] integer)`` against the batch; returns it with int64 perm.
 
-    With ``validate``, also checks that ``perm`` permutes exactly the masked positions (a host sync on a GPU).
+    With ``validate`` (a bool, the public operations' argument of that name), also checks that ``perm`` permutes
+    exactly the masked positions (a host sync on a GPU), except on the meta device, where there are no values to read.
     """
+    check_bool("validate", validate)
     if jigsaw is None:
         return None
     if not isinstance(jigsaw, tuple) or len(jigsaw) != 2:
@@ -54,7 +56,7 @@ def check_jigsaw(
             raise ValueError(f"{name} must have shape [batch, N] = {list(expected)}, got {list(tensor.shape)}")
     check_same_device(inputs=torch.empty(0, device=device), mask=mask, perm=perm)
     perm = perm.to(torch.int64)
-    if validate and perm.numel() > 0:
+    if validate and perm.numel() > 0 and holds_values(perm):
         positions = torch.arange(num_positions, device=device)
         if bool(((perm < 0) | (perm >= num_positions)).any()):
             raise ValueError(f"jigsaw.perm has values outside [0, {num_positions})")

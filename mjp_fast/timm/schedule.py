@@ -13,7 +13,7 @@ import numbers
 
 from torch import nn
 
-from mjp_fast._validate import check_int
+from mjp_fast._validate import check_int, check_int_like
 
 # The paper's DAL weight at the start of training (its code: 0.01, decayed along a cosine to 0.005).
 DEFAULT_DAL_WEIGHT = 0.01
@@ -32,8 +32,10 @@ def check_dal_weight(name: str, value: object) -> float:
 
 def dal_weight_cosine(start: float, end: float, num_updates: int, total_updates: int) -> float:
     """The DAL weight after ``num_updates`` of ``total_updates`` optimizer steps: a cosine from ``start`` to ``end``
-    (``end`` from ``total_updates`` on)."""
-    progress = min(max(num_updates / max(total_updates, 1), 0.0), 1.0)
+    (``end`` from ``total_updates`` on, ``start`` before update 0)."""
+    span = max(total_updates, 1)
+    # Clamped before the division: an int past float's range (10**400) would overflow it.
+    progress = min(max(num_updates, 0), span) / span
     return end + (start - end) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
@@ -73,11 +75,17 @@ class DALWeightSchedule:
         self.step_update(0)
 
     def weight_at(self, num_updates: int) -> float:
-        """The DAL weight after ``num_updates`` optimizer steps (before the division by ``accum_steps``)."""
+        """The DAL weight after ``num_updates`` optimizer steps (before the division by ``accum_steps``).
+
+        ``num_updates``: an int >= 0 (a NumPy integer or a 0-dim integer tensor too; bools refused); from
+        ``total_updates`` on, however far past it, the weight is ``end``.
+        """
+        num_updates = check_int_like("num_updates", num_updates, minimum=0)
         return dal_weight_cosine(self.start, self.end, num_updates, self.total_updates)
 
     def step_update(self, num_updates: int) -> None:
-        """Sets the model's weight for the steps after ``num_updates`` optimizer steps (where it changes)."""
+        """Sets the model's weight for the steps after ``num_updates`` optimizer steps (where it changes);
+        ``num_updates`` as :meth:`weight_at`'s."""
         weight = self.weight_at(num_updates) / self.accum_steps
         if weight != self._applied:
             self.model.mjp_dal_weight = weight

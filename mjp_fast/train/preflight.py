@@ -15,8 +15,9 @@ It also fits to the model the keys that the user did not set (:attr:`TrainConfig
   passed to a ResNet, which builds with its own defaults (a note says so). Such a key that the user set and the
   model does not take is an error that names it.
 - The recipe's DAL (``mjp_dal=nonlinear``) is turned off for a model without an absolute position table (a
-  ResNet, a Swin: the pixel-space jigsaw), instead of a warning that the regressor is ignored. A DAL the user asked
-  for keeps that warning, now before training.
+  ResNet, a Swin: the pixel-space jigsaw; a RoPE ViT), instead of a warning that the regressor is ignored. A DAL
+  the user asked for (``mjp_dal=nonlinear`` given) cannot be honoured there: it is an error, before training,
+  rather than a run without the DAL that was asked for.
 
     config = check_run(load_config("digits", ["model=resnet18"]))   # img_size & co. none, mjp_dal none
 """
@@ -135,20 +136,39 @@ def fit_models(config: TrainConfig) -> tuple[TrainConfig, list[str]]:
             # The dataset's class count, which the head's width changes no check of: the model's default head stands
             # in, and an error names no count that the run will not use.
             del model_kwargs["num_classes"]
-        # A DAL that the user did not ask for is fitted below, not warned about.
-        unasked_dal = use_mjp and config.mjp_dal != "none" and not config.is_explicit("mjp_dal")
+        wants_dal = use_mjp and config.mjp_dal != "none"
         try:
-            if unasked_dal:
+            if wants_dal:
+                # convert's warning that the DAL is ignored: a DAL the user did not ask for is fitted below, one
+                # they asked for is an error (neither should train on with only a warning).
                 with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
+                    warnings.filterwarnings("ignore", message=_DAL_IGNORED_WARNING, category=UserWarning)
                     model = build_for_checks(model_name, model_kwargs)
             else:
                 model = build_for_checks(model_name, model_kwargs)
         except ConfigError as error:
             return config, error.problems
-        if unasked_dal and getattr(getattr(model, "mjp", None), "dal_regressor", None) is None:
-            config = config.fitted(mjp_dal="none")
+        if wants_dal and getattr(getattr(model, "mjp", None), "dal_regressor", None) is None:
+            if not config.is_explicit("mjp_dal"):
+                config = config.fitted(mjp_dal="none")
+            else:
+                return config, [
+                    f"mjp_dal={config.mjp_dal}: {config.model} ({_base_class_name(model)}) has no absolute position "
+                    "table for DAL to regress; set mjp_dal=none (or choose a ViT with a learned position table)"
+                ]
     return config, []
+
+
+# The start of the warning of mjp_fast.timm.convert for a model without a table that was asked for DAL.
+_DAL_IGNORED_WARNING = r"model: .* has no absolute position table"
+
+
+def _base_class_name(model: nn.Module) -> str:
+    """The class name of the timm model inside an MJP model (its MJP class wraps or subclasses it)."""
+    for cls in type(model).__mro__:
+        if cls.__module__.startswith("timm."):
+            return cls.__name__
+    return type(model).__name__
 
 
 def fit_shape_keys(config: TrainConfig, plain: nn.Module) -> tuple[TrainConfig, list[str]]:

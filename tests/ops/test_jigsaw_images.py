@@ -1,3 +1,5 @@
+import functools
+
 import pytest
 import torch
 
@@ -48,6 +50,34 @@ def test_uint8_pictures_and_gradients():
     # the gradient is the weights moved back by the inverse permutation
     inverse = mjp_fast.Jigsaw(jigsaw.mask, torch.argsort(jigsaw.perm, dim=1))
     torch.testing.assert_close(images.grad, mjp_fast.jigsaw_images(weights, inverse, 4))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("entry", [4 * 3, -1, 10**9, -(10**9)])
+def test_the_oracle_gives_the_ops_zero_patch_for_an_out_of_range_entry(device, entry):
+    """Issue 42 item 10: jigsaw_images_ref raised on a perm entry outside [0, N), where the op (validate=False) gives
+    the documented zero patch and no gradient. Now both do, values and gradients alike."""
+    torch.manual_seed(0)
+    images = torch.randn(2, 3, 6, 8, device=device) + 5  # no zero pixel: a zero patch is the entry's
+    perm = torch.arange(12, device=device).repeat(2, 1)
+    perm[0, 3], perm[1, 0] = entry, 5  # sample 1: patch 5 shown twice, patch 0 never (in range, not a permutation)
+    jigsaw = mjp_fast.Jigsaw(torch.ones(2, 12, dtype=torch.bool, device=device), perm)
+    weights = torch.randn(2, 3, 6, 8, device=device)
+    results = []
+    for function in (jigsaw_images_ref, functools.partial(mjp_fast.jigsaw_images, validate=False)):
+        leaf = images.clone().requires_grad_()
+        out = function(leaf, jigsaw, 2)
+        (out * weights).sum().backward()
+        results.append((out.detach(), leaf.grad))
+    (out, grad), (op_out, op_grad) = results
+    assert torch.equal(out, op_out) and torch.equal(grad, op_grad)
+    assert not out[0, :, 0:2, 6:8].any()  # token 3 of sample 0 (row 0, col 3): a zero patch
+    assert torch.equal(out[1, :, 0:2, 0:2], images[1, :, 2:4, 2:4])  # token 0 of sample 1 shows patch 5
+    assert not grad[0, :, 0:2, 6:8].any() and not grad[1, :, 0:2, 0:2].any()  # patches that no token shows
+    pictures = (images * 10).to(torch.uint8)
+    assert torch.equal(
+        jigsaw_images_ref(pictures, jigsaw, 2), mjp_fast.jigsaw_images(pictures, jigsaw, 2, validate=False)
+    )
 
 
 @pytest.mark.parametrize(

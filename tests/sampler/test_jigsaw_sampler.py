@@ -107,13 +107,13 @@ def test_bad_settings(kwargs, error):
 
 
 def test_an_index_less_cuda_device_means_the_current_one(monkeypatch):
-    from mjp_fast._validate import to_device, with_index
+    from mjp_fast._validate import canonical_device, to_device
 
-    assert with_index(torch.device("cpu")) == torch.device("cpu")
+    assert canonical_device(torch.device("cpu")) == torch.device("cpu")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
-    assert with_index(torch.device("cuda")) == torch.device("cuda:1")
-    assert with_index(torch.device("cuda:0")) == torch.device("cuda:0")
+    assert canonical_device(torch.device("cuda")) == torch.device("cuda:1")
+    assert canonical_device(torch.device("cuda:0")) == torch.device("cuda:0")
     assert to_device("cuda") == torch.device("cuda:1") and to_device(None) == torch.device("cpu")
 
 

@@ -236,6 +236,25 @@ def test_bad_arguments_are_named(kwargs, error, words):
         mjp_fast.sample_jigsaw(**arguments)
 
 
+@pytest.mark.parametrize("device", ["cpu:0", torch.device("cpu", 0), "cpu"], ids=repr)
+def test_an_offset_tensor_on_the_cpu_is_on_cpu_0(device):
+    """Issue 42 item 9: ``cpu:0`` is the CPU, where ``torch.tensor(3)`` lives (it said the offset was not there)."""
+    for backend in [
+        name for name in mjp_fast.available_backends() if backend_module.runs_on(name, torch.device("cpu"))
+    ]:
+        jigsaw = mjp_fast.sample_jigsaw(4, 6, 0.5, seed=1, offset=torch.tensor(3), device=device, backend=backend)
+        expected = mjp_fast.sample_jigsaw(4, 6, 0.5, seed=1, offset=3, backend=backend)
+        assert jigsaw.perm.device == torch.device("cpu") and jigsaw.mask.device == torch.device("cpu")
+        assert torch.equal(jigsaw.perm, expected.perm) and torch.equal(jigsaw.mask, expected.mask)
+    sampler = mjp_fast.JigsawSampler(6, 0.5, prob=1.0, seed=1)
+    assert sampler(2, device).perm.device == torch.device("cpu")
+
+
+def test_an_offset_on_another_device_is_still_refused():
+    with pytest.raises(ValueError, match="offset is on cpu but the jigsaw is made on meta"):
+        mjp_fast.sample_jigsaw(2, 6, 0.5, seed=1, offset=torch.tensor(3), device="meta")
+
+
 def test_backend_that_cannot_run_here_is_refused():
     # On CPU tensors (the default device) the cuda backend is refused on every machine, for the reason that holds
     # there: without a GPU or a CUDA build it is not available; with them it cannot run on CPU tensors.

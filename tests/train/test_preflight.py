@@ -1,16 +1,19 @@
 """What ``mjp train`` checks before its first step (mjp_fast.train.preflight): both models of a comparison, the
 folders and the device, every problem at once; the ViT keys of the embedded default fitted to a ResNet."""
 
+import subprocess
+import sys
 import warnings
 
 import pytest
 import torch
 
 from mjp_fast.cli import main
-from mjp_fast.train import compare, loop, preflight
+from mjp_fast.train import compare, loop, preflight, train
 from mjp_fast.train.config import ConfigError, load_config
 from mjp_fast.train.models import create_model, model_spec
 from mjp_fast.train.preflight import build_for_checks, check_run
+from tests.train.helpers import REPO_ROOT, tiny_overrides
 
 VIT_KEYS_NONE = ["img_size=none", "patch_size=none", "embed_dim=none", "depth=none", "num_heads=none"]
 
@@ -169,10 +172,74 @@ def test_a_user_img_size_equal_to_the_models_own_is_dropped_silently():
     assert config.img_size is None and config.notes == ()
 
 
-def test_a_dal_the_user_asked_of_a_model_without_a_table_warns_before_training():
-    with pytest.warns(UserWarning, match="dal='linear' is ignored"):
-        config = check_run(load_config("digits", ["model=resnet18", "mjp_dal=linear"]), environment=False)
-    assert config.mjp_dal == "linear"
+# Issue 42 item 11: a DAL the user asked for, of a model that cannot do it, warned and trained on without it.
+NO_TABLE_MODELS = {
+    "resnet18": "resnet18 (ResNet)",
+    "vit_small_patch16_rope_224": "vit_small_patch16_rope_224 (Eva)",  # a RoPE ViT: no absolute table either
+}
+
+
+@pytest.mark.parametrize("model", NO_TABLE_MODELS)
+@pytest.mark.parametrize("dal", ["linear", "nonlinear"])
+def test_a_dal_the_user_asked_of_a_model_without_a_table_is_an_error(model, dal):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the error replaces the warning: none is left
+        with pytest.raises(ConfigError) as caught:
+            check_run(load_config("digits", [f"model={model}", f"mjp_dal={dal}"]), environment=False)
+    assert caught.value.problems == [
+        f"mjp_dal={dal}: {NO_TABLE_MODELS[model]} has no absolute position table for DAL to regress; set mjp_dal=none "
+        "(or choose a ViT with a learned position table)"
+    ]
+
+
+def test_the_python_api_refuses_an_impossible_dal_before_training(monkeypatch, tmp_path):
+    def train_started(config, context, resume):
+        raise TrainingStarted(config.output)
+
+    monkeypatch.setattr(loop, "_train", train_started)
+    output = tmp_path / "run"
+    config = load_config("digits", ["model=resnet18", "mjp_dal=nonlinear", "compare=false", f"output={output}"])
+    with pytest.raises(ConfigError, match="^mjp_dal=nonlinear: resnet18 .* set mjp_dal=none"):
+        train(config)
+    with pytest.raises(ConfigError, match="^mjp_dal=nonlinear: resnet18"):
+        compare.train_compare(config.replace(compare=True))
+    assert not output.exists()
+    # the recipe's DAL, not asked for, is still turned off silently; mjp_dal=none and a baseline are fine too
+    for overrides in (["model=resnet18"], ["model=resnet18", "mjp_dal=none"], ["model=resnet18", "mjp=false"]):
+        with pytest.raises(TrainingStarted):
+            train(load_config("digits", [*overrides, "compare=false", f"output={output}"]))
+
+
+def test_the_cli_refuses_an_impossible_dal_in_one_line(trained, tmp_path, capsys):
+    for compare_runs in ("true", "false"):
+        arguments = ["train", "--output", str(tmp_path / "run"), "model=resnet18", "mjp_dal=nonlinear"]
+        assert main([*arguments, f"compare={compare_runs}"]) == 2
+        (line,) = _error_lines(capsys)
+        assert line.startswith("mjp train: error: mjp_dal=nonlinear: resnet18 (ResNet) has no absolute position table")
+    assert trained == [] and not (tmp_path / "run").exists()
+
+
+def test_python_dash_m_mjp_train_stops_before_training(cifar_tree, tmp_path):
+    """The issue's command in a process of its own: before, it warned and trained a ResNet without DAL (exit 0)."""
+    output = tmp_path / "run"
+    overrides = tiny_overrides(
+        model="resnet18", img_size=None, patch_size=None, embed_dim=None, depth=None, num_heads=None, epochs=1
+    )
+    command = [sys.executable, "-m", "mjp_fast.cli", "train", "--data", str(cifar_tree), "--output", str(output)]
+    result = subprocess.run(
+        [*command, *overrides, "warmup_epochs=0", "compare=false", "mjp_dal=nonlinear"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "mjp train: error: mjp_dal=nonlinear: resnet18 (ResNet) has no absolute position table for DAL to regress; "
+        "set mjp_dal=none (or choose a ViT with a learned position table)"
+    ]
+    assert not output.exists()
 
 
 def test_a_vit_keeps_the_presets_shape_and_dal():
