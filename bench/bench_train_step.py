@@ -3,15 +3,31 @@
 Compared, in the same run, with identical starting weights:
 
 - ``plain``: ``timm.create_model(<deit>, pretrained=False)``; loss: cross-entropy.
+- ``plain + linear embed``: a deep copy of it whose ``patch_embed.proj`` (the Conv2d) is a
+  :class:`LinearPatchProjection` holding the same weight and bias: the images reshaped into patch rows and one
+  ``F.linear`` (:func:`bench.bench_patch_embed.linear_patch_embed`, flash-attention's patch embedding), the
+  strongest non-fused patch embedding; the rest of the model unchanged.
+- ``plain + fast patch embed``: a deep copy with our fused patch embedding (``mjp_fast.timm.fast_patch_embed``),
+  the baseline of MJP's own cost, as the MJP models run it too.
 - ``mjp prob=0.5`` and ``mjp prob=1.0``: a deep copy of it through ``mjp_fast.timm.convert(copy, ratio=0.1,
   prob=..., dal="nonlinear", dal_weight=0.01)``; loss: cross-entropy, whose backward trains DAL too (the forward
   attaches the DAL loss to the tokens at ``mjp_dal_weight``, as in ``mjp train`` and any timm loop).
 
 A step is forward, loss, backward, ``AdamW.step()`` and ``zero_grad(set_to_none=True)``, on one fixed synthetic
 batch already on the device (no data loading: it is the same for both). After warm-up rounds, the variants run
-in interleaved rounds (plain, 0.5, 1.0, then 1.0, 0.5, plain, ...), one step each, so that the machine's drifts
-hit them alike. The overhead of a round is ``t_mjp / t_plain - 1`` of that round's steps; we report its median
-over the rounds (the pairs) and its 20th/80th percentiles, and also the ratio of the median step times.
+in interleaved rounds (plain, linear, fast, 0.5, 1.0, then 1.0, 0.5, fast, linear, plain, ...), one step each, so
+that the machine's drifts hit them alike. The overhead of a round is ``t_mjp / t_plain - 1`` of that round's
+steps; we report its median over the rounds (the pairs) and its 20th/80th percentiles, and also the ratio of the
+median step times; the same against plain timm with the fast patch embedding (what the aims judge) and against
+the linear embedding.
+
+Steady state: each step above is timed alone, the device synchronized after it. Beside it, after the pairs, every
+variant runs blocks of steps back to back, the device synchronized only at a block's start and end (so the host
+queues the next step while the GPU runs this one, as a training loop does), in alternating order (plain ... mjp,
+then mjp ... plain, ...), so drifts hit them alike: images per second per block, and per block the overhead
+``ips_baseline / ips_variant - 1``, whose median over the blocks is reported. On the CPU, 2 blocks of 3 steps
+(a DeiT-Tiny step takes seconds: the figure is coarse and the CPU aim is not judged on it); on a GPU, 4 blocks
+of 8 steps. A model's seconds budget covers its blocks: the pairs stop early enough to leave room for them.
 
 On the CPU: float32, small batches (a DeiT-Tiny step at batch 32 takes seconds on 2 cores), wall-clock time.
 On a GPU: bfloat16 autocast, CUDA events around each step, optionally ``torch.compile`` (``--compile``).
@@ -22,10 +38,11 @@ plain position-embedding add, divided by the plain step's median. It leaves out 
 few extra parameters.
 
 Aims: on the CPU, DeiT-Tiny, batch 32, 224 px: overhead at most 2%. On an H100, bfloat16, DeiT-S, batch 256:
-at most 0.25%.
+at most 0.25%. The GPU aims are judged twice, on the pairs' median and on the steady state's: they must hold on
+both.
 
     python bench/bench_train_step.py [--smoke] [--repeats PAIRS] [--out DIR] [--device cpu|cuda] [--threads N]
-        [--compile]
+        [--compile] [--steady-blocks N] [--steady-steps N]
 """
 
 from __future__ import annotations
@@ -44,6 +61,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from bench.bench_patch_embed import linear_patch_embed  # the patch_embed case's linear baseline, shared
 from bench.common import (
     Timing,
     aim_line,
@@ -75,6 +93,10 @@ CPU_RUNS = (("deit_tiny_patch16_224", 32, 80, 600.0), ("deit_small_patch16_224",
 # about +-0.5% (its 40 pairs of 2026-11-27: 95% CIs 1-1.9 points wide), in half the stage's time.
 GPU_RUNS = (("deit_tiny_patch16_224", 256, 30, 30.0), ("deit_small_patch16_224", 256, 30, 30.0))
 SMOKE_RUNS = (("deit_tiny_patch16_224", 2, 2, None),)  # one block (see run_model): seconds, not minutes
+# Steady state (blocks, steps per block): few on the CPU, whose steps take seconds, to keep its run's time (DeiT-Tiny
+# at batch 32: 2 x 3 steps of 5 variants, about a minute, which the model's seconds budget takes from the pairs); on
+# a GPU enough steps per block that the queue fills, an even number of blocks so each order runs as often.
+STEADY = {"cpu": (2, 3), "cuda": (4, 8), "smoke": (2, 1)}
 MIN_PAIRS = 5
 QUIET_MARGIN = 1.25  # a "quiet" pair: both steps within 25% of the fastest step measured for the model
 BOOTSTRAP_RESAMPLES = 2000  # for the 95% confidence interval of the median overhead
@@ -93,6 +115,7 @@ GPU_KINDS = ("H100", "H200")  # the aims' GPU: either of the machines the projec
 
 
 FAST = "fast"  # the key of plain timm with our fused patch embedding (mjp_fast.timm.fast_patch_embed)
+LINEAR = "linear"  # the key of plain timm with its Conv2d replaced by reshape + F.linear (LinearPatchProjection)
 
 
 def variant_name(prob: float | str | None) -> str:
@@ -100,7 +123,50 @@ def variant_name(prob: float | str | None) -> str:
         return PLAIN
     if prob == FAST:
         return "plain + fast patch embed"
+    if prob == LINEAR:
+        return "plain + linear embed"
     return f"mjp prob={prob:g}"
+
+
+class LinearPatchProjection(torch.nn.Module):
+    """Stands in for timm's ``PatchEmbed.proj`` (a Conv2d whose stride is its square kernel P, no padding): the same
+    ``weight [D, C, P, P]`` and ``bias [D]`` parameters (same names, so the state dict is unchanged), applied as a
+    reshape into patch rows and one ``F.linear`` (:func:`~bench.bench_patch_embed.linear_patch_embed`).
+
+    Returns ``[B, D, H/P, W/P]`` as the convolution does: a permuted view of the linear's contiguous ``[B, N, D]``
+    output, so ``PatchEmbed``'s ``flatten(2).transpose(1, 2)`` gives that output back as a view, without a copy,
+    and the model runs unchanged.
+    """
+
+    def __init__(self, conv: torch.nn.Conv2d) -> None:
+        super().__init__()
+        patch = conv.kernel_size
+        if (
+            patch[0] != patch[1]
+            or tuple(conv.stride) != tuple(patch)
+            or tuple(conv.padding) != (0, 0)
+            or tuple(conv.dilation) != (1, 1)
+            or conv.groups != 1
+        ):
+            raise ValueError(
+                "conv must be a patch embedding's Conv2d (square kernel, stride = kernel, no padding, dilation or "
+                f"groups), got {conv}"
+            )
+        self.weight = conv.weight
+        self.bias = conv.bias
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        batch, _, height, width = images.shape
+        patch = self.weight.shape[-1]
+        tokens = linear_patch_embed(images, self.weight, self.bias)  # [B, N, D]
+        return tokens.unflatten(1, (height // patch, width // patch)).permute(0, 3, 1, 2)
+
+
+def linear_embed(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` (a timm ViT with ``patch_embed.proj`` a Conv2d) with that Conv2d replaced, in place, by a
+    :class:`LinearPatchProjection` of the same parameters; returns the model."""
+    model.patch_embed.proj = LinearPatchProjection(model.patch_embed.proj)
+    return model
 
 
 class Trainer:
@@ -124,6 +190,22 @@ class Trainer:
         loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+
+
+class BlockTimer:
+    """Times ``steps`` calls back to back by the wall clock, the device synchronized only before the first and after
+    the last (a no-op on the CPU): a steady state's throughput, the host running ahead of the GPU as in training."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.synchronize = synchronizer(device)
+
+    def __call__(self, function: Callable[[], object], steps: int) -> float:
+        self.synchronize()
+        begin = time.perf_counter()
+        for _ in range(steps):
+            function()
+        self.synchronize()
+        return time.perf_counter() - begin
 
 
 class StepTimer:
@@ -155,8 +237,9 @@ def _models(
     backend: str | None = None,
     overrides: dict | None = None,
 ) -> dict[float | str | None, torch.nn.Module]:
-    """The plain model, its copy with the fused patch embedding (key ``FAST``) and its MJP copies (one per prob),
-    all with the same initial weights, in training mode.
+    """The plain model, its copies with the linear patch embedding (key ``LINEAR``, :func:`linear_embed`) and with
+    the fused one (key ``FAST``), and its MJP copies (one per prob), all with the same initial weights, in training
+    mode.
 
     ``depth``: fewer transformer blocks than the model has (smoke runs, and parts of a step timed alone).
     ``backend``: the fused embedding's and the MJP models' backend (default automatic). ``overrides``: more of
@@ -172,6 +255,8 @@ def _models(
         overrides["depth"] = depth
     plain = timm.create_model(name, pretrained=False, img_size=image_size, num_classes=1000, **overrides)
     models: dict[float | str | None, torch.nn.Module] = {None: plain}
+    # The strongest non-fused patch embedding: what the fused one (and MJP riding on it) should beat.
+    models[LINEAR] = linear_embed(copy.deepcopy(plain))
     # The honest baseline for MJP's own cost: MJP models run the fused patch embedding, so this one does too.
     models[FAST] = mjp_timm.fast_patch_embed(copy.deepcopy(plain), backend=backend)
     for prob in MJP_PROBS:
@@ -308,9 +393,13 @@ def run_model(
     smoke: bool,
     backend: str | None = None,
     compile_mode: str | None = None,
+    steady_blocks: int = 0,
+    steady_steps: int = 0,
 ) -> list[dict]:
     """Interleaved training steps of the plain and MJP models; one result row per variant. ``backend``: the fused
-    embedding's and the MJP models' (default automatic), named in every row."""
+    embedding's and the MJP models' (default automatic), named in every row. ``steady_blocks`` blocks of
+    ``steady_steps`` steps back to back per variant after the pairs (:func:`steady_state`; 0: none); the pairs stop
+    early enough that the blocks fit in ``max_seconds`` too, as their step times so far predict."""
     from mjp_fast.backend import resolve_backend
 
     device = torch.device(device)
@@ -337,13 +426,20 @@ def run_model(
     for round_index in range(pairs):
         for prob in order if round_index % 2 == 0 else reversed(order):
             times[prob].append(timer(lambda prob=prob: trainers[prob].step(images, targets)))
-        if max_seconds is not None and round_index + 1 >= MIN_PAIRS and time.perf_counter() - begin > max_seconds:
+        # the steady-state blocks still to run, at the median step times so far
+        steady_s = steady_blocks * steady_steps * sum(float(np.median(values)) for values in times.values())
+        elapsed = time.perf_counter() - begin
+        if max_seconds is not None and round_index + 1 >= MIN_PAIRS and elapsed + steady_s > max_seconds:
             break
     measured_s = time.perf_counter() - begin
+    begin = time.perf_counter()
+    steady = steady_state(trainers, images, targets, blocks=steady_blocks, steps=steady_steps, device=device)
+    steady_measured_s = time.perf_counter() - begin
     isolated, isolated_gpu, kernels = _isolated(models, batch, device, repeats=3 if smoke else 15, smoke=smoke)
 
     plain = np.asarray(times[None])
     fast = np.asarray(times[FAST])
+    linear = np.asarray(times[LINEAR]) if LINEAR in times else None  # runs of models without it: tests' stand-ins
     plain_median = float(np.median(plain))
     # Steps that other processes slowed down: more than QUIET_MARGIN above the fastest step of any variant.
     quiet_limit = QUIET_MARGIN * min(min(values) for values in times.values())
@@ -377,11 +473,20 @@ def run_model(
             "overhead_vs_fast_p80_pct": None,
             "overhead_vs_fast_ci95_low_pct": None,
             "overhead_vs_fast_ci95_high_pct": None,
+            "overhead_vs_linear_median_pct": None,
+            "overhead_vs_linear_p20_pct": None,
+            "overhead_vs_linear_p80_pct": None,
+            **_steady_fields(prob, steady, steady_steps, steady_measured_s),
             "backend": backend,
             "sampler_backend": backend,  # the model's one backend (its sampler's too): the name older runs used
             "gpu_kernels": kernels.get(prob),
         }
-        if prob == FAST:
+        if linear is not None and prob not in (None, LINEAR):
+            median, p20, p80 = _percentiles(100.0 * (values / linear - 1.0))
+            row.update(
+                overhead_vs_linear_median_pct=median, overhead_vs_linear_p20_pct=p20, overhead_vs_linear_p80_pct=p80
+            )
+        if prob in (FAST, LINEAR):
             overheads = 100.0 * (values / plain - 1.0)
             median, p20, p80 = _percentiles(overheads)
             row.update(
@@ -389,7 +494,7 @@ def run_model(
                 overhead_p20_pct=p20,
                 overhead_p80_pct=p80,
                 overhead_of_medians_pct=100.0 * (row["median_s"] / plain_median - 1.0),
-                isolated_gpu_extra_s=isolated_gpu.get(FAST),
+                isolated_gpu_extra_s=isolated_gpu.get(FAST) if prob == FAST else None,
             )
         elif prob is not None:
             against_fast = 100.0 * (values / fast - 1.0)
@@ -425,8 +530,73 @@ def run_model(
     return rows
 
 
+def steady_state(
+    trainers: dict[float | str | None, Trainer],
+    images: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    blocks: int,
+    steps: int,
+    device: torch.device,
+) -> dict[float | str | None, list[float]]:
+    """Per variant, the images per second of each of ``blocks`` blocks of ``steps`` training steps back to back
+    (:class:`BlockTimer`), the variants in alternating order block by block (as given, reversed, ...); empty
+    lists for ``blocks`` or ``steps`` 0. ``images``: ``[B, 3, H, W]``, ``targets``: ``[B]``, as the pairs use."""
+    timer = BlockTimer(device)
+    order = list(trainers)
+    per_block: dict[float | str | None, list[float]] = {key: [] for key in order}
+    if steps < 1:
+        return per_block
+    batch = images.shape[0]
+    for block in range(blocks):
+        for key in order if block % 2 == 0 else reversed(order):
+            seconds = timer(lambda key=key: trainers[key].step(images, targets), steps)
+            per_block[key].append(batch * steps / seconds)
+    return per_block
+
+
+def _steady_fields(
+    key: float | str | None, steady: dict[float | str | None, list[float]], steps: int, measured_s: float
+) -> dict:
+    """A row's steady-state fields (:func:`steady_state`'s ``steady``): its images/s, median over the blocks and per
+    block, and per block its overhead in time, ``ips_baseline / ips_row - 1`` in percent, against plain timm (rows
+    but plain), against plain with the fast patch embedding (MJP rows) and with the linear embedding (fast and MJP
+    rows): the median over the blocks, and the per-block values against the fast embedding. None where not
+    measured."""
+    own = np.asarray(steady.get(key) or [])
+    fields: dict = {
+        "steady_blocks": int(own.size),
+        "steady_steps": steps if own.size else None,
+        "steady_measured_s": measured_s if own.size else None,
+        "steady_images_per_s": float(np.median(own)) if own.size else None,
+        "steady_images_per_s_blocks": own.tolist(),
+        "steady_overhead_median_pct": None,
+        "steady_overhead_vs_fast_median_pct": None,
+        "steady_overhead_vs_fast_blocks_pct": None,
+        "steady_overhead_vs_linear_median_pct": None,
+    }
+    if not own.size:
+        return fields
+
+    def against(baseline: float | str | None) -> np.ndarray | None:
+        theirs = np.asarray(steady.get(baseline) or [])
+        return 100.0 * (theirs / own - 1.0) if theirs.size == own.size else None
+
+    if key is not None and (overheads := against(None)) is not None:
+        fields["steady_overhead_median_pct"] = float(np.median(overheads))
+    if key not in (None, FAST, LINEAR) and (overheads := against(FAST)) is not None:
+        fields["steady_overhead_vs_fast_median_pct"] = float(np.median(overheads))
+        fields["steady_overhead_vs_fast_blocks_pct"] = overheads.tolist()
+    if key not in (None, LINEAR) and (overheads := against(LINEAR)) is not None:
+        fields["steady_overhead_vs_linear_median_pct"] = float(np.median(overheads))
+    return fields
+
+
 def table(rows: list[dict]) -> str:
+    """The rows as Markdown, one per variant; columns that no row fills (older runs': the backend, the linear
+    embedding) left out."""
     several = len({row.get("backend") for row in rows}) > 1  # older runs' rows name no backend
+    linear = any(row.get("overhead_vs_linear_median_pct") is not None for row in rows)
     headers = [
         "model",
         "batch",
@@ -441,11 +611,17 @@ def table(rows: list[dict]) -> str:
         "quiet pairs: n, median",
         "isolated MJP work",
         "overhead vs fast patch embed: median [p20, p80], 95% CI",
+        *(["overhead vs linear embed: median [p20, p80]"] if linear else []),
     ]
     body = []
     for row in rows:
         timing = Timing(*(row[key] for key in ("median_s", "p20_s", "p80_s", "min_s", "samples", "calls_per_sample")))
-        overhead = isolated = ratio = quiet = interval = versus_fast = ""
+        overhead = isolated = ratio = quiet = interval = versus_fast = versus_linear = ""
+        if row.get("overhead_vs_linear_median_pct") is not None:  # runs before the linear embedding: none
+            versus_linear = (
+                f"{row['overhead_vs_linear_median_pct']:+.2f}% [{row['overhead_vs_linear_p20_pct']:+.2f}%, "
+                f"{row['overhead_vs_linear_p80_pct']:+.2f}%]"
+            )
         if row.get("overhead_vs_fast_median_pct") is not None:
             versus_fast = (
                 f"{row['overhead_vs_fast_median_pct']:+.2f}% [{row['overhead_vs_fast_p20_pct']:+.2f}%, "
@@ -486,8 +662,51 @@ def table(rows: list[dict]) -> str:
                 quiet,
                 isolated,
                 versus_fast,
+                *([versus_linear] if linear else []),
             ]
         )
+    return markdown_table(headers, body)
+
+
+def steady_table(rows: list[dict]) -> str:
+    """The steady-state figures (:func:`steady_state`) as Markdown: per variant its images/s, median [min, max] over
+    the blocks, and its overheads from them (medians over the blocks); empty when no row has them (runs before
+    the steady state was measured, or ``--steady-blocks 0``)."""
+    measured = [row for row in rows if row.get("steady_images_per_s") is not None]
+    if not measured:
+        return ""
+    several = len({row.get("backend") for row in measured}) > 1
+
+    def percent(value: float | None) -> str:
+        return "" if value is None else f"{value:+.2f}%"
+
+    body = []
+    for row in measured:
+        blocks = row["steady_images_per_s_blocks"]
+        body.append(
+            [
+                MODEL_TITLES.get(row["model"], row["model"]),
+                row["batch"],
+                *([row.get("backend")] if several else []),
+                row["implementation"],
+                f"{row['steady_images_per_s']:.1f} [{min(blocks):.1f}, {max(blocks):.1f}]",
+                f"{row['steady_blocks']} x {row['steady_steps']}",
+                percent(row.get("steady_overhead_median_pct")),
+                percent(row.get("steady_overhead_vs_fast_median_pct")),
+                percent(row.get("steady_overhead_vs_linear_median_pct")),
+            ]
+        )
+    headers = [
+        "model",
+        "batch",
+        *(["backend"] if several else []),
+        "variant",
+        "steady images/s: median [min, max]",
+        "blocks x steps",
+        "overhead vs plain",
+        "overhead vs fast patch embed",
+        "overhead vs linear embed",
+    ]
     return markdown_table(headers, body)
 
 
@@ -532,47 +751,82 @@ def _aims(
 def _overhead_aims(
     rows: list[dict], on: str, *, smoke: bool, device: str, gpu: str | None, dtype: str, compiled: bool
 ) -> list[dict]:
-    """The step-overhead aims on one backend's rows (``on``: how an aim names that backend, or empty)."""
+    """The step-overhead aims on one backend's rows (``on``: how an aim names that backend, or empty): per aim of
+    :data:`AIMS` and prob, judged on the pairs' median overhead; a GPU aim also on the steady state's
+    (:func:`steady_state`), after the pairs' aims of the same configuration."""
     aims = []
-    for kind, model, batch, aim_dtype, threshold, aim_compiled in AIMS:
+    for spec in AIMS:
+        kind, aim_compiled = spec[0], spec[-1]
         if aim_compiled != compiled:
             continue
-        title = MODEL_TITLES[model]
-        where = "on the CPU" if kind == "cpu" else "on an H100/H200"
-        where += ", torch.compile" if aim_compiled else ""
-        for prob in MJP_PROBS:
-            aim = {
-                "aim": f"{where}, {title}, batch {batch}, {aim_dtype}: MJP (ratio {MJP_RATIO:g}, prob {prob:g}, DAL) "
-                f"training-step overhead at most {threshold:g}% against plain timm with the same fast patch "
-                f"embedding{on}",
-                "threshold": threshold,
-                "measured": None,
-                "unit": "%",
-                "verdict": "NOT RUN",
-            }
-            on_device = (
-                device == "cpu" if kind == "cpu" else (device == "cuda" and any(k in (gpu or "") for k in GPU_KINDS))
-            )
-            wanted = (model, batch, prob, 224)
-            key = lambda row: (row["model"], row["batch"], row["prob"], row["image_size"])  # noqa: E731
-            row = next((row for row in rows if key(row) == wanted), None)
-            if not on_device:
-                aim["note"] = f"needs {'the CPU' if kind == 'cpu' else 'an ' + kind}; measured on {gpu or device}"
-            elif row is None or dtype != aim_dtype:
-                aim["note"] = "this configuration was not measured"
-            else:
-                aim["measured"] = row["overhead_vs_fast_median_pct"]
-                aim["verdict"] = aim_verdict(aim["measured"], threshold, higher_is_better=False)
-                low, high = row.get("overhead_vs_fast_ci95_low_pct"), row.get("overhead_vs_fast_ci95_high_pct")
-                if low is not None:
-                    resolved = (low <= threshold) == (high <= threshold)  # the interval is on one side
-                    aim["note"] = f"median's 95% CI [{low:+.2f}%, {high:+.2f}%] over {row['pairs']} pairs" + (
-                        "" if resolved else ": this run does not resolve the aim"
-                    )
-            if smoke:
-                aim.update(verdict="NOT JUDGED", note="smoke run: tiny sizes")
-            aims.append(aim)
+        figures = ("pairs",) if kind == "cpu" else ("pairs", "steady")  # the CPU's blocks are too few to judge
+        for figure in figures:
+            for prob in MJP_PROBS:
+                aims.append(
+                    _overhead_aim(rows, on, figure, spec, prob, smoke=smoke, device=device, gpu=gpu, dtype=dtype)
+                )
     return aims
+
+
+def _overhead_aim(
+    rows: list[dict],
+    on: str,
+    figure: str,
+    spec: tuple[str, str, int, str, float, bool],
+    prob: float,
+    *,
+    smoke: bool,
+    device: str,
+    gpu: str | None,
+    dtype: str,
+) -> dict:
+    """One step-overhead aim of ``spec`` (an entry of :data:`AIMS`) for ``prob``: ``figure`` ``"pairs"`` judges the
+    median over the interleaved pairs, ``"steady"`` the median over the steady-state blocks, each against plain
+    timm with the same fast patch embedding."""
+    kind, model, batch, aim_dtype, threshold, aim_compiled = spec
+    title = MODEL_TITLES[model]
+    where = "on the CPU" if kind == "cpu" else "on an H100/H200"
+    where += ", torch.compile" if aim_compiled else ""
+    steady = figure == "steady"
+    aim = {
+        "aim": f"{where}, {title}, batch {batch}, {aim_dtype}: MJP (ratio {MJP_RATIO:g}, prob {prob:g}, DAL) "
+        f"training-step overhead{' in the steady state (steps back to back)' if steady else ''} at most "
+        f"{threshold:g}% against plain timm with the same fast patch embedding{on}",
+        "threshold": threshold,
+        "measured": None,
+        "unit": "%",
+        "verdict": "NOT RUN",
+    }
+    on_device = device == "cpu" if kind == "cpu" else (device == "cuda" and any(k in (gpu or "") for k in GPU_KINDS))
+    wanted = (model, batch, prob, 224)
+    key = lambda row: (row["model"], row["batch"], row["prob"], row["image_size"])  # noqa: E731
+    row = next((row for row in rows if key(row) == wanted), None)
+    if not on_device:
+        aim["note"] = f"needs {'the CPU' if kind == 'cpu' else 'an ' + kind}; measured on {gpu or device}"
+    elif row is None or dtype != aim_dtype:
+        aim["note"] = "this configuration was not measured"
+    elif steady:
+        measured = row.get("steady_overhead_vs_fast_median_pct")
+        if measured is None:
+            aim["note"] = "the steady state was not measured"
+        else:
+            aim["measured"] = measured
+            aim["verdict"] = aim_verdict(measured, threshold, higher_is_better=False)
+            blocks = row.get("steady_overhead_vs_fast_blocks_pct") or []
+            spread = f", per block {min(blocks):+.2f}% to {max(blocks):+.2f}%" if blocks else ""
+            aim["note"] = f"median over {row['steady_blocks']} blocks of {row['steady_steps']} steps{spread}"
+    else:
+        aim["measured"] = row["overhead_vs_fast_median_pct"]
+        aim["verdict"] = aim_verdict(aim["measured"], threshold, higher_is_better=False)
+        low, high = row.get("overhead_vs_fast_ci95_low_pct"), row.get("overhead_vs_fast_ci95_high_pct")
+        if low is not None:
+            resolved = (low <= threshold) == (high <= threshold)  # the interval is on one side
+            aim["note"] = f"median's 95% CI [{low:+.2f}%, {high:+.2f}%] over {row['pairs']} pairs" + (
+                "" if resolved else ": this run does not resolve the aim"
+            )
+    if smoke:
+        aim.update(verdict="NOT JUDGED", note="smoke run: tiny sizes")
+    return aim
 
 
 def _gpu_work_aims(
@@ -613,10 +867,14 @@ def collect(
     compile_model: bool = False,
     backends: Sequence[str] | str | None = None,
     compile_mode: str | None = None,
+    steady_blocks: int | None = None,
+    steady_steps: int | None = None,
 ) -> dict:
     """Measures the case; returns its section of the results: ``config``, ``backends``, ``results``, ``aims``.
 
-    ``repeats`` overrides the number of interleaved rounds (pairs) per model. ``backends``: the fused embedding's
+    ``repeats`` overrides the number of interleaved rounds (pairs) per model; ``steady_blocks`` and
+    ``steady_steps`` the steady state's blocks per variant and steps per block (default :data:`STEADY`'s for the
+    device; 0 blocks: no steady state). ``backends``: the fused embedding's
     and the MJP models' backends (a list, or comma-separated), each measured in its own interleaved rounds against
     its own plain and fast-embedding baselines, and judged alone; default :func:`bench.common.compared_backends`
     (on a GPU: ``triton`` and ``cuda``, which on the lent machines' slow host differ in host cost).
@@ -631,6 +889,13 @@ def collect(
     else:
         runs, image_size, warmup = CPU_RUNS, 224, 2
     dtype = "bfloat16" if device == "cuda" else "float32"
+    default_blocks, default_steps = STEADY["smoke" if smoke else device]
+    steady_blocks = default_blocks if steady_blocks is None else steady_blocks
+    steady_steps = default_steps if steady_steps is None else steady_steps
+    if steady_blocks < 0 or steady_steps < 1:
+        raise ValueError(
+            f"steady_blocks must be at least 0 and steady_steps at least 1, got {steady_blocks} and {steady_steps}"
+        )
     rows, plan = [], []
     for name, batch, pairs, max_seconds in runs:
         pairs = repeats or pairs
@@ -648,6 +913,8 @@ def collect(
                 smoke=smoke,
                 backend=backend,
                 compile_mode=compile_mode,
+                steady_blocks=steady_blocks,
+                steady_steps=steady_steps,
             )
     gpu = torch.cuda.get_device_name() if device == "cuda" else None
     return {
@@ -666,6 +933,9 @@ def collect(
             "dal_weight": DAL_WEIGHT,
             "optimizer": "AdamW(lr=5e-4*32/512, weight_decay=0.05" + (", fused)" if device == "cuda" else ")"),
             "timer": "CUDA events" if device == "cuda" else "wall clock (perf_counter)",
+            "steady_blocks": steady_blocks,
+            "steady_steps": steady_steps,
+            "steady_timer": "wall clock (perf_counter), the device synchronized at each block's start and end",
         },
         "backends": backends,
         "results": rows,
@@ -695,9 +965,25 @@ def report(section: dict, info: dict) -> str:
         "and backward) timed alone minus the plain model's with the same fast patch embedding, and its share of "
         "the plain step's median; on a GPU also the difference of the GPU's busy time (the summed durations of "
         "the kernels, from the profiler: no host time), and for the fast patch embedding its busy time against "
-        "timm's patch embedding and position add.",
+        "timm's patch embedding and position add."
+        + (
+            " Overhead vs linear embed: the same per pair against plain timm whose Conv2d patch embedding is a "
+            "reshape + F.linear (the strongest non-fused one)."
+            if any(row.get("overhead_vs_linear_median_pct") is not None for row in section["results"])
+            else ""  # runs from before that baseline
+        ),
         "",
     ]
+    steady = steady_table(section["results"])
+    if steady:
+        lines += [
+            "Steady state: each variant's blocks of steps back to back, the device synchronized only at a block's "
+            "start and end, in alternating order; images/s median [min, max] over the blocks, and the overheads "
+            "from them (per block ips_baseline / ips_variant - 1, median over the blocks):",
+            "",
+            steady,
+            "",
+        ]
     kernels = kernel_table(section["results"])
     if kernels:
         lines += [
@@ -744,6 +1030,20 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="comma-separated backends of the MJP models, each measured alone (default: the automatic one, and on "
         "a GPU every GPU backend built)",
+    )
+    parser.add_argument(
+        "--steady-blocks",
+        type=int,
+        default=None,
+        help=f"steady-state blocks per variant, alternating order (default: {STEADY['cpu'][0]} on the CPU, "
+        f"{STEADY['cuda'][0]} on a GPU; 0: no steady state)",
+    )
+    parser.add_argument(
+        "--steady-steps",
+        type=int,
+        default=None,
+        help=f"steps back to back per steady-state block (default: {STEADY['cpu'][1]} on the CPU, "
+        f"{STEADY['cuda'][1]} on a GPU)",
     )
 
 

@@ -25,8 +25,8 @@
 #   7. benchmarks, eager: train_step (batch 256), host_cost, kernels (the Triton
 #      kernels under each setting in question); the JSON is written after each
 #      case; train_step and host_cost measure each GPU backend built (triton,
-#      cuda) in rounds of its own                                                180 s   ~170 s
-#   8. train_step benchmark under torch.compile                                  the rest  ~80 s
+#      cuda) in rounds of its own, five variants and steady-state blocks          200 s   ~190 s
+#   8. train_step benchmark under torch.compile                                  the rest  ~60 s
 #   9. benchmarks, eager: patch_embed, sampler (measured by earlier runs: what
 #      time is left, if any)                                                     the rest  little or none
 #   the command: 540 s. The timm-family sweep (one model in its 60 s on the last two runs) is a mode of its own.
@@ -281,7 +281,7 @@ benchmarks() {
   # each case's own repeats (sampler and host_cost 15); the JSON is written after every case, so a case cut at
   # the deadline loses only itself (the kernels case keeps the settings it finished). The judged cases first, then
   # the compiled train step, then the cases whose kernels earlier runs measured, with what is left.
-  stage "benchmarks, eager" 180 bench_eager.log python3 -m bench.run --device cuda \
+  stage "benchmarks, eager" 200 bench_eager.log python3 -m bench.run --device cuda \
     --cases train_step,host_cost,kernels --out "$out"
   grep -E "^(PASS|FAIL|NOT RUN|NOISY|ERROR|SETTING)" "$work/bench_eager.log" | cut -c1-400 | head -n 60
   stage "benchmarks, torch.compile" 600 bench_compiled.log python3 -m bench.run --device cuda --cases train_step \

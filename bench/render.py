@@ -88,14 +88,18 @@ Cases:
 
 - **sampler**: masks and permutations, one per sample, on a 14x14 grid: the plain Python loop of BEiT and the
   paper's code, the torch oracle, the compiled `cpu` path (and `cuda`, `triton` on a GPU).
-- **patch_embed**: timm's `PatchEmbed` plus the position-embedding add against `mjp_patch_embed` on each
-  backend, forward and forward+backward, DeiT-S shapes; float32 on the CPU, bfloat16 on a GPU.
+- **patch_embed**: timm's `PatchEmbed` plus the position-embedding add, and the images reshaped into patch rows
+  plus one `F.linear` (flash-attention's patch embedding, the strongest non-fused one; "vs linear"), against
+  `mjp_patch_embed` on each backend, forward and forward+backward, DeiT-S shapes; float32 on the CPU, bfloat16 on
+  a GPU.
 - **jigsaw_apply**: the paper code's pixel pipeline (Unfold, a copy of the batch, indexing, Fold; one jigsaw
   per batch) against `jigsaw_images` (one per sample) and the fused embedding, which never makes a shuffled
   image; the jigsaw's own cost is shown next to the plain patch embedding's.
 - **train_step**: forward, loss, backward and AdamW step of timm's DeiT-Tiny and DeiT-Small, plain against
-  `mjp_fast.timm.convert` (ratio 0.1, prob 0.5 and 1.0, DAL) from the same weights; the overhead is the median
-  over interleaved pairs of `t_mjp / t_plain - 1`.
+  `mjp_fast.timm.convert` (ratio 0.1, prob 0.5 and 1.0, DAL) from the same weights, with plain timm with the
+  fast patch embedding and with a reshape + `F.linear` one as further baselines; the overhead is the median over
+  interleaved pairs of `t_mjp / t_plain - 1`, and in a steady state (blocks of steps back to back, synchronized
+  at their ends) the median over the blocks.
 - **kernels** (GPU): the GPU time of each Triton kernel of MJP's part of a step (the fused embedding, position
   step and DAL, forward and backward), with and without the jigsaw, under each pipeline setting in question.
 """
@@ -278,6 +282,7 @@ DPI = 100
 COLORS = {
     "python loop": "tab:gray",
     "timm": "tab:gray",
+    "linear": "black",  # the patch embedding's reshape + F.linear baseline
     "torch": "tab:blue",
     "cpu": "tab:orange",
     "cuda": "tab:green",
@@ -623,14 +628,17 @@ def draw_patch_embed(section: dict, payload: dict, path: Path) -> None:
     modes = list(dict.fromkeys(row.get("mode", "") for row in rows))
     names = list(dict.fromkeys(row["implementation"] for row in rows))
     backend_of = {row["implementation"]: row.get("backend") or row["implementation"] for row in rows}
-    # timm first (the baseline), then ours per backend in the run's order, then ours with the sampling of the jigsaw
-    # in each call ("mjp[cpu] + sampling"), then anything else.
-    order = ["timm"] * ("timm" in names)
+    # timm first (the baseline), then the reshape + F.linear baseline (runs since it exists), then ours per backend
+    # in the run's order, then ours with the sampling of the jigsaw in each call ("mjp[cpu] + sampling"), then
+    # anything else.
+    order = ["timm"] * ("timm" in names) + ["linear"] * ("linear" in names)
     order += [f"mjp[{backend}]" for backend in section.get("backends", []) if f"mjp[{backend}]" in names]
     order += [name for name in names if name.startswith("mjp[") and name not in order]
     order += [name for name in names if name not in order]
 
     def label(name: str) -> str:
+        if name == "linear":
+            return "reshape + F.linear + position add"
         if not name.startswith("mjp["):
             return f"{name} PatchEmbed + position add"
         extra = name.split("]", 1)[1].strip()

@@ -92,16 +92,23 @@ def _check_sampler_values(section: dict) -> None:
 
 
 def _check_patch_embed_values(section: dict) -> None:
-    """Each row's ratio is its median over timm's in the same mode and batch; the fast paths agree with the
-    oracle."""
-    from bench.bench_patch_embed import BASELINE
+    """Each row's ratios are its median over timm's and over the linear baseline's in the same mode and batch; the
+    fast paths agree with the oracle, the linear baseline with timm."""
+    from bench.bench_patch_embed import BASELINE, LINEAR
 
     for (mode, batch), group in _groups(section["results"], "mode", "batch").items():
         for row in group.values():
             assert row["ratio_vs_timm"] == pytest.approx(row["median_s"] / group[BASELINE]["median_s"])
+            assert row["ratio_vs_linear"] == pytest.approx(row["median_s"] / group[LINEAR]["median_s"])
             assert row["images_per_s"] == pytest.approx(batch / row["median_s"])
             if mode == "forward" and row["backend"] is not None:
                 assert row["max_abs_error_vs_ref"] is not None and row["max_abs_error_vs_ref"] < 1e-4
+        linear = group[LINEAR]
+        if mode == "forward":  # checked once per batch, against timm's output
+            assert linear["matches_timm"] is True and linear["max_abs_error_vs_timm"] < 1e-4
+        else:
+            assert linear["matches_timm"] is None and linear["max_abs_error_vs_ref"] is None
+    assert not [name for name in section.get("errors", {}) if name.startswith(LINEAR)]
 
 
 def _check_jigsaw_apply_values(section: dict) -> None:
@@ -182,6 +189,14 @@ def _check_train_step_values(section: dict) -> None:
                 assert 0 <= row["quiet_pairs"] <= row["pairs"]
                 expected = 100.0 * row["isolated_extra_s"] / plain["median_s"]
                 assert row["isolated_overhead_pct"] == pytest.approx(expected)
+        # the steady state: images/s per block, the overheads from them (in time) per block, their median
+        for name, row in group.items():
+            blocks = np.asarray(row["steady_images_per_s_blocks"])
+            assert row["steady_blocks"] == blocks.size > 0
+            assert row["steady_images_per_s"] == pytest.approx(float(np.median(blocks)))
+            if name != PLAIN:
+                against_plain = 100.0 * (np.asarray(plain["steady_images_per_s_blocks"]) / blocks - 1.0)
+                assert row["steady_overhead_median_pct"] == pytest.approx(float(np.median(against_plain)))
 
 
 def _check_train_loop_values(section: dict) -> None:
@@ -233,6 +248,7 @@ def test_patch_embed_benchmark_smoke(tmp_path, capsys):
         assert ("forward", f"mjp[{backend}]") in modes
         assert ("forward+backward", f"mjp[{backend}]") in modes
     assert ("forward+backward", "timm") in modes
+    assert {("forward", "linear"), ("forward+backward", "linear")} <= modes
     _check_patch_embed_values(payload)
     # the batch sweep: every implementation in both modes at each batch, each row naming its batch
     from bench import bench_patch_embed
@@ -247,9 +263,12 @@ def test_patch_embed_benchmark_smoke(tmp_path, capsys):
     assert all(implementations == modes for implementations in per_batch)
     for row in payload["results"]:
         assert row["images_per_s"] == pytest.approx(row["batch"] / row["median_s"])
-    (aim,) = payload["aims"]
+    aim, gpu_aim = payload["aims"]
     assert aim["batch"] == config["batch"] and f"batch {config['batch']}" in aim["aim"]
-    assert "| batch |" in printed
+    # the GPU aim: not judged on the CPU, and the note says why
+    assert gpu_aim["verdict"] == "NOT JUDGED" and gpu_aim["measured"] is None and "GPU only" in gpu_aim["note"]
+    assert gpu_aim["batch"] == bench_patch_embed.GPU_AIM_BATCH and config["gpu_aim_backend"] is None
+    assert "| batch |" in printed and "| vs linear |" in printed
 
 
 @pytest.mark.timeout(120)
@@ -263,7 +282,7 @@ def test_patch_embed_benchmark_sweeps_the_batches_asked_for(tmp_path, capsys):
     assert payload["config"]["batches"] == [3, 1]  # in the order asked, once each
     assert list(dict.fromkeys(row["batch"] for row in payload["results"])) == [3, 1]  # measured in that order
     assert {row["batch"] for row in payload["results"]} == {1, 3}
-    (aim,) = payload["aims"]  # the judged batch (2 in a smoke run) was not measured: nothing to judge
+    aim, _ = payload["aims"]  # the judged batch (2 in a smoke run) was not measured: nothing to judge
     assert aim["measured"] is None and aim["verdict"] == "NOT RUN" and "not in the sweep" in aim["note"]
     capsys.readouterr()
     with pytest.raises(SystemExit):
@@ -278,16 +297,93 @@ def test_patch_embed_aim_is_judged_at_its_batch_only():
         return {"mode": "forward+backward", "implementation": "mjp[cpu]", "batch": batch, "ratio_vs_timm": ratio}
 
     rows = [row(16, 2.0), row(AIM_BATCH, 0.5), row(256, 3.0)]
-    (aim,) = _aims(rows, smoke=False, device="cpu", batch=AIM_BATCH)
+    aim, _ = _aims(rows, smoke=False, device="cpu", batch=AIM_BATCH)
     assert (aim["measured"], aim["verdict"], aim["batch"], aim["threshold"]) == (0.5, "PASS", AIM_BATCH, AIM_RATIO)
     errors = {"mjp[cpu], batch 16": "RuntimeError: elsewhere"}  # another batch's failure is reported, not judged
     assert _aims(rows, smoke=False, device="cpu", batch=AIM_BATCH, errors=errors)[0]["verdict"] == "PASS"
     errors = {f"mjp[cpu] + sampling, batch {AIM_BATCH}": "RuntimeError: here"}
     assert _aims(rows, smoke=False, device="cpu", batch=AIM_BATCH, errors=errors)[0]["verdict"] == "FAIL"
+    assert len(_aims(rows, smoke=False, device="cpu", batch=AIM_BATCH)) == 2  # the CPU's, then the GPU's
     assert parse_batches("16, 64,16") == (16, 64) and parse_batches([8]) == (8,)
     for bad in ("", "0", "-2,4", "a", []):
         with pytest.raises(ValueError, match="batches must be positive integers"):
             parse_batches(bad)
+
+
+def test_the_linear_baseline_is_timms_convolution():
+    """``linear``: reshape into patch rows + F.linear gives timm's PatchEmbed tokens and the same gradients of the
+    weight and bias, on an odd grid (3 x 5 patches of 4 x 4, 3 channels, D = 5) and non-contiguous images."""
+    import torch
+    from timm.layers import PatchEmbed
+
+    from bench.bench_patch_embed import linear_patch_embed
+
+    torch.manual_seed(0)
+    embed = PatchEmbed(img_size=(12, 20), patch_size=4, in_chans=3, embed_dim=5).double()
+    images = torch.randn(2, 3, 20, 12, dtype=torch.float64).transpose(2, 3)  # [2, 3, 12, 20], not contiguous
+    grad = torch.randn(2, 15, 5, dtype=torch.float64)
+    expected = embed(images)
+    expected.backward(grad)
+    expected_grads = [embed.proj.weight.grad.clone(), embed.proj.bias.grad.clone()]
+    embed.zero_grad(set_to_none=True)
+    got = linear_patch_embed(images, embed.proj.weight, embed.proj.bias)
+    got.backward(grad)
+    torch.testing.assert_close(got, expected)  # float64: the two sums agree to rounding
+    torch.testing.assert_close([embed.proj.weight.grad, embed.proj.bias.grad], expected_grads)
+    no_bias = linear_patch_embed(images, embed.proj.weight.detach(), None)
+    torch.testing.assert_close(no_bias, expected.detach() - embed.proj.bias.detach())
+
+
+def test_the_linear_check_catches_a_wrong_baseline():
+    """:meth:`Problem.check_linear` passes the linear baseline as it is, and fails it when its output is off by
+    more than the sums' rounding."""
+    import torch
+
+    from bench.bench_patch_embed import Problem
+
+    problem = Problem(2, 16, 4, 8, torch.float32, "cpu")
+    check = problem.check_linear()
+    assert check["matches"] and check["linear_error"] <= check["tolerance"] and check["timm_error"] == 0.0
+    forward = problem.linear_forward
+    problem.linear_forward = lambda: forward() + 1e-3
+    check = problem.check_linear()
+    assert not check["matches"] and check["linear_vs_timm"] == pytest.approx(1e-3, rel=1e-2)
+
+
+def test_patch_embed_gpu_aim_is_judged_on_a_gpu_only():
+    """The default GPU backend's forward+backward against the linear baseline, at batch 256: PASS/FAIL on a GPU;
+    on the CPU not judged, with a note."""
+    from bench.bench_patch_embed import GPU_AIM_BATCH, GPU_AIM_RATIO, _gpu_aim
+
+    def row(name: str, batch: int, ratio: float, mode: str = "forward+backward") -> dict:
+        return {"mode": mode, "implementation": name, "batch": batch, "ratio_vs_linear": ratio}
+
+    rows = [
+        row("mjp[cuda]", GPU_AIM_BATCH, 0.8),
+        row("mjp[triton]", GPU_AIM_BATCH, 1.3),
+        row("mjp[cuda]", 64, 2.0),  # another batch: not judged
+        row("mjp[cuda]", GPU_AIM_BATCH, 3.0, mode="forward"),  # another mode: not judged
+    ]
+    on_gpu = dict(smoke=False, device="cuda", errors={})
+    aim = _gpu_aim(rows, backend="cuda", **on_gpu)
+    assert (aim["measured"], aim["verdict"], aim["threshold"], aim["backend"]) == (0.8, "PASS", GPU_AIM_RATIO, "cuda")
+    assert "(cuda)" in aim["aim"] and f"batch {GPU_AIM_BATCH}" in aim["aim"]
+    assert _gpu_aim(rows, backend="triton", **on_gpu)["verdict"] == "FAIL"  # the default backend is the one judged
+    for where in (dict(smoke=False, device="cpu"), dict(smoke=True, device="cpu")):
+        aim = _gpu_aim(rows, backend=None, errors={}, **where)
+        assert aim["verdict"] in ("NOT RUN", "NOT JUDGED") and aim["measured"] is None
+        assert "judged on a GPU only" in aim["note"]
+    assert _gpu_aim(rows, backend=None, errors={}, smoke=False, device="cpu")["verdict"] == "NOT RUN"
+    # the default backend raising at that batch misses the aim; a wrong linear baseline leaves it unjudged
+    raised = {f"mjp[cuda] + sampling, batch {GPU_AIM_BATCH}": "RuntimeError: here"}
+    assert _gpu_aim(rows, backend="cuda", smoke=False, device="cuda", errors=raised)["verdict"] == "FAIL"
+    elsewhere = {"mjp[cuda], batch 64": "RuntimeError: elsewhere"}
+    assert _gpu_aim(rows, backend="cuda", smoke=False, device="cuda", errors=elsewhere)["verdict"] == "PASS"
+    wrong = {f"linear, batch {GPU_AIM_BATCH}": "check: its forward is 1e-2 from the float32 convolution"}
+    aim = _gpu_aim(rows, backend="cuda", smoke=False, device="cuda", errors=wrong)
+    assert aim["verdict"] == "NOT RUN" and "linear baseline" in aim["note"]
+    aim = _gpu_aim([r for r in rows if r["batch"] != GPU_AIM_BATCH], backend="cuda", **on_gpu)
+    assert aim["verdict"] == "NOT RUN" and "not in the sweep" in aim["note"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -296,7 +392,17 @@ def test_patch_embed_aim_is_judged_at_its_batch_only():
 
 CASE_ROW_KEYS = {
     "sampler": {"batch", "ratio", "per_mask_median_s", "speedup_vs_python", "mean_masked", "matches_oracle"},
-    "patch_embed": {"mode", "batch", "backend", "ratio_vs_timm", "images_per_s", "max_abs_error_vs_ref"},
+    "patch_embed": {
+        "mode",
+        "batch",
+        "backend",
+        "ratio_vs_timm",
+        "ratio_vs_linear",
+        "images_per_s",
+        "max_abs_error_vs_ref",
+        "max_abs_error_vs_timm",
+        "matches_timm",
+    },
     "jigsaw_apply": {"ratio", "output", "backend", "jigsaw_cost_s", "jigsaw_cost_vs_plain_embedding", "check"},
     "host_cost": {"baseline", "ops", "op_counts", "triton_launches", "ratio"},
     "train_step": {
@@ -312,6 +418,13 @@ CASE_ROW_KEYS = {
         "overhead_ci95_high_pct",
         "quiet_pairs",
         "isolated_overhead_pct",
+        "overhead_vs_linear_median_pct",
+        "steady_blocks",
+        "steady_images_per_s",
+        "steady_images_per_s_blocks",
+        "steady_overhead_median_pct",
+        "steady_overhead_vs_fast_median_pct",
+        "steady_overhead_vs_linear_median_pct",
     },
     "kernels": {"model", "batch", "setting", "constants", "extra_busy_s", "kernels", "launches", "resolved"},
     "train_loop": {"data", "batch", "steps", "images_per_s", "ratio_vs_timm", "ratio_vs_mjp_false", "eval_s", "wall_s"},
@@ -372,7 +485,7 @@ def test_mjp_bench_smoke_runs_every_case_into_one_json(tmp_path, capsys):
     checks = [row["check"] for row in payload["cases"]["jigsaw_apply"]["results"] if row["check"] is not None]
     assert checks and all(check is True or check < 1e-4 for check in checks)  # the pipelines compute the same
     variants = {row["implementation"] for row in payload["cases"]["train_step"]["results"]}
-    assert variants == {"plain", "plain + fast patch embed", "mjp prob=0.5", "mjp prob=1"}
+    assert variants == {"plain", "plain + linear embed", "plain + fast patch embed", "mjp prob=0.5", "mjp prob=1"}
     assert {aim["case"] for aim in payload["aims"]} == {
         "sampler",
         "patch_embed",

@@ -458,3 +458,67 @@ def test_device_check_logs_are_linked_from_the_page(tmp_path):
     assert "- [Device check on an H100](../bench/results/nvidia-h100-2026-11-26-device-check.md)" in page
     assert "not a device check" not in page
     assert "GPU checks kept as logs" not in render.render(tmp_path / "empty-results")
+
+
+def _with_linear_and_steady(patch_embed: dict, train_step: dict) -> tuple[dict, dict]:
+    """The two sections as runs since the linear baselines and the steady state record them: a ``linear`` row per
+    mode and batch and a ``ratio_vs_linear`` on every row; a ``plain + linear embed`` row per model, the overheads
+    against it, the steady-state figures, and a GPU aim judged on the steady state."""
+    rows = []
+    for row in patch_embed["results"]:
+        if row["implementation"] == "timm":
+            linear = 0.5 * row["median_s"]
+            rows += [row, {**row, "implementation": "linear", **_timing(linear), "ratio_vs_timm": 0.5}]
+        else:
+            rows.append(row)
+    for row in rows:
+        timm = next(
+            r for r in rows if (r["mode"], r["batch"], r["implementation"]) == (row["mode"], row["batch"], "timm")
+        )
+        row["ratio_vs_linear"] = row["median_s"] / (0.5 * timm["median_s"])
+    patch_embed = {**patch_embed, "results": rows}
+    rows = []
+    for row in train_step["results"]:
+        steady = {"steady_blocks": 2, "steady_steps": 3, "steady_images_per_s": 30.0}
+        steady |= {"steady_images_per_s_blocks": [29.0, 31.0], "steady_overhead_median_pct": None}
+        steady |= {"steady_overhead_vs_fast_median_pct": None, "steady_overhead_vs_linear_median_pct": None}
+        if row["prob"] is None:
+            rows += [row | steady, row | steady | {"implementation": "plain + linear embed", "prob": "linear"}]
+            rows[-1] |= {"overhead_median_pct": 3.0, "overhead_p20_pct": 2.0, "overhead_p80_pct": 4.0}
+            rows[-1] |= {"steady_overhead_median_pct": 2.5, "overhead_of_medians_pct": 3.0}
+        else:
+            rows.append(row | steady | {"steady_overhead_median_pct": 1.0, "steady_overhead_vs_fast_median_pct": 0.125})
+            rows[-1] |= {"steady_overhead_vs_linear_median_pct": -7.5, "overhead_vs_linear_median_pct": -6.0}
+            rows[-1] |= {"overhead_vs_linear_p20_pct": -8.0, "overhead_vs_linear_p80_pct": -4.0}
+    steady_aim = {
+        "aim": "on an H100/H200, DeiT-Small, batch 8, bfloat16: MJP (ratio 0.1, prob 0.5, DAL) training-step overhead "
+        "in the steady state (steps back to back) at most 0.25% against plain timm with the same fast patch embedding",
+        "threshold": 0.25,
+        "measured": 0.125,
+        "unit": "%",
+        "verdict": "PASS",
+    }
+    return patch_embed, {**train_step, "results": rows, "aims": train_step["aims"] + [steady_aim]}
+
+
+def test_the_linear_baselines_and_the_steady_state_render_and_older_runs_as_before(tmp_path, results):
+    old = {"patch_embed": patch_embed_section(), "train_step": train_step_section()}
+    write_suite(results, "cpu-test-cpu-2000-01-01", CPU, "2000-01-01T00:00:00+00:00", old)
+    runs = render.render(results).split("## cpu-test-cpu-2000-01-01")[1]  # the run, below the introduction
+    assert "vs linear" not in runs and "linear embed" not in runs and "Steady state" not in runs  # no empty columns
+    assert "| vs timm | images/s |" in runs
+
+    patch_embed, train_step = _with_linear_and_steady(patch_embed_section(), train_step_section())
+    new = {"patch_embed": patch_embed, "train_step": train_step}
+    write_suite(results, "nvidia-h200-2000-01-02", GPU, "2000-01-02T00:00:00+00:00", new)
+    page, plots = render_into(tmp_path)
+    new_run = page[page.index("## nvidia-h200-2000-01-02") :]
+    assert "| vs timm | vs linear | images/s |" in new_run and "| linear " in new_run
+    assert "overhead vs linear embed: median [p20, p80]" in new_run and "-6.00% [-8.00%, -4.00%]" in new_run
+    assert "| plain + linear embed" in new_run and "steady images/s: median [min, max]" in new_run
+    assert "30.0 [29.0, 31.0]" in new_run and "+0.12%" in new_run and "-7.50%" in new_run
+    assert "in the steady state (steps back to back) at most 0.25%" in page.split("## Plots")[0]  # in the summary
+    old_run = page[page.index("## cpu-test-cpu-2000-01-01") :]
+    assert "vs linear" not in old_run and "Steady state" not in old_run
+    for name in ("nvidia-h200-patch-embed.png", "nvidia-h200-train-step-overhead.png"):
+        assert png_size(plots / name)[0] > 0
