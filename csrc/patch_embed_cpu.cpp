@@ -665,16 +665,25 @@ std::vector<std::optional<at::ScalarType>> gradient_dtypes(const at::Tensor& ima
   return {images.scalar_type(), weight.scalar_type(), weight.scalar_type(), pos_dtype, unk_dtype, prefix_dtype};
 }
 
+// The parameters of patch_embed_extension_backward, in its schema's order (registered at the end of the file),
+// written once for the operator's two kernels: the dispatcher calls the CPU/CUDA kernel and the Meta kernel with the
+// schema's arguments one by one, so each must declare the whole flat list (a struct of them cannot be registered),
+// and one list keeps the two from drifting apart when the schema changes. The names it declares, for both bodies:
+// grad_in, images_in, weight_in (as given, before compute_dtype), perm, mask, need_images ... need_prefix,
+// prefix_count, prefix_positions, pos_shape, prefix_shape, pos_dtype, unk_dtype, prefix_dtype, compute_dtype.
+// Undefined after the Meta kernel.
+#define MJP_PATCH_EMBED_BACKWARD_PARAMETERS                                                                            \
+  const at::Tensor& grad_in, const at::Tensor& images_in, const at::Tensor& weight_in,                                 \
+      const std::optional<at::Tensor>& perm, const std::optional<at::Tensor>& mask, bool need_images,                  \
+      bool need_weight, bool need_bias, bool need_pos, bool need_unk, bool need_prefix, int64_t prefix_count,          \
+      int64_t prefix_positions, at::OptionalSymIntArrayRef pos_shape, at::OptionalSymIntArrayRef prefix_shape,         \
+      std::optional<at::ScalarType> pos_dtype, std::optional<at::ScalarType> unk_dtype,                                \
+      std::optional<at::ScalarType> prefix_dtype, std::optional<at::ScalarType> compute_dtype
+
 // The kernel of the CPU and CUDA keys: grad_out, images and weight in compute_dtype, the checks, then
 // patch_embed_backward_cpu or _cuda, each gradient in its dtype (gradient_dtypes); an empty [0] tensor for each
 // gradient not asked for.
-std::vector<at::Tensor> patch_embed_backward_kernel(
-    const at::Tensor& grad_in, const at::Tensor& images_in, const at::Tensor& weight_in,
-    const std::optional<at::Tensor>& perm, const std::optional<at::Tensor>& mask, bool need_images, bool need_weight,
-    bool need_bias, bool need_pos, bool need_unk, bool need_prefix, int64_t prefix_count, int64_t prefix_positions,
-    at::OptionalSymIntArrayRef pos_shape, at::OptionalSymIntArrayRef prefix_shape,
-    std::optional<at::ScalarType> pos_dtype, std::optional<at::ScalarType> unk_dtype,
-    std::optional<at::ScalarType> prefix_dtype, std::optional<at::ScalarType> compute_dtype) {
+std::vector<at::Tensor> patch_embed_backward_kernel(MJP_PATCH_EMBED_BACKWARD_PARAMETERS) {
   const at::AutoDispatchBelowADInplaceOrView below_autograd;
   const auto grad_out = in_compute(grad_in, compute_dtype);
   const auto images = in_compute(images_in, compute_dtype);
@@ -727,13 +736,7 @@ at::Tensor patch_embed_forward_meta(const at::Tensor& images_in, const at::Tenso
                           images.options().dtype(out_dtype.value_or(images.scalar_type())));
 }
 
-std::vector<at::Tensor> patch_embed_backward_meta(
-    const at::Tensor& grad_in, const at::Tensor& images_in, const at::Tensor& weight_in,
-    const std::optional<at::Tensor>& perm, const std::optional<at::Tensor>& mask, bool need_images, bool need_weight,
-    bool need_bias, bool need_pos, bool need_unk, bool need_prefix, int64_t prefix_count, int64_t prefix_positions,
-    at::OptionalSymIntArrayRef pos_shape, at::OptionalSymIntArrayRef prefix_shape,
-    std::optional<at::ScalarType> pos_dtype, std::optional<at::ScalarType> unk_dtype,
-    std::optional<at::ScalarType> prefix_dtype, std::optional<at::ScalarType> compute_dtype) {
+std::vector<at::Tensor> patch_embed_backward_meta(MJP_PATCH_EMBED_BACKWARD_PARAMETERS) {
   const auto grad_out = in_compute(grad_in, compute_dtype);
   const auto shapes =
       check_backward_args(grad_out, in_compute(images_in, compute_dtype), in_compute(weight_in, compute_dtype), perm,
@@ -749,6 +752,8 @@ std::vector<at::Tensor> patch_embed_backward_meta(
   }
   return out;
 }
+
+#undef MJP_PATCH_EMBED_BACKWARD_PARAMETERS
 
 }  // namespace
 }  // namespace mjp

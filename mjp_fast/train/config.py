@@ -1,5 +1,5 @@
-"""The training configuration: one dataclass, YAML files, ``key=value`` overrides, the built-in presets, and the
-recipe files bundled in ``mjp_fast/configs``.
+"""The training configuration: one dataclass, and the YAML files, ``key=value`` overrides, built-in presets and
+bundled recipe files read into it.
 
 Every knob of ``mjp train`` is a field of :class:`TrainConfig`. Its defaults are the DeiT recipe of the paper's
 supplementary (Table 1) with MJP's settings; the ``digits`` preset is the embedded default that needs no data; the
@@ -11,14 +11,15 @@ recipes with their sources.
 
 Values are type-checked against the field's annotation; a wrong key or value raises :class:`ConfigError` whose
 message names the key, what was expected and what was given.
+
+Beside this file: :mod:`mjp_fast.train.config_values` (``ConfigError``, a value converted to a field's type) and
+:mod:`mjp_fast.train.presets` (the presets and the bundled recipes); their names are imported from here as before.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
-import types
 import typing
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -27,26 +28,8 @@ from typing import Any
 import yaml
 
 from mjp_fast._argtypes import COMPILE_MODES
-
-
-class ConfigError(ValueError):
-    """Bad configuration keys or values, or bad paths: the ``mjp`` command prints them, one problem a line.
-
-    ``ConfigError(problem, ...)``: ``problems`` lists them (one line each); ``str(error)`` is the problem itself when
-    there is one, else a count followed by one indented line per problem. ``config``: the config whose values were
-    checked (set by :meth:`TrainConfig.validate`, so that a caller can add the problems it checks itself, such as
-    the data folder's), or None.
-    """
-
-    def __init__(self, *problems: str, config: TrainConfig | None = None) -> None:
-        self.problems = [str(problem) for problem in problems]
-        self.config = config
-        if len(self.problems) == 1:
-            message = self.problems[0]
-        else:
-            message = f"{len(self.problems)} problems:" + "".join(f"\n  {problem}" for problem in self.problems)
-        super().__init__(message)
-
+from mjp_fast.train.config_values import ConfigError, coerce_value, describe_type
+from mjp_fast.train.presets import CONFIG_SUFFIX, PRESETS, bundled_configs
 
 SECTIONS = ("model", "mjp", "data", "augmentation", "optimization", "schedule", "evaluation", "runtime")
 
@@ -383,70 +366,11 @@ class TrainConfig:
 
 FIELDS = {field.name: field for field in dataclasses.fields(TrainConfig)}
 
-# The embedded default: scikit-learn's digits (they ship inside scikit-learn: no download), upsampled from 8x8 to
-# 16x16, a 2-block ViT with 4x4 patches (a 4x4 grid), a baseline and an MJP model side by side, about 75 s
-# on 2 CPU cores. One torch thread (faster than two for so small a model, and steadier on a shared machine) and one
-# loader process on the other core; the loader gives uint8 images and the step normalizes the batch (per image,
-# torchvision's float conversion and normalization took half the loader's time, and with them the loader process
-# was slower than the model's step).
-# Changed from the recipe, as config values: RandAugment, mixup, cutmix, random erasing, flips and repeated
-# augmentation are off (on 8x8 glyphs they cost accuracy in so short a run: a flipped 2 is not a 2); the learning
-# rate is set directly; and the MJP ratio is 0.25, since on a 16-patch grid the paper's 0.1 masks one patch, and
-# a one-patch jigsaw moves nothing.
-PRESETS: dict[str, dict[str, Any]] = {
-    "digits": {
-        "model": "deit_tiny_patch16_224",
-        "img_size": 16,
-        "patch_size": 4,
-        "embed_dim": 64,
-        "depth": 2,
-        "num_heads": 4,
-        "drop_path": 0.0,
-        "mjp_ratio": 0.25,
-        "dataset": "digits",
-        "batch_size": 32,
-        "workers": 1,
-        "threads": 1,
-        "normalize_on_device": "on",
-        "mean": [0.5, 0.5, 0.5],
-        "std": [0.5, 0.5, 0.5],
-        "crop_pct": 1.0,
-        "interpolation": "bilinear",
-        "auto_augment": None,
-        "color_jitter": 0.0,
-        "hflip": 0.0,
-        "scale": [0.8, 1.0],
-        "reprob": 0.0,
-        "mixup": 0.0,
-        "cutmix": 0.0,
-        "repeated_aug": False,
-        "lr": 2e-3,
-        "epochs": 30,
-        "eval_interval": 5,
-        "warmup_epochs": 3,
-        "min_lr": 1e-5,
-        "compare": True,
-        # more than an epoch's 44 steps: without a terminal's bar, one progress line per 1.5-second epoch is enough
-        "log_interval": 50,
-    },
-}
-
 
 def _plain(value: Any) -> Any:
     if isinstance(value, tuple):
         return list(value)
     return value
-
-
-def _describe_type(hint: Any) -> str:
-    origin = typing.get_origin(hint)
-    args = typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        inner = [arg for arg in args if arg is not type(None)]
-        return f"{_describe_type(inner[0])} or none"
-    if origin is list:
-        return f"list of {args[0].__name__}"
-    return hint.__name__
 
 
 def _hint(name: str) -> Any:
@@ -456,61 +380,6 @@ def _hint(name: str) -> Any:
 
 
 _HINTS: dict[str, Any] = {}
-
-
-def _field_type(field: dataclasses.Field) -> tuple[Any, bool]:
-    """(the type without None, whether None is allowed)."""
-    hint = _hint(field.name)
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        inner = [arg for arg in typing.get_args(hint) if arg is not type(None)]
-        return inner[0], True
-    return hint, False
-
-
-def _coerce_scalar(name: str, kind: type, value: Any, from_text: bool) -> Any:
-    if kind is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and from_text:
-            lowered = value.strip().lower()
-            if lowered in ("true", "yes", "on", "1"):
-                return True
-            if lowered in ("false", "no", "off", "0"):
-                return False
-        raise ConfigError(f"{name} must be true or false, got {value!r}")
-    if kind is int:
-        if isinstance(value, bool):
-            raise ConfigError(f"{name} must be an integer, got {value!r}")
-        if isinstance(value, int):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, str):
-            try:
-                return int(value.strip())
-            except ValueError:
-                pass
-        raise ConfigError(f"{name} must be an integer, got {value!r}")
-    if kind is float:
-        if isinstance(value, bool):
-            raise ConfigError(f"{name} must be a number, got {value!r}")
-        if isinstance(value, (int, float)):
-            number = float(value)
-        elif isinstance(value, str):  # YAML 1.1 reads 1e-3 as a string
-            try:
-                number = float(value.strip())
-            except ValueError:
-                raise ConfigError(f"{name} must be a number, got {value!r}") from None
-        else:
-            raise ConfigError(f"{name} must be a number, got {value!r}")
-        if not math.isfinite(number):
-            raise ConfigError(f"{name} must be a finite number, got {value!r}")
-        return number
-    if kind is str:
-        if isinstance(value, str):
-            return value
-        raise ConfigError(f"{name} must be a string, got {value!r}")
-    raise ConfigError(f"{name}: unsupported type {kind}")  # pragma: no cover - a field with a new type
 
 
 def coerce(name: str, value: Any, *, from_text: bool = False) -> Any:
@@ -523,32 +392,7 @@ def coerce(name: str, value: Any, *, from_text: bool = False) -> Any:
         close = difflib.get_close_matches(name, FIELDS, n=3)
         hint = f"; did you mean {' or '.join(close)}?" if close else "; `mjp train --help` lists the keys"
         raise ConfigError(f"unknown config key {name!r}{hint}")
-    kind, optional = _field_type(field)
-    if from_text and isinstance(value, str) and value.strip().lower() in ("none", "null", "~", ""):
-        value = None
-    if value is None and "none" in (field.metadata.get("choices") or ()):
-        value = "none"  # a key whose choices name "none" (mjp_dal): none and null mean that choice
-    if value is None:
-        if optional:
-            return None
-        raise ConfigError(f"{name} cannot be none; expected {_describe_type(_hint(name))}")
-    if typing.get_origin(kind) is list:
-        (item_kind,) = typing.get_args(kind)
-        if from_text and isinstance(value, str):
-            text = value.strip()
-            try:
-                parsed = yaml.safe_load(text if text.startswith("[") else f"[{text}]")
-            except yaml.YAMLError:
-                raise ConfigError(f"{name} must be a list like [1, 2], got {value!r}") from None
-            value = parsed
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{name} must be a list of {item_kind.__name__}, got {value!r}")
-        return [_coerce_scalar(f"{name}[{index}]", item_kind, item, True) for index, item in enumerate(value)]
-    result = _coerce_scalar(name, kind, value, from_text)
-    choices = field.metadata.get("choices")
-    if choices and result not in choices:
-        raise ConfigError(f"{name} must be one of {', '.join(choices)}, got {result!r}")
-    return result
+    return coerce_value(name, _hint(name), field.metadata.get("choices"), value, from_text=from_text)
 
 
 def _check_value(field: dataclasses.Field, value: Any) -> None:
@@ -627,20 +471,6 @@ def _fit_warmup(config: TrainConfig) -> TrainConfig:
         f"{warmup} epoch{'' if warmup == 1 else 's'}, a tenth of the run; set warmup_epochs to choose another"
     )
     return config.fitted(note, warmup_epochs=warmup)
-
-
-# The paper's recipes as YAML files inside the package (setup.py's package_data carries them into wheels), so that
-# `--config deit_s` works from any folder, without a checkout.
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
-CONFIG_SUFFIX = ".yaml"
-
-
-def bundled_configs() -> dict[str, Path]:
-    """The recipe files shipped with mjp_fast: name (the file name without ``.yaml``, e.g. ``deit_s``) -> path,
-    sorted by name. ``load_config(name)`` and ``mjp train --config name`` accept these names."""
-    if not CONFIG_DIR.is_dir():
-        return {}
-    return {path.stem: path for path in sorted(CONFIG_DIR.glob(f"*{CONFIG_SUFFIX}")) if path.is_file()}
 
 
 def config_source_values(source: str | Path) -> dict[str, Any]:
@@ -725,7 +555,7 @@ def help_table() -> str:
             default = getattr(defaults, name)
             shown = "none" if default is None else default
             choices = field.metadata.get("choices")
-            kind = " | ".join(choices) if choices else _describe_type(_hint(name))
+            kind = " | ".join(choices) if choices else describe_type(_hint(name))
             lines.append(f"  {name}={shown}  ({kind})")
             lines.append(f"      {field.metadata['help']}")
     return "\n".join(lines)

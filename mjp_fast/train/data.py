@@ -45,14 +45,11 @@ from mjp_fast.train.augment import pillow_safe
 from mjp_fast.train.config import ConfigError, TrainConfig
 from mjp_fast.train.readers import (
     DEFAULT_MAX_BAD_IMAGES,
-    Batches,
     DataSource,
     ImageFiles,
     SampleStream,
     SeededStream,
     SkipReportingDataset,
-    UnreadableImages,
-    collate_samples,
     decode_all,
     folder_images,
     hf_images,
@@ -63,6 +60,7 @@ from mjp_fast.train.readers import (
     resolve_wds_split,
     wds_stream,
 )
+from mjp_fast.train.unreadable import Batches, UnreadableImages, collate_samples
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
 VAL_SPLIT_NAMES = ("val", "validation", "test")
@@ -398,7 +396,7 @@ def eval_transform(img_size: int, interpolation: str, crop_pct: float) -> Any:
 class SeededDataset(Dataset):
     """Wraps a dataset whose indices come as ``(index, seed)``: the seed is set before the sample's transform.
     Samples are ``(image, target, skips)`` (:func:`~mjp_fast.train.readers.read_sample`: the unreadable images
-    passed over), for :func:`~mjp_fast.train.readers.collate_samples`."""
+    passed over), for :func:`~mjp_fast.train.unreadable.collate_samples`."""
 
     def __init__(self, dataset: Dataset) -> None:
         self.dataset = dataset
@@ -450,7 +448,7 @@ def train_loader(
 ) -> tuple[Batches, SeededEpochSampler | SeededStream]:
     """The training loader (drop_last, so every step has the same batch) and its sampler (``set_epoch(epoch,
     start)``); the loader gives ``(images, targets)`` batches and reports unreadable images
-    (:class:`~mjp_fast.train.readers.Batches`). A stream (``wds/``) gets :class:`SeededStream` as its sampler."""
+    (:class:`~mjp_fast.train.unreadable.Batches`). A stream (``wds/``) gets :class:`SeededStream` as its sampler."""
     workers = config.workers if config.workers is not None else default_workers(world_size)
     unreadable = UnreadableImages(max_bad_images(config))
     if isinstance(dataset, IterableDataset):
@@ -526,7 +524,7 @@ def eval_loader(
 ) -> Batches:
     """A sequential loader; with several ranks each gets its own shard (timm's OrderedDistributedSampler; a
     stream's reader shards itself). Unreadable images are named and counted per pass, up to the dataset's
-    ``max_bad_images`` (:class:`~mjp_fast.train.readers.Batches`); ``len(loader.dataset)``: the images a pass
+    ``max_bad_images`` (:class:`~mjp_fast.train.unreadable.Batches`); ``len(loader.dataset)``: the images a pass
     reads."""
     base = dataset.dataset if isinstance(dataset, Subset) else dataset
     unreadable = UnreadableImages(getattr(base, "max_bad_images", DEFAULT_MAX_BAD_IMAGES), what="evaluation")

@@ -1,5 +1,4 @@
-"""Where ``mjp train`` and ``mjp eval`` read their images from (timm's dataset readers behind one ``data=`` value),
-and what happens to an image that cannot be read.
+"""Where ``mjp train`` and ``mjp eval`` read their images from: timm's dataset readers behind one ``data=`` value.
 
 ``data`` names the source; a prefix picks timm's reader (as timm's ``--dataset`` does):
 
@@ -25,13 +24,8 @@ repeated augmentation, exact resume). A stream (``wds/``) cannot be indexed, so 
 - ``cache_images`` and ``repeated_aug`` are refused (both need random access), as are more loader processes
   (over all ranks) than training shards.
 
-Unreadable images: a file that Pillow cannot decode (truncated, not an image) is never trained on silently. On a
-map-style source the next readable sample takes its place (as in timm's ``ImageDataset``, so batches keep their
-size and a resumed run draws the same images), and its name and error come back with the batch to the main
-process (:func:`collate_samples`), where :class:`UnreadableImages` names each such file once, counts them at the
-end of each epoch, and raises ConfigError once more than ``max_bad_images`` distinct files could not be read.
-A WebDataset stream drops an undecodable sample inside timm's reader; its error is counted the same way, but the
-sample's name is not known there.
+An image that cannot be read is passed over here (:class:`ImageFiles` takes the next readable sample in its place;
+timm's stream reader drops it) and named with its batch; what happens next is :mod:`mjp_fast.train.unreadable`'s.
 """
 
 from __future__ import annotations
@@ -39,7 +33,6 @@ from __future__ import annotations
 import json
 import logging
 import random
-import re
 import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -51,10 +44,10 @@ import torch
 from PIL import Image
 from timm.data import ImageDataset
 from timm.data.readers import create_reader
-from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset, get_worker_info
-from torch.utils.data._utils.collate import default_collate
+from torch.utils.data import Dataset, IterableDataset, Subset, get_worker_info
 
 from mjp_fast.train.config import ConfigError, TrainConfig
+from mjp_fast.train.unreadable import UNNAMED, UNREADABLE_ERRORS, Skip, UnreadableImages, describe_error
 
 DEFAULT_MAX_BAD_IMAGES = TrainConfig.max_bad_images  # for datasets built without a config
 MAP_SCHEMES = ("hfds",)  # data=<scheme>/<name>: timm readers with random access
@@ -63,13 +56,6 @@ SCHEMES = MAP_SCHEMES + STREAM_SCHEMES
 # timm's other prefixes, not read by mjp: say so rather than read hfids/x as a folder called hfids
 OTHER_TIMM_SCHEMES = ("hfids", "tfds", "torch")
 WDS_SPLIT_NAMES = ("validation", "val", "test")
-
-# What Pillow raises for a file it cannot decode: OSError (truncated data; UnidentifiedImageError for a file that is
-# not an image), SyntaxError and ValueError (some broken PNG and TIFF headers), DecompressionBombError (a huge one).
-UNREADABLE_ERRORS = (OSError, SyntaxError, ValueError, Image.DecompressionBombError)
-
-Skip = tuple[str, str]  # (image name, error): an image that could not be read
-UNNAMED = "a sample of "  # how a stream's dropped sample is named: timm's reader does not say which it was
 
 
 def max_bad_images(config: Any) -> int:
@@ -172,7 +158,7 @@ class ImageFiles(ImageDataset):
             try:
                 image, target = self.load(index)
             except UNREADABLE_ERRORS as error:
-                skips.append((self.image_name(index), _describe(error)))
+                skips.append((self.image_name(index), describe_error(error)))
                 index = (index + 1) % len(self)
                 continue
             if self.transform is not None:
@@ -192,13 +178,6 @@ class ImageFiles(ImageDataset):
         return image, target
 
 
-def _describe(error: BaseException) -> str:
-    """The first line of ``error``'s message, without the ``<_io.BufferedReader name=...>`` Pillow adds (the
-    message names the file already)."""
-    text = re.sub(r" <_io\.[^>]*>", "", str(error)).strip() or type(error).__name__
-    return text.splitlines()[0]
-
-
 def folder_images(split_dir: Path, class_map: dict[str, int], max_bad: int) -> ImageFiles:
     """:class:`ImageFiles` over an ImageFolder split (timm's folder reader), classes as ``class_map`` orders them."""
     reader = create_reader("", root=str(split_dir), class_map=class_map)
@@ -215,7 +194,7 @@ def hf_split_names(name: str) -> list[str]:
             return list(json.loads((Path(name) / "dataset_dict.json").read_text())["splits"])
         return list(datasets.get_dataset_split_names(name))
     except (OSError, ValueError, KeyError, datasets.exceptions.DatasetNotFoundError) as error:
-        raise ConfigError(f"cannot read the Hugging Face dataset {name!r}: {_describe(error)}") from None
+        raise ConfigError(f"cannot read the Hugging Face dataset {name!r}: {describe_error(error)}") from None
 
 
 def hf_images(name: str, split: str, classes: list[str] | None, max_bad: int) -> ImageFiles:
@@ -226,7 +205,7 @@ def hf_images(name: str, split: str, classes: list[str] | None, max_bad: int) ->
         reader = create_reader(f"hfds/{name}", root=None, split=split)
     except (OSError, ValueError, KeyError) as error:
         raise ConfigError(
-            f"cannot read split {split!r} of the Hugging Face dataset {name!r}: {_describe(error)}"
+            f"cannot read split {split!r} of the Hugging Face dataset {name!r}: {describe_error(error)}"
         ) from None
     found = [label for label, _ in sorted(reader.class_to_idx.items(), key=lambda item: item[1])]
     if not found:
@@ -302,7 +281,7 @@ def wds_stream(
             num_samples=num_samples,
         )
     except (RuntimeError, OSError, ValueError, KeyError) as error:
-        raise ConfigError(f"cannot read WebDataset split {split!r} in {root!r}: {_describe(error)}") from None
+        raise ConfigError(f"cannot read WebDataset split {split!r} in {root!r}: {describe_error(error)}") from None
     shards = len(dataset.reader.split_info.filenames)
     if shards == 0:
         raise ConfigError(f"WebDataset split {split!r} in {root!r} names no shard")
@@ -439,7 +418,7 @@ def stream_length(dataset: Any) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# the main process's side: batches with their skips, the count and the limit
+# map-style samples with their skips, and decoding ahead (cache_images)
 
 
 def read_sample(dataset: Dataset, index: int) -> tuple[Any, int, tuple[Skip, ...]]:
@@ -466,111 +445,6 @@ class SkipReportingDataset(Dataset):
         return read_sample(self.dataset, index)
 
 
-def collate_samples(samples: Sequence[tuple[Any, int, tuple[Skip, ...]]]) -> tuple[Any, Any, tuple[Skip, ...]] | None:
-    """A loader's batch of ``(image, target, skips)`` samples -> ``(images, targets, skips)``, run in the worker.
-
-    None for a placeholder batch (:class:`SeededStream`); ``(None, None, skips)`` when a sample gave up (its
-    reader met too many unreadable images in a row): the main process then raises.
-    """
-    if all(image is None and not skips for image, _, skips in samples):
-        return None
-    skips = tuple(skip for _, _, sample_skips in samples for skip in sample_skips)
-    if any(image is None for image, _, _ in samples):
-        return None, None, skips
-    images, targets = default_collate([(image, target) for image, target, _ in samples])
-    return images, targets, skips
-
-
-class UnreadableImages:
-    """The images a loader could not read, in the main process: names each distinct file once (stderr), counts
-    the skips of each pass over the data, and raises ConfigError past ``limit``.
-
-    The limit counts distinct files over the run; a stream's dropped samples have no name, so there it counts
-    those of the current pass (a stream gives each sample once a pass).
-
-    Args:
-        limit: ``max_bad_images``.
-        what: the pass's name in the count line (``epoch``, ``evaluation``).
-    """
-
-    def __init__(self, limit: int, what: str = "epoch") -> None:
-        self.limit, self.what = limit, what
-        self.errors: dict[str, str] = {}  # name -> error: the run's distinct unreadable files
-        self.unnamed: list[Skip] = []  # this pass's dropped stream samples
-        self.in_pass = 0
-
-    def add(self, skips: Sequence[Skip]) -> None:
-        """Records the skips of a batch; raises ConfigError past the limit."""
-        for name, error in skips:
-            self.in_pass += 1
-            if name.startswith(UNNAMED):
-                self.unnamed.append((name, error))
-            elif name in self.errors:
-                continue
-            else:
-                self.errors[name] = error
-            print(f"warning: unreadable image skipped: {name} ({error})", file=sys.stderr, flush=True)
-        if self.count > self.limit:
-            raise ConfigError(self.refusal(f"more than max_bad_images={self.limit}"))
-
-    @property
-    def count(self) -> int:
-        """The count the limit applies to: distinct files, plus this pass's unnamed samples."""
-        return len(self.errors) + len(self.unnamed)
-
-    def refusal(self, why: str) -> str:
-        """The error's text: how many, ``why`` that is too many, the first few."""
-        entries = [*self.errors.items(), *self.unnamed]
-        shown = "; ".join(f"{name} ({error})" for name, error in entries[:3])
-        more = f"; and {len(entries) - 3} more" if len(entries) > 3 else ""
-        return (
-            f"{self.count} images could not be read, {why}: {shown}{more}. Replace or remove them, or raise "
-            "max_bad_images"
-        )
-
-    def end_pass(self) -> None:
-        """Prints the pass's count, if it skipped any, and starts the next pass's."""
-        if self.in_pass:
-            plural = "s" if self.in_pass > 1 else ""
-            print(
-                f"warning: this {self.what} skipped {self.in_pass} unreadable image{plural} "
-                f"({len(self.errors) + len(self.unnamed)} distinct; max_bad_images={self.limit})",
-                file=sys.stderr,
-                flush=True,
-            )
-        self.in_pass = 0
-        self.unnamed = []
-
-
-class Batches:
-    """A DataLoader of :func:`collate_samples` batches as the loops read it: ``(images, targets)`` batches; the
-    skips go to :class:`UnreadableImages`, placeholder batches are dropped, and the pass's count is printed at its
-    end. ``len`` is the loader's; ``dataset`` the dataset it reads."""
-
-    def __init__(self, loader: DataLoader, dataset: Dataset, unreadable: UnreadableImages) -> None:
-        self.loader, self.dataset, self.unreadable = loader, dataset, unreadable
-
-    def __len__(self) -> int:
-        return len(self.loader)
-
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        # The loader's iterator now, not at the first batch: making it draws its workers' base seed from torch's
-        # generator, and the training loop seeds (or restores) the generators after it, as for a bare DataLoader.
-        return self._batches(iter(self.loader))
-
-    def _batches(self, batches: Iterator[Any]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        for batch in batches:
-            if batch is None:
-                continue
-            images, targets, skips = batch
-            if skips:
-                self.unreadable.add(skips)
-            if images is None:  # a sample gave up within the limit: the dataset is smaller than the limit
-                raise ConfigError(self.unreadable.refusal("and no other image to take their place"))
-            yield images, targets
-        self.unreadable.end_pass()
-
-
 def decode_all(dataset: ImageFiles, indices: Sequence[int], workers: int) -> tuple[list[np.ndarray], list[int]]:
     """Decodes ``dataset``'s images at ``indices`` (threads: Pillow's decoders release the GIL); an unreadable
     image is replaced as :meth:`ImageFiles.read_sample` replaces it, so a run draws the same pixels as without
@@ -584,7 +458,7 @@ def decode_all(dataset: ImageFiles, indices: Sequence[int], workers: int) -> tup
         try:
             image, target = dataset.load(index)
         except UNREADABLE_ERRORS as error:
-            return dataset.image_name(index), _describe(error)
+            return dataset.image_name(index), describe_error(error)
         return np.asarray(image), target
 
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
