@@ -73,12 +73,17 @@ def cifar10_targets(classes: Sequence[str]) -> list[int]:
 
 def _load(path: Path) -> np.ndarray:
     try:
-        return np.load(path, mmap_mode="r", allow_pickle=False)
-    # EOFError: an empty file; OverflowError: a header whose shape has a negative (or huge) dimension, which the
-    # memory map refuses (a negative 1D length is NumPy's ValueError)
-    except (ValueError, OSError, EOFError, OverflowError) as error:
-        reason = str(error) or type(error).__name__
+        array = np.load(path, mmap_mode="r", allow_pickle=False)
+    # Any exception of NumPy's reader is a damaged file: EOFError (empty), OverflowError (a negative or huge
+    # dimension the memory map refuses), ValueError, tokenize.TokenError (a header length that cuts the header
+    # dict), zipfile.BadZipFile (zip magic bytes: np.load takes the file for a .npz), ...
+    except Exception as error:  # noqa: BLE001 - the kinds above and more; each is the file's fault, said in one line
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise ValueError(f"{OPTION}: cannot read {str(path)!r} as a NumPy array ({reason})") from None
+    if not isinstance(array, np.ndarray):  # a .npz archive under the .npy name: np.load hands back its NpzFile
+        array.close()
+        raise ValueError(f"{OPTION}: {str(path)!r} is a .npz archive, not a .npy array")
+    return array
 
 
 def _severity_maker(images: np.ndarray, labels: np.ndarray, targets: list[int]) -> Callable[[], SeverityImages]:

@@ -24,7 +24,10 @@ def check_dal_weight(name: str, value: object) -> float:
     """``value`` as a float: a finite real number >= 0 (bools refused)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a finite float >= 0, got {type(value).__name__} {value!r}")
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:  # an int past float's range (10**400): not a weight, and float() names no argument
+        raise ValueError(f"{name} must be a finite float >= 0, got a number beyond float's range") from None
     if not (math.isfinite(value) and value >= 0.0):
         raise ValueError(f"{name} must be a finite float >= 0, got {value}")
     return value
@@ -33,10 +36,14 @@ def check_dal_weight(name: str, value: object) -> float:
 def dal_weight_cosine(start: float, end: float, num_updates: int, total_updates: int) -> float:
     """The DAL weight after ``num_updates`` of ``total_updates`` optimizer steps: a cosine from ``start`` to ``end``
     (``end`` from ``total_updates`` on, ``start`` before update 0)."""
+    if num_updates <= 0:
+        # exactly start: the cosine's sum below rounds start away where end dwarfs it (1e-20 against 1.0 gave 0.0)
+        return start
     span = max(total_updates, 1)
     # Clamped before the division: an int past float's range (10**400) would overflow it.
-    progress = min(max(num_updates, 0), span) / span
-    return end + (start - end) * 0.5 * (1 + math.cos(math.pi * progress))
+    progress = min(num_updates, span) / span
+    weight = end + (start - end) * 0.5 * (1 + math.cos(math.pi * progress))
+    return min(max(weight, min(start, end)), max(start, end))  # within [start, end] whatever the rounding
 
 
 class DALWeightSchedule:

@@ -301,7 +301,8 @@ def load_checkpoint(path: str | Path, *, what: str = "checkpoint") -> dict[str, 
         )
     missing = [key for key in REQUIRED_KEYS if key not in checkpoint]
     if missing:
-        present = [str(key) for key in checkpoint][:8]
+        # a key as written unless it would break the one line (a newline in it) or is no str: then its repr
+        present = [key if isinstance(key, str) and key.isprintable() else repr(key) for key in checkpoint][:8]
         has = ", ".join(present) + (", ..." if len(checkpoint) > len(present) else "") if present else "none"
         raise ConfigError(
             f"{what} {str(path)!r} is a torch file but not a checkpoint written by mjp train: it lacks the "
