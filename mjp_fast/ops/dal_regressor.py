@@ -88,7 +88,20 @@ class DALRegressor(nn.Module):
         # A non-finite table makes linalg.svd raise (on the CPU) or return garbage: decompose a finite stand-in (no
         # host sync to decide) and give NaN instead, as the per-position regressors do.
         finite = torch.isfinite(centered).all()
-        _, _, right = torch.linalg.svd(torch.where(finite, centered, 0), full_matrices=False)
+        decomposed = torch.where(finite, centered, 0)
+        # A table whose rows are all equal (one position, say) centres to zero, up to the mean's rounding, which
+        # every direction projects to (about) 0; but linalg.svd's backward there is NaN (its singular values
+        # coincide), and NaN times the DAL weight, 0 included, poisons the table's gradient. There a stand-in with
+        # distinct singular values is decomposed instead (no host sync to decide): the projection is the same
+        # rounding-sized values, its gradient finite.
+        rows, dim = decomposed.shape
+        if rows:  # (a table of no position has nothing to decompose either way)
+            scale = pos_embed.detach().to(dtype).abs().amax()
+            flat = decomposed.detach().abs().amax() <= 16 * torch.finfo(dtype).eps * scale
+            stand_in = torch.eye(rows, dim, dtype=dtype, device=decomposed.device)
+            stand_in = stand_in * torch.arange(dim, 0, -1, dtype=dtype, device=decomposed.device)
+            decomposed = torch.where(flat, stand_in, decomposed)
+        _, _, right = torch.linalg.svd(decomposed, full_matrices=False)
         directions = right[:2]
         if directions.shape[0] < 2:  # fewer than two positions or dimensions: pad with a zero direction
             directions = torch.cat((directions, directions.new_zeros(2 - directions.shape[0], self.dim)))

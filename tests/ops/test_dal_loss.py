@@ -125,3 +125,22 @@ def test_compiled_dal_loss_traces_no_lru_cache(backend, monkeypatch):
     torch.testing.assert_close(loss, dal_loss_ref(pos, regressor, (3, 4), mask, normalize=True))
     loss.backward()
     assert pos.grad is not None and pos.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("table", ["one position", "equal rows", "zeros"])
+def test_pca_gives_finite_gradients_on_a_table_that_centres_to_zero(table):
+    # linalg.svd's backward at a zero matrix is NaN; NaN times any DAL weight, 0 included, poisoned the table's
+    # gradient (found by tests/property/test_dal_attached.py)
+    torch.manual_seed(0)
+    grid = (1, 1) if table == "one position" else (2, 3)
+    pos = torch.randn(1, grid[0] * grid[1], 8)
+    if table == "equal rows":
+        pos = pos[:, :1].expand_as(pos).clone()
+    elif table == "zeros":
+        pos = torch.zeros_like(pos)
+    pos.requires_grad_(True)
+    regressor = mjp_fast.DALRegressor(8, "pca")
+    loss = mjp_fast.dal_loss(pos, regressor, grid, backend="torch")
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(pos.grad).all()
+    assert all(torch.isfinite(parameter.grad).all() for parameter in regressor.parameters())

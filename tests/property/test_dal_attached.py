@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 
-import pytest
 import timm
 import torch
 from hypothesis import Phase, given, settings
@@ -27,7 +26,7 @@ from tests.conftest import backends_for
 
 BACKENDS = backends_for("cpu")
 EVAS = {"eva02": "eva02_tiny_patch14_224", "rope_mixed_ape": "vit_small_patch16_rope_mixed_ape_224"}
-# An expected failure (xfail) ends at its first failing example: shrinking it would build models for minutes.
+# Properties that build models run unshrunk: shrinking a failing example would build models for minutes.
 UNSHRUNK = (Phase.explicit, Phase.reuse, Phase.generate)
 weights = st.one_of(st.sampled_from((0.0, 0.01, 1.0)), st.floats(0.0, 3.0))
 
@@ -130,13 +129,6 @@ def test_the_outputs_backward_gives_the_gradients_of_the_explicit_loss(case, att
         torch.testing.assert_close(got[name], grad, rtol=1e-4, atol=1e-6, msg=lambda text, name=name: f"{name}: {text}")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: DALRegressor(kind='pca') (mjp_fast/ops/dal_regressor.py) differentiates torch.linalg.svd of the "
-    "centered table, whose backward is NaN where that table is zero (one position: a 1x1 grid; or every row equal), "
-    "so the position table's gradient is NaN even at mjp_dal_weight 0, which the docs call 'DAL off, the plain "
-    "gradients' (mjp_fast.dal_loss(..., regressor=pca) alone shows it)",
-)
 @settings(max_examples=max(1, settings.default.max_examples // 4), phases=UNSHRUNK)
 @given(cases(), weights, st.sampled_from(("one position", "equal rows")))
 def test_pca_on_a_table_of_one_position_or_equal_rows_gives_finite_gradients(case, attached_weight, table):
