@@ -161,3 +161,15 @@ def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: int, contigu
         return torch.randn(shape, generator=generator).to(dtype)
     flipped = (*shape[:-2], shape[-1], shape[-2])
     return torch.randn(flipped, generator=generator).to(dtype).transpose(-1, -2)
+
+
+def vit_prefix_kwargs(draw) -> dict[str, object]:
+    """A timm VisionTransformer's prefix tokens, drawn (within a ``st.composite``): a class token or not, 0-2
+    register tokens, the position table with or without rows for them, and the pooling a class token allows."""
+    class_token = draw(st.booleans())
+    return dict(
+        class_token=class_token,
+        reg_tokens=draw(st.integers(0, 2)),
+        no_embed_class=draw(st.booleans()),
+        global_pool="token" if class_token else "avg",
+    )

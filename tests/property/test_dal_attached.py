@@ -23,6 +23,7 @@ from torch import nn
 import mjp_fast
 import mjp_fast.timm as mjp_timm
 from tests.conftest import backends_for
+from tests.property.common import vit_prefix_kwargs
 
 BACKENDS = backends_for("cpu")
 EVAS = {"eva02": "eva02_tiny_patch14_224", "rope_mixed_ape": "vit_small_patch16_rope_mixed_ape_224"}
@@ -41,13 +42,7 @@ def cases(draw: st.DrawFn) -> dict:
     kwargs = dict(img_size=(rows * patch, cols * patch), patch_size=patch, embed_dim=draw(st.sampled_from((8, 16))))
     kwargs.update(depth=1, num_heads=2, num_classes=3)
     if family == "vit":
-        class_token = draw(st.booleans())
-        kwargs.update(
-            class_token=class_token,
-            reg_tokens=draw(st.integers(0, 2)),
-            no_embed_class=draw(st.booleans()),
-            global_pool="token" if class_token else "avg",
-        )
+        kwargs.update(vit_prefix_kwargs(draw))
     jigsaw_on = draw(st.booleans())
     return dict(
         family=family,

@@ -22,6 +22,7 @@ from torch import nn
 
 import mjp_fast.timm as mjp_timm
 from tests.conftest import backends_for
+from tests.property.common import vit_prefix_kwargs
 
 BACKENDS = backends_for("cpu")
 FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -54,13 +55,7 @@ def geometries(draw: st.DrawFn) -> dict:
         width = draw(st.sampled_from(widths))
         kwargs.update(embed_dim=width, num_heads=draw(st.sampled_from((1, 2))))
     if family == "vit":
-        class_token = draw(st.booleans())
-        kwargs.update(
-            class_token=class_token,
-            reg_tokens=draw(st.integers(0, 2)),
-            no_embed_class=draw(st.booleans()),
-            global_pool="token" if class_token else "avg",
-        )
+        kwargs.update(vit_prefix_kwargs(draw))
     return dict(
         family=family,
         kwargs=kwargs,
