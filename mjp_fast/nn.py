@@ -10,7 +10,7 @@ from torch import nn
 from mjp_fast._validate import check_grid_size, check_int
 from mjp_fast.core import MJPCore, check_dal_reduction, check_unk
 from mjp_fast.ops.dal_regressor import DAL_KINDS, DALRegressor
-from mjp_fast.ops.patch_embed import mjp_patch_embed
+from mjp_fast.ops.patch_embed import embed_patches, mjp_patch_embed
 from mjp_fast.sampler.jigsaw import Jigsaw, check_jigsaw
 
 __all__ = ["DAL_KINDS", "DALRegressor", "MJPPatchEmbed"]
@@ -123,9 +123,11 @@ class MJPPatchEmbed(MJPCore):
         self.record_jigsaw(jigsaw)  # the real mask: dal_loss leaves those positions out
         position_jigsaw, unk_row = self.position_jigsaw(jigsaw)
         backend = self.backend_for(images.device)
-        return mjp_patch_embed(
-            images, weight, bias, self.pos_embed, unk_row, position_jigsaw, backend=backend, validate=validate
-        )
+        # The jigsaw is this module's sampler's, or a caller's that is validated (here or by the op): a permutation.
+        return embed_patches(
+            images, weight, bias, self.pos_embed, unk_row, position_jigsaw, backend=backend, validate=validate,
+            permutation=True,
+        )  # fmt: skip
 
     def dal_loss(self) -> torch.Tensor:
         """The DAL loss over the positions the last forward left unmasked (all of them if it had no jigsaw): a

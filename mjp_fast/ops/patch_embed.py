@@ -224,6 +224,7 @@ def _setup_context(
     prefix_shape = list(prefix.shape) if prefix is not None else [0]
     ctx.layout = (prefix_count, prefix_positions, list(pos_embed.shape), prefix_shape)
     ctx.present = (bias is not None, unk_embed is not None, prefix is not None)
+    ctx.permutation = False  # each row of perm known to be a permutation: the nodes below set it
 
 
 def _backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -234,16 +235,16 @@ def _backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     has_bias, has_unk, has_prefix = ctx.present
     wanted = (needs[0], needs[1], needs[2] and has_bias, needs[3], needs[4] and has_unk, has_prefix and needs[7])
     arguments = (grad.contiguous(), images, weight, perm, mask, *wanted, *ctx.layout)
+    # each gradient in its input's dtype (a float32 table under autocast gets a float32 gradient: no cast after)
     if ctx.kernels == "triton":
         direct = ctx.launch_directly and not torch.compiler.is_compiling()
         launch = _triton_patch_embed.patch_embed_backward_launch if direct else None
         backward = launch or torch.ops.mjp_fast.patch_embed_triton_backward
-    else:
-        backward = torch.ops.mjp_fast.patch_embed_extension_backward
-    # each gradient in its input's dtype (a float32 table under autocast gets a float32 gradient: no cast after)
-    grads = backward(*arguments, *ctx.dtypes, ctx.compute_dtype)
+        grads = backward(*arguments, *ctx.dtypes, ctx.compute_dtype, ctx.permutation)
+    else:  # the compiled kernels' weight gradient re-gathers the patches into a matrix: a perm costs it nothing
+        grads = torch.ops.mjp_fast.patch_embed_extension_backward(*arguments, *ctx.dtypes, ctx.compute_dtype)
     grads = [grad if want else None for grad, want in zip(grads, wanted)]
-    return (*grads[:5], None, None, grads[5], None, None, None, None)[: ctx.num_inputs]
+    return (*grads[:5], None, None, grads[5], None, None, None, None, None)[: ctx.num_inputs]
 
 
 class _PatchEmbedKernels(torch.autograd.Function):
@@ -252,19 +253,22 @@ class _PatchEmbedKernels(torch.autograd.Function):
     The compiled kernels run as their C++ operators, eager or compiled: one dispatcher call each way. The Triton
     kernels run eagerly through their launchers (the Python operator wrappers cost host time a GPU step feels),
     under torch.compile as their operators. Inputs: the operators' (see :func:`_setup_context`), then ``out_dtype``,
-    ``compute_dtype`` and the backend. The operators themselves get the same autograd
+    ``compute_dtype``, the backend and ``permutation`` (each row of ``perm`` known to be a permutation: the Triton
+    weight gradient's inverse-permutation path). The operators themselves get the same autograd
     (:func:`_setup_context`, :func:`_backward`), for a caller of ``torch.ops.mjp_fast.patch_embed_*``.
     """
 
     @staticmethod
     def forward(
         ctx, images, weight, bias, pos_embed, unk_embed, perm, mask, prefix, prefix_positions, out_dtype,
-        compute_dtype, backend,
+        compute_dtype, backend, permutation,
     ):  # type: ignore[override]  # fmt: skip
         arguments = (images, weight, bias, pos_embed, unk_embed, perm, mask, prefix, prefix_positions)
         # The context of the operators' own autograd, set here: a Function with a separate setup_context costs
         # about 0.1 ms more host time per step on the CPU.
         _setup_context(ctx, (*arguments, out_dtype, compute_dtype, backend), None)
+        ctx.num_inputs += 1  # permutation
+        ctx.permutation = permutation
         if backend == "triton":
             if torch.compiler.is_compiling():
                 return torch.ops.mjp_fast.patch_embed_triton(*arguments, out_dtype, compute_dtype)
@@ -281,14 +285,15 @@ class _PatchEmbedWithDALTriton(torch.autograd.Function):
     gradient into the embedding's in the same pass (no second tensor, no add).
 
     Inputs: :class:`_PatchEmbedKernels`'s without the backend, then the regressor's layers ``w1, b1, w2, b2``
-    (``w1`` and ``b1`` None for the linear one), ``coords`` float32 ``[N, 2]``, ``dal_mask`` bool ``[B, N]`` and
-    ``scale``. Outputs ``(tokens [B, P + N, D], loss [])``: DAL skips the table's first ``prefix_positions`` rows.
+    (``w1`` and ``b1`` None for the linear one), ``coords`` float32 ``[N, 2]``, ``dal_mask`` bool ``[B, N]``,
+    ``scale`` and ``permutation`` (as :class:`_PatchEmbedKernels`'s). Outputs ``(tokens [B, P + N, D], loss [])``:
+    DAL skips the table's first ``prefix_positions`` rows.
     """
 
     @staticmethod
     def forward(  # type: ignore[override]
         ctx, images, weight, bias, pos_embed, unk_embed, perm, mask, prefix, prefix_positions, out_dtype,
-        compute_dtype, w1, b1, w2, b2, coords, dal_mask, scale,
+        compute_dtype, w1, b1, w2, b2, coords, dal_mask, scale, permutation,
     ):  # fmt: skip
         arguments = (images, weight, bias, pos_embed, unk_embed, perm, mask, prefix, prefix_positions)
         out = _triton_patch_embed.patch_embed_forward_launch(*arguments, out_dtype, compute_dtype)
@@ -298,6 +303,7 @@ class _PatchEmbedWithDALTriton(torch.autograd.Function):
         inputs = (*arguments, out_dtype, compute_dtype, "triton")
         _setup_context(ctx, inputs, out, more_saved=(pos_embed, w1, w2, coords, saved))
         ctx.num_inputs = len(inputs) - 1  # no backend among this node's inputs
+        ctx.permutation = permutation
         ctx.scale, ctx.has_bias = scale, (b1 is not None, b2 is not None)
         return out, loss
 
@@ -312,7 +318,7 @@ class _PatchEmbedWithDALTriton(torch.autograd.Function):
         has_b1, has_b2 = ctx.has_bias
         return (
             *grads, grad_w1 if w1 is not None else None, grad_b1 if has_b1 else None, grad_w2,
-            grad_b2 if has_b2 else None, None, None, None,
+            grad_b2 if has_b2 else None, None, None, None, None,
         )  # fmt: skip
 
 
@@ -331,6 +337,7 @@ def patch_embed_step(
     images: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pos_embed: torch.Tensor,
     unk_embed: torch.Tensor | None, jigsaw: Jigsaw | None, backend: str, prefix: torch.Tensor | None = None,
     prefix_positions: int = 0, out_dtype: torch.dtype | None = None, compute_dtype: torch.dtype | None = None,
+    permutation: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """A ViT's patch embedding and whole position step in one operation each way, for callers that checked the
     arguments and resolved the backend (the timm models' per-step path).
@@ -354,6 +361,10 @@ def patch_embed_step(
             weight and bias as they are and round each tile as they load it. The compiled ones get the images cast
             (autograd keeps that copy for the backward's weight gradient: no second cast) and convert the rest, and
             the gradients back, inside their operators. The ``torch`` backend gets the three cast.
+        permutation: each row of ``jigsaw.perm`` is known to be a permutation (a validated jigsaw, or one a sampler
+            made): the ``triton`` weight gradient then gathers the gradient's rows by the inverse permutation
+            instead of the patches by ``perm`` (the same sum in another order). Never set it for a jigsaw that was not
+            checked: the weight gradient of any other perm would be wrong.
 
     Returns:
         ``[B, P + N, D]``.
@@ -384,13 +395,13 @@ def patch_embed_step(
         pos_embed, prefix = pos_embed.contiguous(), prefix.contiguous() if prefix is not None else None
         return _PatchEmbedKernels.apply(
             images, weight, bias, pos_embed, unk_embed, perm, mask, prefix, prefix_positions, out_dtype,
-            compute_dtype, backend,
+            compute_dtype, backend, permutation,
         )  # fmt: skip
     # The compiled kernels take one dtype: the operator converts the weight, bias, table, unk and prefix to the
     # images' (or compute_dtype), and the output to out_dtype, and the gradients back to their inputs' dtypes.
     return _PatchEmbedKernels.apply(
         images, weight, bias, pos_embed, unk_embed, perm, mask, prefix, prefix_positions, out_dtype,
-        compute_dtype or dtype, backend,
+        compute_dtype or dtype, backend, permutation,
     )  # fmt: skip
 
 
@@ -406,7 +417,7 @@ def patch_embed_dal_step(
     images: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pos_embed: torch.Tensor,
     unk_embed: torch.Tensor | None, jigsaw: Jigsaw, backend: str, prefix: torch.Tensor | None,
     prefix_positions: int, regressor: torch.nn.Module, coords: torch.Tensor, dal_mask: torch.Tensor, scale: float,
-    out_dtype: torch.dtype | None = None, compute_dtype: torch.dtype | None = None,
+    out_dtype: torch.dtype | None = None, compute_dtype: torch.dtype | None = None, permutation: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
     """:func:`patch_embed_step` and the DAL loss of the same table (``pos_embed``, its first ``prefix_positions``
     rows skipped) as one autograd node, for the timm models' training step: ``(tokens, dal_loss)``, or None where
@@ -415,7 +426,8 @@ def patch_embed_dal_step(
     torch.compile (which sees the two operators and fuses what it likes).
 
     The arguments are :func:`patch_embed_step`'s, then the DAL loss's: ``regressor``, ``coords`` float32 ``[N, 2]``,
-    ``dal_mask`` bool ``[B, N]`` (the positions the loss leaves out: the sampled mask) and ``scale``.
+    ``dal_mask`` bool ``[B, N]`` (the positions the loss leaves out: the sampled mask) and ``scale``; then
+    ``out_dtype``, ``compute_dtype`` and ``permutation``, as :func:`patch_embed_step`'s.
     """
     if backend not in EMBED_WITH_DAL_BACKENDS or torch.compiler.is_compiling():
         return None
@@ -428,7 +440,7 @@ def patch_embed_dal_step(
     prefix = prefix.contiguous() if prefix is not None else None
     return _PatchEmbedWithDALTriton.apply(
         images, weight, bias, pos_embed.contiguous(), unk_embed, jigsaw.perm, jigsaw.mask, prefix, prefix_positions,
-        out_dtype or images.dtype, compute_dtype, *layers, coords, dal_mask, scale,
+        out_dtype or images.dtype, compute_dtype, *layers, coords, dal_mask, scale, permutation,
     )  # fmt: skip
 
 
@@ -480,6 +492,19 @@ def mjp_patch_embed(
     Returns:
         tokens ``[B, N, D]`` in the dtype of ``images``.
     """
+    return embed_patches(
+        images, weight, bias, pos_embed, unk_embed, jigsaw, backend=backend, validate=validate, permutation=validate
+    )
+
+
+def embed_patches(
+    images: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pos_embed: torch.Tensor,
+    unk_embed: torch.Tensor | None, jigsaw: Jigsaw | None, *, backend: str | None, validate: bool, permutation: bool,
+) -> torch.Tensor:  # fmt: skip
+    """:func:`mjp_patch_embed` for a caller that knows more of its jigsaw: ``permutation``, each row of
+    ``jigsaw.perm`` is a permutation (a jigsaw that ``validate`` checks, or that the caller's own sampler made, as
+    :class:`mjp_fast.MJPPatchEmbed`'s), which the ``triton`` weight gradient uses (see :func:`patch_embed_step`).
+    The other arguments and the result are :func:`mjp_patch_embed`'s."""
     geometry, pos_embed, unk_embed, jigsaw = check_patch_embed_args(
         images, weight, bias, pos_embed, unk_embed, jigsaw, validate=validate
     )
@@ -493,4 +518,4 @@ def mjp_patch_embed(
         )
     if jigsaw is not None:
         jigsaw = Jigsaw(jigsaw.mask.contiguous(), jigsaw.perm.contiguous())
-    return patch_embed_step(images, weight, bias, pos_embed, unk_embed, jigsaw, chosen)
+    return patch_embed_step(images, weight, bias, pos_embed, unk_embed, jigsaw, chosen, permutation=permutation)

@@ -35,6 +35,7 @@ def fused_patch_embed(
     owner: nn.Module,
     prefix: torch.Tensor | None,
     prefix_positions: int,
+    permutation: bool = False,
 ) -> torch.Tensor:
     """timm's ``PatchEmbed``, the prefix tokens and the position add as one :func:`patch_embed_step`, in the dtypes
     timm computes them in. Public for the MJP step (:class:`mjp_fast.timm.MJPState`) and FX graphs.
@@ -47,6 +48,8 @@ def fused_patch_embed(
         owner: the module that holds the model's one backend, ``owner.backend_for(device)``: ``model.mjp`` (the
             core), or a plain model's pass-through ``patch_embed``. A module, not a name: under FX it is the graph's
             attribute, and the backend is found when the graph runs (on the images' device).
+        permutation: each row of ``jigsaw.perm`` is known to be a permutation (the model's sampler made it): see
+            :func:`patch_embed_step`.
 
     Returns:
         ``[B, P + N, D]``, in the dtype of timm's ``cat(prefix, proj(images)) + pos_embed``.
@@ -55,11 +58,14 @@ def fused_patch_embed(
     chosen = owner.backend_for(images.device)
     out_dtype, compute_dtype = _autocast_dtypes(device_type, pos_table)
     if compute_dtype is None:
-        return patch_embed_step(images, weight, bias, pos_table, unk_embed, jigsaw, chosen, prefix, prefix_positions)
+        return patch_embed_step(
+            images, weight, bias, pos_table, unk_embed, jigsaw, chosen, prefix, prefix_positions,
+            permutation=permutation,
+        )  # fmt: skip
     with torch.autocast(device_type, enabled=False):  # the torch backend's conv: its inputs cast by the op
         return patch_embed_step(
             images, weight, bias, pos_table, unk_embed, jigsaw, chosen, prefix, prefix_positions, out_dtype,
-            compute_dtype,
+            compute_dtype, permutation,
         )  # fmt: skip
 
 
@@ -78,16 +84,17 @@ def fused_patch_embed_with_dal(
     images: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pos_table: torch.Tensor,
     unk_embed: torch.Tensor | None, jigsaw: Jigsaw, backend: str, prefix: torch.Tensor | None,
     prefix_positions: int, regressor: nn.Module, coords: torch.Tensor, dal_mask: torch.Tensor, scale: float,
+    permutation: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
     """:func:`fused_patch_embed` and the DAL loss of ``pos_table`` as one operation (the MJP step's in training):
     ``(tokens, dal_loss)``, or None where ``backend`` (the model's, resolved by the caller) has no such operation
     (see :func:`mjp_fast.ops.patch_embed.patch_embed_dal_step`; then call the two). The DAL arguments:
     ``regressor``, ``coords`` float32 ``[N, 2]``, ``dal_mask`` bool ``[B, N]`` (the positions left out) and
-    ``scale``."""
+    ``scale``; ``permutation`` as :func:`fused_patch_embed`'s."""
     out_dtype, compute_dtype = _autocast_dtypes(images.device.type, pos_table)
     return patch_embed_dal_step(
         images, weight, bias, pos_table, unk_embed, jigsaw, backend, prefix, prefix_positions, regressor, coords,
-        dal_mask, scale, out_dtype, compute_dtype,
+        dal_mask, scale, out_dtype, compute_dtype, permutation,
     )  # fmt: skip
 
 

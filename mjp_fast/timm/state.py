@@ -163,7 +163,10 @@ class MJPState(MJPCore):
             embed = (x, weight, bias, pos_table, unk_embed, jigsaw, prefix, prefix_positions)
             stepped = self._embedded_with_dal(*embed, regressor, dal_table, dal_grid, sampled)
             if stepped is None:
-                out = fused_patch_embed(x, weight, bias, pos_table, unk_embed, jigsaw, self, prefix, prefix_positions)
+                # the sampler's jigsaw (or the identity of images jigsawed already): a permutation
+                out = fused_patch_embed(
+                    x, weight, bias, pos_table, unk_embed, jigsaw, self, prefix, prefix_positions, permutation=True
+                )
             else:
                 out, loss = stepped
         elif jigsaw is None:
@@ -215,7 +218,7 @@ class MJPState(MJPCore):
             return None
         return fused_patch_embed_with_dal(
             images, weight, bias, pos_table, unk_embed, jigsaw, backend, prefix, prefix_positions, regressor, coords,
-            sampled.mask, self.dal_scale,
+            sampled.mask, self.dal_scale, permutation=True,
         )  # fmt: skip
 
     def _moved_tokens(

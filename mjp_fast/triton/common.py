@@ -229,10 +229,12 @@ class _ThreadScratch(threading.local):
 _scratch = _ThreadScratch()
 
 
-def scratch(role: str, shape: tuple[int, ...], device: torch.device, traced: bool) -> torch.Tensor:
-    """A float32 buffer of ``shape`` for partial sums that one call's kernels write and then read back, with no use
-    after: the same tensor each call with the same ``role``, shape, device and stream (and host thread), where an
-    eager step would otherwise dispatch a ``torch.empty`` per step.
+def scratch(
+    role: str, shape: tuple[int, ...], device: torch.device, traced: bool, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """A buffer of ``shape`` and ``dtype`` (float32 partial sums; the int32 inverse of a perm) that one call's kernels
+    write and then read back, with no use after: the same tensor each call with the same ``role``, shape, dtype,
+    device and stream (and host thread), where an eager step would otherwise dispatch a ``torch.empty`` per step.
 
     Reuse is safe because the kernels of a stream run in the order they were queued: the next call's writes queue
     after this call's reads. Its contents are what the last call left: the kernels must write every element they
@@ -242,20 +244,20 @@ def scratch(role: str, shape: tuple[int, ...], device: torch.device, traced: boo
     kept until the least recently used is dropped (:data:`SCRATCH_BUFFERS` per thread) or :func:`clear_scratch`.
     """
     if traced:
-        return torch.empty(shape, dtype=torch.float32, device=device)
+        return torch.empty(shape, dtype=dtype, device=device)
     stream = 0
     if device.type == "cuda":
         if torch.cuda.is_current_stream_capturing():
-            return torch.empty(shape, dtype=torch.float32, device=device)
+            return torch.empty(shape, dtype=dtype, device=device)
         # the raw stream handle that Triton's launcher reads too: no Stream object made
         stream = torch._C._cuda_getCurrentRawStream(_cuda_index(device))
-    key = (role, shape, device, stream)
+    key = (role, shape, dtype, device, stream)
     buffers = _scratch.buffers
     buffer = buffers.get(key)
     if buffer is not None:
         buffers.move_to_end(key)
         return buffer
-    buffer = torch.empty(shape, dtype=torch.float32, device=device)
+    buffer = torch.empty(shape, dtype=dtype, device=device)
     # Kept only if it is a plain tensor that any later call may use: not a fake tensor (a tracing mode's), nor
     # one made under inference_mode (torch refuses in-place ops on those outside it).
     if type(buffer) is torch.Tensor and not buffer.is_inference():
@@ -382,11 +384,13 @@ def _position_partials_kernel(
     samples_per_chunk,
     prefix_count,  # P (HAS_PREFIX); last, so that without a prefix the kernel compiles as before prefix rows
     witness_ptr,  # int32 [B, N] (ZERO_UNSHOWN): the forward's witness[b, perm[b, n]] = n
+    inverse_ptr,  # int32 [B, N] (INVERSE): inverse[b, perm[b, n]] = n, written
     HAS_MASK: tl.constexpr,
     SCATTER: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_PREFIX: tl.constexpr,
     ZERO_UNSHOWN: tl.constexpr,
+    INVERSE: tl.constexpr,
     BLOCK_B: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -401,6 +405,10 @@ def _position_partials_kernel(
     # entry names, found from the forward's witness: m is named iff witness[b, m] = w is in range and perm[b, w] = m
     # (the witness is uninitialised where m is not named, and then cannot pass the test). No other program writes a
     # row that no entry names, so no store races with these.
+    # INVERSE (the patch embedding's backward, for its weight gradient): also inverse[b, perm[b, n]] = n, the token
+    # that shows each patch, written by the programs of the first channel block from the perm entries of their own
+    # rows (no extra launch; 12 bytes a patch). For a permutation every entry of inverse is written; an entry of perm
+    # outside [0, N) stores nothing.
     # A prefix row (t < P) is a position that is never masked and never moved: it only adds to its own sum.
     chunk = tl.program_id(2)
     positions = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -467,6 +475,20 @@ def _position_partials_kernel(
                     grad_tokens_ptr + patch_rows[:, :, None] * D + channels[None, None, :],
                     tl.zeros((BLOCK_B, BLOCK_N, BLOCK_D), dtype=grad_tokens_ptr.dtype.element_ty),
                     mask=unshown[:, :, None] & channel_ok[None, None, :],
+                )
+        if INVERSE:
+            if tl.program_id(1) == 0:
+                if HAS_PREFIX:
+                    inverse_count = num_patches
+                else:
+                    inverse_count = num_positions
+                first_rows = patch_rows - patches[None, :]  # b * N: the sample's first row of perm
+                shows = tl.load(perm_ptr + patch_rows, mask=patch_ok, other=-1)
+                shows_ok = patch_ok & (shows >= 0) & (shows < inverse_count)
+                tl.store(
+                    inverse_ptr + first_rows + tl.where(shows_ok, shows, 0),
+                    (patch_rows - first_rows).to(tl.int32),
+                    mask=shows_ok,
                 )
         grad = grad.to(tl.float32)
         if HAS_MASK:
@@ -790,6 +812,7 @@ def launch_position_gradient(
     traced: bool = False,
     witness: torch.Tensor | None = None,
     permutation: bool = False,
+    inverse: torch.Tensor | None = None,
 ) -> PositionGradients:
     """The gradients that one pass over ``grad`` gives: two kernel launches, outputs made with ``torch.empty``.
 
@@ -815,6 +838,9 @@ def launch_position_gradient(
             leaves such rows; either way none is left uninitialised.
         permutation: each row of ``perm`` is a permutation (a jigsaw that was validated, or that a sampler made):
             the inverse move writes every row of ``grad_tokens``, so neither a witness nor a fill is needed.
+        inverse: int32 ``[B, N]``, contiguous, or None: written in the same pass, ``inverse[b, perm[b, n]] = n`` (the
+            token that shows each patch; ``perm`` must be given). Entries that no entry of ``perm`` names are left as
+            they were: for a permutation, none.
 
     Returns:
         ``grad_tokens [B, N, D]`` (or None); ``grad_pos`` (``pos_shape``: rows ``t < Q`` the prefix rows summed
@@ -824,7 +850,15 @@ def launch_position_gradient(
         ``prefix_dtype``).
     """
     scatter = tokens_dtype is not None
-    read_perm = perm if scatter else None
+    read_perm = perm if scatter or inverse is not None else None
+    if inverse is not None:
+        if perm is None:
+            raise ValueError("inverse: written from perm, which is None")
+        if inverse.dtype != torch.int32 or inverse.shape != perm.shape or not inverse.is_contiguous():
+            raise ValueError(
+                f"inverse must be a contiguous int32 tensor of perm's shape {list(perm.shape)}, got "
+                f"{inverse.dtype} {list(inverse.shape)}"
+            )
     pos_shape = _checked_position_layout(grad, mask, read_perm, prefix_count, prefix_positions, pos_shape)
     gradients = _empty_position_gradients(
         grad, pos_shape, tokens_dtype, pos_dtype, unk_dtype, bias_dtype, prefix_count, prefix_dtype, prefix_shape
@@ -845,7 +879,9 @@ def launch_position_gradient(
         )
     else:
         _check_plan(plan, grad, prefix_count)
-    _launch_position_kernels(plan, grad, mask, perm, gradients, prefix_count, prefix_positions, traced, witness)
+    _launch_position_kernels(
+        plan, grad, mask, perm, gradients, prefix_count, prefix_positions, traced, witness, inverse
+    )
     return gradients
 
 
@@ -921,8 +957,10 @@ def _launch_position_kernels(
     prefix_positions: int,
     traced: bool,
     witness: torch.Tensor | None = None,
+    inverse: torch.Tensor | None = None,
 ) -> None:
-    """The two launches: float32 partial sums per batch chunk (and the inverse move into ``grad_tokens``), then
+    """The two launches: float32 partial sums per batch chunk (and the inverse move into ``grad_tokens``, the
+    ``inverse`` permutation), then
     their fixed-order sum into ``gradients`` (from :func:`_empty_position_gradients`). An absent tensor's argument
     is one that the kernel never reads nor writes through (its flag is off)."""
     grad_tokens, grad_pos, grad_unk, grad_bias, grad_prefix = gradients
@@ -933,7 +971,7 @@ def _launch_position_kernels(
     launcher(_position_partials_kernel, plan.grid, traced)(
         grad,
         mask if has_mask else grad,
-        perm if scatter else grad,
+        perm if scatter or inverse is not None else grad,
         grad_tokens if scatter else grad,
         partials,
         batch,
@@ -942,11 +980,13 @@ def _launch_position_kernels(
         plan.samples_per_chunk,
         prefix_count,
         witness if scatter and witness is not None else grad,
+        inverse if inverse is not None else grad,
         HAS_MASK=has_mask,
         SCATTER=scatter,
         HAS_BIAS=has_bias,
         HAS_PREFIX=prefix_count > 0,
         ZERO_UNSHOWN=scatter and witness is not None,
+        INVERSE=inverse is not None,
         BLOCK_B=plan.block_b,
         BLOCK_N=plan.block_n,
         BLOCK_D=plan.block_d,

@@ -15,9 +15,11 @@ GEMM there: ``prefix`` + ``pos``), so the kernel writes the whole ``[B, T, D]`` 
 
 Backward, only what is asked for:
 
-- weight: ``dW = dY^T @ A``, re-gathering ``A`` the same way (nothing of size ``B*N*K`` is saved); the reduction
+- weight: ``dW = dY^T @ A``, re-gathering ``A`` from the images (nothing of size ``B*N*K`` is saved); the reduction
   over the ``B*N`` patch tokens (the rows ``P..T-1`` of each sample) is split across programs into float32
-  partials, summed in a fixed order afterwards.
+  partials, summed in a fixed order afterwards. Its order is free: with a perm known to be a permutation, ``A`` is
+  read in the patches' natural order and ``dY``'s rows are gathered by the inverse permutation (which the position
+  gradient's pass writes), rather than the patches gathered by ``perm``.
 - pos_embed, unk_embed, bias, prefix: the position gradient of ``mjp_fast/triton/common.py``
   (:func:`~mjp_fast.triton.common.launch_position_gradient`, which ``mjp_pos_embed``'s backward uses too): one
   pass over ``dY`` split over positions (all ``T`` rows: a prefix row is a position that is never masked nor
@@ -339,6 +341,7 @@ def _grad_weight_kernel(
     grad_ptr,  # [B, P + N, D]: the output's gradient; only its patch rows are read
     images_ptr,  # [B, C, H, W], any strides
     perm_ptr,  # int64 [B, N] (HAS_PERM)
+    inverse_ptr,  # int32 [B, N] (INVERSE): inverse[b, perm[b, n]] = n, the token that shows each patch
     partial_ptr,  # float32 [splits, D, K], written
     total_tokens,  # B * N: the patch tokens
     num_positions,  # N
@@ -348,7 +351,13 @@ def _grad_weight_kernel(
     prefix_count,  # P (HAS_PREFIX): rows of each sample of grad before its patch rows
     PATCH: tl.constexpr, HAS_PERM: tl.constexpr, HAS_PREFIX: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, ROUND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
+    INVERSE: tl.constexpr = False,
 ):  # fmt: skip
+    # dW = sum over tokens t of dY[t]^T A[perm[t]]. The sum's order is free, so with a permutation (INVERSE, HAS_PERM
+    # off) the step's index runs over the patches s in their natural order and takes the gradient row of the token
+    # that shows s, inverse[s]: the patches' pixels load as without a jigsaw (runs of PATCH pixels of neighbouring
+    # patches side by side), and the gather moves to the gradient's rows, D contiguous values each. HAS_PERM instead
+    # gathers the patches (any perm, validate=False's included).
     channels = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
     k_index = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     split = tl.program_id(2)
@@ -358,10 +367,18 @@ def _grad_weight_kernel(
     for m_start in range(first, last, BLOCK_M):
         tokens = m_start + tl.arange(0, BLOCK_M)
         token_ok = tokens < last
-        grad_rows = _patch_rows(tokens, num_positions, prefix_count, HAS_PREFIX)
+        if INVERSE:
+            shown_by = tl.load(inverse_ptr + tokens, mask=token_ok, other=0)
+            # an entry out of range (only a perm that is not a permutation leaves one) reads no gradient row
+            grad_ok = token_ok & (shown_by >= 0) & (shown_by < num_positions)
+            grad_tokens = tokens - tokens % num_positions + tl.where(grad_ok, shown_by, 0)
+        else:
+            grad_ok = token_ok
+            grad_tokens = tokens
+        grad_rows = _patch_rows(grad_tokens, num_positions, prefix_count, HAS_PREFIX)
         grad_t = tl.load(
             grad_ptr + grad_rows[None, :].to(tl.int64) * D + channels[:, None],
-            mask=token_ok[None, :] & (channels[:, None] < D),
+            mask=grad_ok[None, :] & (channels[:, None] < D),
             other=0.0,
         )
         address, valid = _patch_addresses(
@@ -435,9 +452,16 @@ GRAD_WEIGHT_STAGES = 3
 GRAD_WEIGHT_PERM_STAGES = 5
 LARGE_SHARED_MEMORY = 160 * 1024
 
+# With a perm known to be a permutation, the weight gradient gathers the gradient's rows by the inverse permutation
+# and reads the patches in order (issue 39: the H200 timed the patch gather at 454 us against 258 us without a
+# jigsaw, DeiT-S at batch 256). False: the patches gathered by perm, as for any perm (bench/bench_kernels.py times
+# both in one run).
+WEIGHT_GRADIENT_BY_INVERSE = True
+
 
 def grad_weight_stages(has_perm: bool, device: torch.device) -> int:
-    """``num_stages`` of the weight-gradient launch: more with a perm, where the device's shared memory allows."""
+    """``num_stages`` of the weight-gradient launch: more with a perm or its inverse (an index loaded before the
+    tile it addresses, either way), where the device's shared memory allows."""
     if has_perm and shared_memory_optin(device) >= LARGE_SHARED_MEMORY:
         return GRAD_WEIGHT_PERM_STAGES
     return GRAD_WEIGHT_STAGES
@@ -588,6 +612,7 @@ def patch_embed_backward_launch(
     unk_dtype: torch.dtype | None = None,
     prefix_dtype: torch.dtype | None = None,
     compute_dtype: torch.dtype | None = None,
+    permutation: bool = False,
     *,
     traced: bool = False,
 ) -> list[torch.Tensor]:  # the operator's schema (its outputs are all tensors); an eager call's may hold None
@@ -596,7 +621,11 @@ def patch_embed_backward_launch(
     (``pos_shape``, ``prefix_shape``: the forward's table and prefix) and in the dtype of images (grad_images), of
     weight (grad_weight, grad_bias), or ``pos_dtype``, ``unk_dtype``, ``prefix_dtype`` (default weight's): a
     float32 table under autocast gets its float32 gradient, no cast after. ``compute_dtype``: the forward's (the
-    GEMMs round their tiles to it, see :func:`_mixing`).
+    GEMMs round their tiles to it, see :func:`_mixing`). ``permutation``: each row of ``perm`` is known to be a
+    permutation (a validated jigsaw, or a sampler's): then the weight gradient reads the patches in their natural
+    order and gathers the gradient's rows by the inverse permutation, which the position gradient's pass writes
+    (see :func:`_grad_weight_kernel`); that needs the pass (a position, unk, bias or prefix gradient asked for),
+    else the weight gradient gathers the patches as for any perm.
 
     grad_out ``[B, P + N, D]``. The weight, bias and image gradients come from the patch rows only; grad_pos's
     rows and grad_prefix from the same one pass over grad_out (:func:`launch_position_gradient`).
@@ -613,13 +642,17 @@ def patch_embed_backward_launch(
     grads: list[torch.Tensor | None] = [None] * 6
     if need_images:
         grads[0] = _grad_images_launch(grad_out, weight, perm, images, prefix_count, compute_dtype, traced)
-    if need_weight:
-        grads[1] = _grad_weight_launch(grad_out, images, perm, weight, prefix_count, compute_dtype, traced)
-    if need_bias or need_pos or need_unk or need_prefix:
+    position_pass = need_bias or need_pos or need_unk or need_prefix
+    inverse = None
+    if WEIGHT_GRADIENT_BY_INVERSE and permutation and perm is not None and need_weight and position_pass and dim > 0:
+        # a scratch buffer: no allocation per step (its contract, every element written before it is read, holds for
+        # a permutation: the pass writes every entry)
+        inverse = scratch("inverse permutation", tuple(perm.shape), images.device, traced, torch.int32)
+    if position_pass:  # first: its pass writes the inverse that the weight gradient reads
         _, grad_pos, grad_unk, grad_bias, grad_prefix = launch_position_gradient(
             grad_out,
             mask,
-            None,
+            perm if inverse is not None else None,
             tokens_dtype=None,
             pos_dtype=pos_dtype or weight.dtype,
             unk_dtype=unk_dtype or weight.dtype,
@@ -630,12 +663,17 @@ def patch_embed_backward_launch(
             prefix_dtype=(prefix_dtype or weight.dtype) if need_prefix else None,
             prefix_shape=prefix_shape,
             traced=traced,
+            inverse=inverse,
         )
         for index, (need, grad) in enumerate(
             ((need_bias, grad_bias), (need_pos, grad_pos), (need_unk, grad_unk), (need_prefix, grad_prefix)), 2
         ):
             if need:
                 grads[index] = grad
+    if need_weight:
+        grads[1] = _grad_weight_launch(
+            grad_out, images, perm, weight, prefix_count, compute_dtype, traced, inverse=inverse
+        )
     if not traced:  # an eager call (the training step's): no allocation for the images' gradient, not asked for
         return grads
     # the operator's: an empty tensor of its own for each gradient not asked for (its outputs may not alias)
@@ -704,9 +742,12 @@ def _grad_weight_launch(
     prefix_count: int,
     compute_dtype: torch.dtype | None,
     traced: bool,
+    inverse: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``grad_weight`` in weight's shape and dtype: the patches ``^T @`` grad_out's patch rows, one launch whose
-    token axis is split across programs into float32 partials, summed after (zeros without a patch)."""
+    token axis is split across programs into float32 partials, summed after (zeros without a patch). ``inverse``:
+    int32 ``[B, N]``, ``perm``'s inverse (``perm`` a permutation): the patches read in order, the gradient's rows
+    gathered (see :func:`_grad_weight_kernel`); None: the patches gathered by ``perm``."""
     num_positions, cols, k, dim = _patch_sizes(images, weight)
     total = images.shape[0] * num_positions
     block_m, block_d, block_k = _grad_weight_tiles(dim, k)
@@ -723,7 +764,8 @@ def _grad_weight_launch(
         launcher(_grad_weight_kernel, (cdiv(dim, block_d), cdiv(k, block_k), splits), traced)(
             grad_out,
             images,
-            perm if perm is not None else grad_out,  # absent: never read
+            perm if perm is not None and inverse is None else grad_out,  # absent: never read
+            inverse if inverse is not None else grad_out,
             partial,
             total,
             num_positions,
@@ -734,13 +776,14 @@ def _grad_weight_launch(
             *_image_strides(images),
             prefix_count,
             PATCH=weight.shape[2],
-            HAS_PERM=perm is not None,
+            HAS_PERM=perm is not None and inverse is None,
             HAS_PREFIX=prefix_count > 0,
             PRECISION=dot_precision(compute_dtype or images.dtype),
             **_dot_flags(grad_out.dtype, images.dtype, gradient=True, compute=compute_dtype),
             BLOCK_M=block_m,
             BLOCK_D=block_d,
             BLOCK_K=block_k,
+            INVERSE=inverse is not None,
             num_stages=grad_weight_stages(perm is not None, images.device),
         )
     else:

@@ -71,6 +71,7 @@ def test_a_setting_naming_no_constant_is_refused(path):
 
 def test_resolved_launches_records_what_the_launches_chose_and_puts_the_functions_back(monkeypatch):
     plan_of, stages_of = common._position_plan, patch_embed.grad_weight_stages
+    weight_of = patch_embed._grad_weight_launch
     monkeypatch.setattr(patch_embed, "shared_memory_optin", lambda device: H100_SHARED)
     grad = torch.zeros(4, 10, 32)
     with case.resolved_launches() as seen:
@@ -78,9 +79,15 @@ def test_resolved_launches_records_what_the_launches_chose_and_puts_the_function
         common._position_plan(grad)  # the same plan: recorded once
         patch_embed.grad_weight_stages(True, torch.device("cuda", 0))
         patch_embed.grad_weight_stages(False, torch.device("cuda", 0))
+        images, weight = torch.zeros(1, 1, 4, 4), torch.zeros(2, 1, 2, 2)
+        grad_out, perm = torch.zeros(1, 4, 2), torch.arange(4)[None]
+        for index, inverse in ((None, None), (perm, None), (perm, torch.argsort(perm).int())):
+            patch_embed._grad_weight_launch(grad_out, images, index, weight, 0, None, False, inverse=inverse)
     assert seen["partials"] == [[plan.num_stages, plan.chunks, plan.block_b, plan.block_n, plan.block_d]]
-    assert seen["grad_weight_stages"] == [[True, 5], [False, 3]]
+    assert seen["grad_weight_stages"][:2] == [[True, 5], [False, 3]]
+    assert seen["grad_weight_path"] == ["none", "gather", "inverse"]
     assert (common._position_plan, patch_embed.grad_weight_stages) == (plan_of, stages_of)
+    assert patch_embed._grad_weight_launch is weight_of
 
 
 def test_a_cpu_run_that_is_not_a_smoke_run_measures_nothing_and_says_why():
@@ -111,6 +118,10 @@ def check_kernels_values(section: dict) -> None:
         assert plain["launches"]["_grad_weight_kernel"] == mjp["launches"]["_grad_weight_kernel"] == 1
         assert [perm for perm, _ in plain["resolved"]["grad_weight_stages"]] == [False]
         assert [perm for perm, _ in mjp["resolved"]["grad_weight_stages"]] == [True]
+        # the sampler's jigsaw is a permutation: the inverse path, but where the setting turns it off
+        gathered = case.SETTINGS[plain["setting"]].get("mjp_fast.triton.patch_embed.WEIGHT_GRADIENT_BY_INVERSE")
+        assert plain["resolved"]["grad_weight_path"] == ["none"]
+        assert mjp["resolved"]["grad_weight_path"] == ["gather" if gathered is False else "inverse"]
         assert plain["resolved"]["partials"] and mjp["resolved"]["partials"]
         if plain["setting"] == case.DEFAULT:
             assert plain["max_relative_difference"] == mjp["max_relative_difference"] == 0.0

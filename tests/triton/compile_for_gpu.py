@@ -23,6 +23,11 @@ import traceback
 # Shared memory one block may use (opt-in maximum), by compute capability: A100, H100/H200.
 MAX_SHARED_BYTES = {80: 166912, 90: 232448}
 
+# Module constants that choose which launch path runs, not how a kernel compiles: every path's variants are among
+# _variants() whatever they hold (the weight gradient gathering the patches, HAS_PERM, or the gradient's rows by the
+# inverse, INVERSE).
+PATH_CONSTANTS = {"mjp_fast.triton.patch_embed.WEIGHT_GRADIENT_BY_INVERSE"}
+
 
 def _variants() -> list[tuple[str, object, dict[str, str], dict[str, object], dict[str, int]]]:
     """(name, kernel, signature, constexprs, options) of each launch to compile."""
@@ -108,6 +113,7 @@ def _variants() -> list[tuple[str, object, dict[str, str], dict[str, object], di
             "grad_ptr": f"*{dtype}",
             "images_ptr": f"*{dtype}",
             "perm_ptr": "*i64",
+            "inverse_ptr": "*i32",
             "partial_ptr": "*fp32",
             **dict.fromkeys(("total_tokens", "num_positions", "prefix_count", "cols", "K", "D"), "i32"),
             "tokens_per_split": "i32",
@@ -142,19 +148,23 @@ def _variants() -> list[tuple[str, object, dict[str, str], dict[str, object], di
                     )
                 )
         tiles = weight_tiles
-        # the weight gradient's launch with a perm (HAS_PERM) on a GPU with a large shared memory
+        # the weight gradient's launch with a perm (HAS_PERM) on a GPU with a large shared memory; and with the
+        # perm's inverse instead (INVERSE: a permutation, the training step's)
         weight_options = {"num_stages": patch_embed.GRAD_WEIGHT_PERM_STAGES}
+        weight_flags = {**flags, "INVERSE": False}
+        inverse_flags = {**flags, "HAS_PERM": False, "INVERSE": True}
         for prefix, case in prefix_cases:
             kinds, values = with_prefix(case, grad_weight)
-            variants.append(
-                (
-                    f"patch_embed grad_weight {dtype} {prefix}",
-                    patch_embed._grad_weight_kernel,
-                    {**grad_weight, **kinds, **dict.fromkeys((*flags, *tiles), "constexpr")},
-                    {**flags, **tiles, **values},
-                    weight_options,
+            for name, kernel_flags in (("", weight_flags), (" inverse", inverse_flags)):
+                variants.append(
+                    (
+                        f"patch_embed grad_weight{name} {dtype} {prefix}",
+                        patch_embed._grad_weight_kernel,
+                        {**grad_weight, **kinds, **dict.fromkeys((*kernel_flags, *tiles), "constexpr")},
+                        {**kernel_flags, **tiles, **values},
+                        weight_options,
+                    )
                 )
-            )
         if dtype == "bf16":
             # Mixed operand dtypes (bfloat16 activations or gradients, a float32 weight or images): _dot multiplies
             # in float32 (UPCAST), the only branch that may compile, since tl.dot refuses bf16 x fp32.
@@ -201,12 +211,18 @@ def _variants() -> list[tuple[str, object, dict[str, str], dict[str, object], di
             )
             tiles = weight_tiles
             kinds, values = with_prefix(prefix_cases[0][1], grad_weight)
+            mixed_weight, rounded_weight = {**mixed, "INVERSE": False}, {**rounded, "INVERSE": False}
             variants.append(
                 (
                     "patch_embed grad_weight bf16 grad x fp32 images (upcast)",
                     patch_embed._grad_weight_kernel,
-                    {**grad_weight, "images_ptr": "*fp32", **kinds, **dict.fromkeys((*mixed, *tiles), "constexpr")},
-                    {**mixed, **tiles, **values},
+                    {
+                        **grad_weight,
+                        "images_ptr": "*fp32",
+                        **kinds,
+                        **dict.fromkeys((*mixed_weight, *tiles), "constexpr"),
+                    },
+                    {**mixed_weight, **tiles, **values},
                     weight_options,
                 )
             )
@@ -214,8 +230,13 @@ def _variants() -> list[tuple[str, object, dict[str, str], dict[str, object], di
                 (
                     "patch_embed grad_weight fp32 grad x bf16 images (round the gradient)",
                     patch_embed._grad_weight_kernel,
-                    {**grad_weight, "grad_ptr": "*fp32", **kinds, **dict.fromkeys((*rounded, *tiles), "constexpr")},
-                    {**rounded, **tiles, **values},
+                    {
+                        **grad_weight,
+                        "grad_ptr": "*fp32",
+                        **kinds,
+                        **dict.fromkeys((*rounded_weight, *tiles), "constexpr"),
+                    },
+                    {**rounded_weight, **tiles, **values},
                     weight_options,
                 )
             )
@@ -239,10 +260,13 @@ def _variants() -> list[tuple[str, object, dict[str, str], dict[str, object], di
                     gemm_options,
                 )
             )
-            for name, kernel, signature, tile_values, kernel_options in (
-                ("grad_images", patch_embed._grad_images_kernel.fn, grad_images, gemm_tiles, gemm_options),
-                ("grad_weight", patch_embed._grad_weight_kernel, grad_weight, tiles, weight_options),
-            ):
+            for name, kernel, signature, tile_values, kernel_options, kernel_flags in (
+                ("grad_images", patch_embed._grad_images_kernel.fn, grad_images, gemm_tiles, gemm_options, autocast),
+                ("grad_weight", patch_embed._grad_weight_kernel, grad_weight, tiles, weight_options,
+                 {**autocast, "INVERSE": False}),
+                ("grad_weight inverse", patch_embed._grad_weight_kernel, grad_weight, tiles, weight_options,
+                 {**autocast, "HAS_PERM": False, "INVERSE": True}),
+            ):  # fmt: skip
                 kinds, values = with_prefix(prefix_cases[0][1], signature)
                 typed = {argument: kind for argument, kind in fp32.items() if argument in signature}
                 if name == "grad_images":
@@ -252,8 +276,8 @@ def _variants() -> list[tuple[str, object, dict[str, str], dict[str, object], di
                     (
                         f"patch_embed {name} autocast: fp32 grad x fp32 {other} rounded to bf16",
                         kernel,
-                        {**signature, **typed, **kinds, **dict.fromkeys((*autocast, *tile_values), "constexpr")},
-                        {**autocast, **tile_values, **values},
+                        {**signature, **typed, **kinds, **dict.fromkeys((*kernel_flags, *tile_values), "constexpr")},
+                        {**kernel_flags, **tile_values, **values},
                         kernel_options,
                     )
                 )
@@ -263,10 +287,12 @@ def _variants() -> list[tuple[str, object, dict[str, str], dict[str, object], di
         position_variants = []
         # ZERO_UNSHOWN: the eager mjp_pos_embed backward, which reads the forward's witness (int32); without it (the
         # patch embedding's, or the compiled operator's) the argument is grad's pointer, never read.
-        # (HAS_MASK, SCATTER, ZERO_UNSHOWN): the patch embedding's backward with a jigsaw and without (the plain
-        # model's), mjp_pos_embed's without the witness and with it
-        for has_mask, scatter, zero_unshown in ((True, False, False), (False, False, False), (True, True, False),
-                                                (True, True, True)):  # fmt: skip
+        # (HAS_MASK, SCATTER, ZERO_UNSHOWN, INVERSE): the patch embedding's backward with a jigsaw and without (the
+        # plain model's), and with a jigsaw known to be a permutation (its inverse written for the weight gradient);
+        # mjp_pos_embed's without the witness and with it
+        for has_mask, scatter, zero_unshown, inverse in ((True, False, False, False), (False, False, False, False),
+                                                         (True, False, False, True), (True, True, False, False),
+                                                         (True, True, True, False)):  # fmt: skip
             plan = common.position_gradient_plan(
                 256, 197, 384, torch_dtype, 132, False, scatter=scatter, has_bias=not scatter, prefix_count=1,
                 prefix_positions=1,
@@ -279,6 +305,7 @@ def _variants() -> list[tuple[str, object, dict[str, str], dict[str, object], di
                 "partial_ptr": "*fp32",
                 **dict.fromkeys(("batch", "num_positions", "prefix_count", "D", "samples_per_chunk"), "i32"),
                 "witness_ptr": "*i32" if zero_unshown else f"*{dtype}",
+                "inverse_ptr": "*i32" if inverse else f"*{dtype}",
                 "HAS_PREFIX": "i1",
             }
             partial_flags = {
@@ -286,6 +313,7 @@ def _variants() -> list[tuple[str, object, dict[str, str], dict[str, object], di
                 "SCATTER": scatter,
                 "HAS_BIAS": not scatter,
                 "ZERO_UNSHOWN": zero_unshown,
+                "INVERSE": inverse,
                 "BLOCK_B": plan.block_b,
                 "BLOCK_N": plan.block_n,
                 "BLOCK_D": plan.block_d,
@@ -301,15 +329,15 @@ def _variants() -> list[tuple[str, object, dict[str, str], dict[str, object], di
                 kinds, values = with_prefix(case, partials)
                 position_variants.append(
                     (
-                        f"grad_position partials {dtype} mask={has_mask} scatter={scatter} witness={zero_unshown} "
-                        f"{prefix}",
+                        f"grad_position partials {dtype} mask={has_mask} scatter={scatter} witness={zero_unshown}"
+                        f"{' inverse' if inverse else ''} {prefix}",
                         common._position_partials_kernel,
                         {**partials, **kinds, **dict.fromkeys(partial_flags, "constexpr")},
                         {**partial_flags, **values},
                         {},
                     )
                 )
-                if not has_mask:  # the reduction reads no mask: its variants are the masked case's
+                if not has_mask or inverse:  # the reduction reads no mask nor perm: the masked case's variants
                     continue
                 reduce_flags = {
                     "HAS_BIAS": not scatter,
@@ -543,9 +571,10 @@ def check_position_partials_pipelining(target) -> bool:
 
 
 def check_weight_gradient_pipelining(target) -> bool:
-    """With a perm, the weight gradient at GRAD_WEIGHT_PERM_STAGES pipelines its tiles as deep as without one at the
-    default stages (see patch_embed.GRAD_WEIGHT_PERM_STAGES). Autocast's variants: a float32 gradient against
-    bfloat16 images, and against float32 images (both rounded to bfloat16 as they are loaded: the training step's)."""
+    """With a perm, or with its inverse, the weight gradient at GRAD_WEIGHT_PERM_STAGES pipelines its tiles as deep
+    as without one at the default stages (see patch_embed.GRAD_WEIGHT_PERM_STAGES): either way an index is loaded
+    before the tile it addresses. Autocast's variants: a float32 gradient against bfloat16 images, and against
+    float32 images (both rounded to bfloat16 as they are loaded: the training step's)."""
     from mjp_fast.triton import patch_embed
 
     names = (
@@ -559,12 +588,13 @@ def check_weight_gradient_pipelining(target) -> bool:
             kernel, signature, {**constexprs, "HAS_PERM": False}, {"num_stages": patch_embed.GRAD_WEIGHT_STAGES}, target
         )
         stages = {"num_stages": patch_embed.GRAD_WEIGHT_PERM_STAGES}
-        jigsaw = _tile_buffers(kernel, signature, {**constexprs, "HAS_PERM": True}, stages, target)
-        ok = jigsaw == plain and min(plain, default=0) >= 2
-        every_ok = every_ok and ok
-        verdict = "ok  " if ok else "FAIL"
-        print(f"{verdict} sm_{target.arch} pipelining of the weight gradient ({name.split(': ')[-1]}): tile buffers "
-              f"{jigsaw} with a perm, {plain} without", flush=True)  # fmt: skip
+        for index_name, index_flags in (("a perm", {"HAS_PERM": True}), ("the inverse", {"INVERSE": True})):
+            jigsaw = _tile_buffers(kernel, signature, {**constexprs, "HAS_PERM": False, **index_flags}, stages, target)
+            ok = jigsaw == plain and min(plain, default=0) >= 2
+            every_ok = every_ok and ok
+            verdict = "ok  " if ok else "FAIL"
+            print(f"{verdict} sm_{target.arch} pipelining of the weight gradient ({name.split(': ')[-1]}): tile "
+                  f"buffers {jigsaw} with {index_name}, {plain} without", flush=True)  # fmt: skip
     return every_ok
 
 
@@ -597,7 +627,10 @@ def check_benchmark_settings(target) -> bool:
                 every_ok = every_ok and ok
                 verdict = "ok  " if ok else "FAIL"
                 print(f"{verdict} sm_{target.arch} setting {setting_name}: {name}: {detail}", flush=True)
-        if not changed:
+        if not changed and set(setting) <= PATH_CONSTANTS:
+            print(f"ok   sm_{target.arch} setting {setting_name}: chooses between launch paths whose variants are "
+                  "compiled above", flush=True)  # fmt: skip
+        elif not changed:
             every_ok = False
             print(f"FAIL sm_{target.arch} setting {setting_name}: changes no kernel variant", flush=True)
     return every_ok

@@ -155,7 +155,7 @@ def test_operator_schemas_come_from_the_launchers():
         "bool need_images, bool need_weight, bool need_bias, bool need_pos, bool need_unk, bool need_prefix, "
         "SymInt prefix_count, SymInt prefix_positions, SymInt[] pos_shape, SymInt[] prefix_shape, "
         "ScalarType? pos_dtype=None, ScalarType? unk_dtype=None, ScalarType? prefix_dtype=None, "
-        "ScalarType? compute_dtype=None) -> Tensor[]",
+        "ScalarType? compute_dtype=None, bool permutation=False) -> Tensor[]",
         "pos_embed_triton": "(Tensor tokens, Tensor perm, Tensor mask, Tensor pos_embed, Tensor unk_embed, "
         "Tensor? prefix, SymInt prefix_positions) -> Tensor",
         "pos_embed_triton_backward": "(Tensor grad_out, Tensor perm, Tensor mask, SymInt prefix_count, "
@@ -199,17 +199,21 @@ def test_launchers_use_the_host_arithmetic():
 CPU = torch.device("cpu")
 
 
-def test_scratch_is_one_float32_buffer_per_role_shape_and_device():
+def test_scratch_is_one_buffer_per_role_shape_dtype_and_device():
     common.clear_scratch()
     first = common.scratch("partials", (3, 4), CPU, False)
     assert first.dtype == torch.float32 and tuple(first.shape) == (3, 4) and first.device == CPU
     assert common.scratch("partials", (3, 4), CPU, False) is first
     assert common.scratch("other partials", (3, 4), CPU, False) is not first
     assert common.scratch("partials", (4, 3), CPU, False) is not first
+    # another dtype (the int32 inverse of a perm): a buffer of its own, never the float32 one reinterpreted
+    indices = common.scratch("partials", (3, 4), CPU, False, torch.int32)
+    assert indices.dtype == torch.int32 and indices is not first
+    assert common.scratch("partials", (3, 4), CPU, False, torch.int32) is indices
     # traced (inside a torch operator): a fresh tensor every time, since torch.compile owns the memory of its graphs
-    traced = common.scratch("partials", (3, 4), CPU, True)
-    assert traced is not first and common.scratch("partials", (3, 4), CPU, True) is not traced
-    assert len(common._scratch.buffers) == 3
+    traced = common.scratch("partials", (3, 4), CPU, True, torch.int32)
+    assert traced.dtype == torch.int32 and common.scratch("partials", (3, 4), CPU, True) is not first
+    assert len(common._scratch.buffers) == 4
     common.clear_scratch()
     assert not common._scratch.buffers and common.scratch("partials", (3, 4), CPU, False) is not first
 

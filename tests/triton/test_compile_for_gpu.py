@@ -26,6 +26,9 @@ def test_every_triton_kernel_compiles_for_hopper():
     assert result.stdout.count("ok   sm_90") >= 18 and "\n0 failed" in result.stdout
     # with a perm, the weight gradient's tiles are pipelined as deep as without one (GRAD_WEIGHT_PERM_STAGES)
     assert "ok   sm_90 pipelining of the weight gradient" in result.stdout
+    # and as deep with the inverse permutation (the training step's: a sampler's jigsaw), for autocast's two variants
+    assert len(re.findall(r"ok   sm_90 pipelining of the weight gradient [^\n]* with the inverse", result.stdout)) == 2
+    assert "FAIL" not in result.stdout
     # the DAL loss: forward (partial and finish) and backward, nonlinear and linear, float32, bfloat16 and mixed,
     # with the sizes of 1 that a launch makes constexpr, a class token's row skipped (skip_rows = 1), and the float
     # scale typed fp64 as inductor launches the kernels under torch.compile
@@ -42,8 +45,13 @@ def test_every_triton_kernel_compiles_for_hopper():
             )
             assert f"ok   sm_90 pos_embed forward bf16 witness={witness} {prefix}:" in result.stdout
         assert f"ok   sm_90 grad_position reduce fp32 bias=True {prefix}:" in result.stdout
-        for mask in (True, False):  # the patch embedding's backward, with a jigsaw and without
-            partials = f"grad_position partials fp32 mask={mask} scatter=False witness=False {prefix}"
+        # the weight gradient through the inverse permutation, and the partials kernel that writes the inverse
+        assert re.search(rf"ok   sm_90 patch_embed grad_weight inverse bf16 {prefix}: cubin", result.stdout), prefix
+        for partials in (
+            f"grad_position partials fp32 mask=True scatter=False witness=False inverse {prefix}",
+            f"grad_position partials fp32 mask=True scatter=False witness=False {prefix}",
+            f"grad_position partials fp32 mask=False scatter=False witness=False {prefix}",
+        ):  # the patch embedding's backward: a sampler's jigsaw, any jigsaw, none
             assert f"ok   sm_90 {partials}:" in result.stdout
             # its gradient tiles copied to shared memory steps ahead (NUM_STAGES): not a load waited on between adds
             pipelined = rf"ok   sm_90 pipelining of the {partials.removeprefix('grad_position ')}: [23] stages"

@@ -390,6 +390,8 @@ def test_patch_embed_operators_opcheck(prefix):
         backward_args = (grad, images, weight, perm, mask, *needs, prefix_count, prefix_positions, list(pos.shape),
                          prefix_shape)  # fmt: skip
         torch.library.opcheck(patch_kernels.patch_embed_backward_triton, backward_args)
+        # a perm known to be a permutation: the weight gradient through its inverse, written by the operator's pass
+        torch.library.opcheck(patch_kernels.patch_embed_backward_triton, backward_args, {"permutation": True})
 
 
 def test_schemas():
@@ -409,7 +411,7 @@ def test_schemas():
     assert schemas["patch_embed_triton_backward"].endswith(
         "bool need_unk, bool need_prefix, SymInt prefix_count, SymInt prefix_positions, SymInt[] pos_shape, "
         "SymInt[] prefix_shape, ScalarType? pos_dtype=None, ScalarType? unk_dtype=None, "
-        "ScalarType? prefix_dtype=None, ScalarType? compute_dtype=None) -> Tensor[]"
+        "ScalarType? prefix_dtype=None, ScalarType? compute_dtype=None, bool permutation=False) -> Tensor[]"
     )
 
 
@@ -476,7 +478,7 @@ def test_patch_embed_wraps_triton_only_when_traced(monkeypatch):
         assert torch.equal(first, second)
     assert wrapped == [
         patch_kernels._grad_images_kernel,
-        patch_kernels._grad_weight_kernel,
-        common._position_partials_kernel,
+        common._position_partials_kernel,  # the position pass first: with a permutation it writes the inverse
         common._position_reduce_kernel,
+        patch_kernels._grad_weight_kernel,
     ]
