@@ -223,8 +223,10 @@ def test_registered_models_fuse_and_take_the_keyword():
     assert mjp_timm.is_fused(model.patch_embed)
     off = timm.create_model("mjp_deit_tiny_patch16_224", mjp_fused_patch_embed=False, **tiny)
     assert type(off.patch_embed) is PatchEmbed
-    with pytest.raises(ValueError, match="dynamic_img_size"):
-        timm.create_model("mjp_deit_tiny_patch16_224", mjp_fused_patch_embed=True, dynamic_img_size=True, **tiny)
+    # any image size (dynamic_img_size): fused too, the table resampled per call
+    dynamic = timm.create_model("mjp_deit_tiny_patch16_224", mjp_fused_patch_embed=True, dynamic_img_size=True, **tiny)
+    assert mjp_timm.is_fused(dynamic.patch_embed)
+    assert dynamic.eval()(torch.randn(1, 3, 24, 40)).shape == (1, 3)
 
 
 def test_forward_intermediates_and_features_only_on_a_fused_model():
@@ -333,15 +335,14 @@ def _overlapping_proj(model):
 
 
 NON_STANDARD = {
-    "dynamic_img_size": (lambda: small_vit(dynamic_img_size=True), "dynamic_img_size"),
     "norm": (lambda: small_vit(embed_layer=functools.partial(PatchEmbed, norm_layer=nn.LayerNorm)), "norm layer"),
     "stride_not_kernel": (lambda: _overlapping_proj(small_vit()), r"stride \(8, 8\) != kernel size \(12, 12\)"),
     "forward_overridden": (lambda: small_vit(embed_layer=_ScaledPatchEmbed), "overrides PatchEmbed.forward"),
     "strict_img_size": (
         lambda: small_vit(embed_layer=functools.partial(PatchEmbed, strict_img_size=False)),
-        "strict_img_size=False",
+        "strict_img_size=False without dynamic_img_size",
     ),
-    "dynamic_img_pad": (lambda: small_vit(dynamic_img_pad=True), "dynamic_img_pad=True"),
+    "dynamic_img_pad": (lambda: small_vit(dynamic_img_pad=True), "dynamic_img_pad=True without dynamic_img_size"),
 }
 
 

@@ -25,7 +25,8 @@ front end per timm family, which :func:`convert` picks (docs/timm-coverage.md li
 In eval mode a model is the plain timm model, unless inside ``model.mjp_eval(...)``.
 
 Where the patch embedding is timm's standard one (a ``PatchEmbed`` whose ``proj`` is a Conv2d with stride equal
-to its square kernel, no norm, flattened output, a fixed image size) and the model has an absolute table, the
+to its square kernel, no norm; a fixed image size, flattened output, or timm's ``dynamic_img_size``, whose table is
+resampled to each batch's grid) and the model has an absolute table, the
 embedding, the jigsaw and the position term run as one :func:`mjp_fast.mjp_patch_embed` call
 (``convert(..., fused_patch_embed=None)``, automatic): the ``patch_embed`` module then passes the images through and
 the model's ``_pos_embed`` embeds them, reading the same ``patch_embed.proj`` weights. Outputs equal timm's Conv2d

@@ -4,6 +4,8 @@ class."""
 from __future__ import annotations
 
 import contextlib
+import importlib
+import re
 from collections.abc import Iterator
 
 import torch
@@ -17,13 +19,51 @@ _SUBCLASSES: dict[tuple[type, type], type] = {}
 
 def mjp_class_of(model_class: type, timm_class: type | None, mjp_class: type) -> type:
     """The MJP class of ``model_class``: ``mjp_class`` for timm's own class, else a generated subclass of both
-    (timm subclasses, and the feature wrappers, whose ``mjp_class`` is a mixin: ``timm_class`` None)."""
+    (timm subclasses, the pixel-space models of every other timm class, and the feature wrappers, whose
+    ``mjp_class`` is a mixin: ``timm_class`` None).
+
+    A generated class is named ``MJP<model class>``; its ``__qualname__`` names both classes by their modules (see
+    :func:`__getattr__`), so that pickle (``torch.save(model)``) finds it again, in this process or a fresh one.
+    """
     if model_class is timm_class:
         return mjp_class
     key = (model_class, mjp_class)
     if key not in _SUBCLASSES:
-        _SUBCLASSES[key] = type(f"MJP{model_class.__name__}", (mjp_class, model_class), {"__module__": __name__})
+        generated = type(f"MJP{model_class.__name__}", (mjp_class, model_class), {"__module__": __name__})
+        generated.__qualname__ = _PICKLE_NAME.format(_dotless(mjp_class), _dotless(model_class))
+        _SUBCLASSES[key] = generated
     return _SUBCLASSES[key]
+
+
+# A generated class's __qualname__: pickle looks it up as one attribute of this module (no dots: protocol 2, as
+# torch.save writes, would split a dotted name into nested lookups).
+_PICKLE_NAME = "MJP[{}|{}]"
+_PICKLE_NAME_PATTERN = re.compile(r"^MJP\[([\w/]+):([\w/]+)\|([\w/]+):([\w/]+)\]$")
+
+
+def _dotless(cls: type) -> str:
+    """``module:qualname`` of ``cls`` with every dot written as ``/``."""
+    return f"{cls.__module__}:{cls.__qualname__}".replace(".", "/")
+
+
+def _class_at(module: str, qualname: str) -> type:
+    found: object = importlib.import_module(module.replace("/", "."))
+    for part in qualname.split("/"):
+        found = getattr(found, part)
+    if not isinstance(found, type):
+        raise AttributeError(f"{module.replace('/', '.')}.{qualname.replace('/', '.')} is not a class")
+    return found
+
+
+def __getattr__(name: str) -> type:
+    """A generated MJP class by its ``__qualname__`` (PEP 562: called for names this module does not have): how a
+    pickled model of a generated class is loaded. The class is made again from the two classes its name gives."""
+    match = _PICKLE_NAME_PATTERN.match(name)
+    if match is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    mjp_class = _class_at(match[1], match[2])
+    model_class = _class_at(match[3], match[4])
+    return mjp_class_of(model_class, None, mjp_class)
 
 
 class MJPModel:

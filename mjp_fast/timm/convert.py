@@ -23,7 +23,15 @@ from mjp_fast.timm.fused import (
     unfusable_reason,
     unfuse_patch_embed,
 )
-from mjp_fast.timm.pixel import PIXEL_CLASSES
+from mjp_fast.timm.pixel import (
+    PIXEL_CLASSES,
+    absolute_position_tables,
+    first_stage_stride,
+    legacy_patch_size,
+    model_input_size,
+    pixel_class,
+    wraps_a_legacy_class,
+)
 from mjp_fast.timm.schedule import DEFAULT_DAL_WEIGHT, check_dal_weight
 from mjp_fast.timm.state import MJPState
 from mjp_fast.timm.vit import MJPVisionTransformer, hybrid_pixel_block, jigsaw_pixels_before
@@ -78,23 +86,32 @@ def convert(
     unk: bool = True,
     dal_reduction: str = "mean",
     dal_weight: float = DEFAULT_DAL_WEIGHT,
+    pixel_jigsaw: bool = False,
 ) -> nn.Module:
     """Turns a timm model into its MJP version in place, keeping its weights; returns it.
 
     Args:
         model: a timm ``VisionTransformer`` (any size; class token or not; register tokens; ``no_embed_class``;
             a distilled DeiT; a hybrid with a CNN stem, whose images are jigsawed), an ``Eva`` (EVA-02, DINOv3, PE,
-            the RoPE ViTs), or, for the pixel-space jigsaw only, a ``VisionTransformerRelPos``, ``Beit``,
-            ``ResNet``, ``SwinTransformer`` or ``ConvNeXt``; or timm's ``features_only`` wrapper of one of them
-            (``FeatureGetterNet``: the wrapped model is converted; ``FeatureListNet``/``FeatureDictNet``: their input
-            is jigsawed). docs/timm-coverage.md lists the timm models each family covers.
+            the RoPE ViTs): MJP's token path; or any other timm image model without a learned absolute position
+            table (CNNs, Swin, ConvNeXt, the relative-position ViTs, BEiT, XCiT, LeViT, Twins, MobileViT, ...): the
+            pixel-space jigsaw of its input images; or timm's ``features_only`` wrapper of one of them
+            (``FeatureGetterNet``: the wrapped model is converted; ``FeatureListNet``/``FeatureDictNet``/
+            ``FeatureHookNet``: their input is jigsawed). docs/timm-coverage.md lists what each timm family gets.
+            Refused: a model that is not a timm image model (no ``feature_info``), and one with a learned absolute
+            position table that is neither a ``VisionTransformer`` nor an ``Eva`` (CaiT, CrossViT, PiT, ConViT,
+            TNT, NaFlexViT, Hiera, ...: MJP's token path for them is not built yet; see ``pixel_jigsaw``).
         ratio, prob, seed, min_block, min_aspect, shared, backend: as :class:`mjp_fast.JigsawSampler`.
         dal: the DAL regressor's kind (``"nonlinear"``, ``"linear"``, ``"pca"``), or None or ``"none"`` (timm's
             ``create_model`` drops None-valued keywords, so ``mjp_dal="none"`` is how to say it there), or
             ``"auto"`` (default): ``"nonlinear"`` where the model has an absolute position table, else none. A model
             without a table asked for DAL warns once (naming the model) and trains without it.
-        patch_size: the jigsaw's patch size for pixel-space models, an int >= 1 (default: the model's patch
-            embedding's, else 16); ViTs use their own (a hybrid ViT: its image size over its token grid).
+        patch_size: the jigsaw's patch size for pixel-space models, an int >= 1. Default: the stride of the model's
+            first feature stage (``feature_info[0]['reduction']``: its patch embedding's or stem's stride), which
+            must divide the model's input size and be at least 2; ResNet, Swin, ConvNeXt, ``VisionTransformerRelPos``,
+            BEiT and a ViT without ``pos_embed`` keep the patch they always had (the patch embedding's, else 16).
+            ViTs and Evas with a table use their own (a hybrid ViT: its image size over its token grid). In
+            training the images' height and width must be multiples of it (a ValueError otherwise).
         dal_normalize: regress coordinates scaled to [0, 1] instead of raw integers.
         unk: masked positions get the learned unknown embedding ``mjp.unk_embed`` (MJP, default). False: the
             patches of the masked positions are still permuted among themselves, but every position keeps its own
@@ -106,11 +123,16 @@ def convert(
         dal_weight: the weight at which a training forward attaches the DAL loss to the model's output (finite,
             >= 0; default 0.01, the paper's start): any loop that back-propagates the output trains DAL. Change it
             with ``model.mjp_dal_weight`` or :class:`mjp_fast.timm.DALWeightSchedule`. Not in the state dict.
+        pixel_jigsaw: True: give a model with a learned absolute position table that MJP's token path does not
+            cover (CaiT, CrossViT, PiT, ConViT, TNT, NaFlexViT, Hiera, ...) the pixel-space jigsaw of its input
+            images; its table is kept as it is (a moved patch gets the row of where it lands: the paper's naive
+            shuffle, in pixel space). False (default): such a model is refused. No effect on models that get the
+            pixel jigsaw anyway; a ValueError for a ``VisionTransformer``/``Eva`` with a table (the token path).
         fused_patch_embed: run the ViT's patch embedding, jigsaw and position term as one
             :func:`mjp_fast.mjp_patch_embed` call (``backend`` chooses its backend). None: wherever the patch
             embedding is timm's standard one (``PatchEmbed``, a Conv2d with stride equal to its square kernel, no
-            norm, flattened output, a fixed image size); True: that, or a ValueError saying why not; False: timm's
-            own embedding, then the tokens are moved.
+            norm; a fixed image size, or any with ``dynamic_img_size``, the table resampled to each batch's grid);
+            True: that, or a ValueError saying why not; False: timm's own embedding, then the tokens are moved.
 
     Returns:
         The same model object, now an MJP model: ``mjp_aux_loss()``, ``mjp_eval(...)`` and ``model.mjp``.
@@ -118,21 +140,14 @@ def convert(
         patch embedding is fused: the GEMM sums in another order).
 
     Raises:
-        TypeError: not a supported model. ValueError: bad settings, a model converted already, or
-        ``fused_patch_embed=True`` for a patch embedding the fused op cannot compute.
+        TypeError: not a timm image model, or a model with a learned absolute position table that the token path
+        does not cover (without ``pixel_jigsaw=True``); the message says which. ValueError: bad settings, a model
+        converted already, ``fused_patch_embed=True`` for a patch embedding the fused op cannot compute, or a
+        pixel-space model whose jigsaw patch cannot cut its images (a stride of 1, or one that does not divide
+        the input size; the message says how to choose ``patch_size``).
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a timm model (nn.Module), got {type(model).__name__}")
-    if isinstance(model, MJPModel):
-        raise ValueError(f"model is already an MJP model ({type(model).__name__})")
-    if fused_patch_embed is not None and not isinstance(fused_patch_embed, bool):
-        raise TypeError(f"fused_patch_embed must be a bool or None, got {type(fused_patch_embed).__name__}")
+    _check_model_and_front_end_settings(model, fused_patch_embed, pixel_jigsaw, patch_size)
     check_backend(backend)
-    if patch_size is not None:
-        if isinstance(patch_size, bool) or not isinstance(patch_size, int):
-            raise TypeError(f"patch_size must be an int or None, got {type(patch_size).__name__} {patch_size!r}")
-        if patch_size < 1:
-            raise ValueError(f"patch_size must be >= 1, got {patch_size}")
     asked_dal = not (isinstance(dal, str) and dal == "auto")
     dal_kind = check_dal_kind(dal) if asked_dal else "nonlinear"  # "auto": where the model has a table to regress
     check_unk(unk)
@@ -144,13 +159,36 @@ def convert(
     )  # fmt: skip
     wrapper_class = next((base for base in WRAPPER_MIXINS if isinstance(model, base)), None)
     if wrapper_class is FeatureGetterNet:
-        convert(model.model, dal=dal, patch_size=patch_size, fused_patch_embed=fused_patch_embed, **settings)
+        convert(
+            model.model, dal=dal, patch_size=patch_size, fused_patch_embed=fused_patch_embed,
+            pixel_jigsaw=pixel_jigsaw, **settings,
+        )  # fmt: skip
         model.__class__ = mjp_class_of(type(model), None, WRAPPER_MIXINS[wrapper_class])
         return model
-    layout = _front_end(model, wrapper_class, dal_kind, asked_dal, patch_size, fused_patch_embed)
+    layout = _front_end(model, wrapper_class, dal_kind, asked_dal, patch_size, fused_patch_embed, pixel_jigsaw)
     state = MJPState(layout.grid, layout.dim, dal=layout.dal, patch_size=layout.patch_size, **settings)
     _install(model, state, layout, wrapper_class is not None)
     return model
+
+
+def _check_model_and_front_end_settings(
+    model: object, fused_patch_embed: object, pixel_jigsaw: object, patch_size: object
+) -> None:
+    """:func:`convert`'s checks of the model and of the settings that choose its front end, before anything
+    changes: a TypeError or ValueError naming the argument."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a timm model (nn.Module), got {type(model).__name__}")
+    if isinstance(model, MJPModel):
+        raise ValueError(f"model is already an MJP model ({type(model).__name__})")
+    if fused_patch_embed is not None and not isinstance(fused_patch_embed, bool):
+        raise TypeError(f"fused_patch_embed must be a bool or None, got {type(fused_patch_embed).__name__}")
+    if not isinstance(pixel_jigsaw, bool):
+        raise TypeError(f"pixel_jigsaw must be a bool, got {type(pixel_jigsaw).__name__} {pixel_jigsaw!r}")
+    if patch_size is not None:
+        if isinstance(patch_size, bool) or not isinstance(patch_size, int):
+            raise TypeError(f"patch_size must be an int or None, got {type(patch_size).__name__} {patch_size!r}")
+        if patch_size < 1:
+            raise ValueError(f"patch_size must be >= 1, got {patch_size}")
 
 
 class _Layout(NamedTuple):
@@ -177,10 +215,11 @@ def _fusing(model: nn.Module, fused_patch_embed: bool | None) -> bool:
 
 def _front_end(
     model: nn.Module, wrapper_class: type | None, dal: str | None, asked_dal: bool, patch_size: int | None,
-    fused_patch_embed: bool | None,
+    fused_patch_embed: bool | None, pixel_jigsaw: bool,
 ) -> _Layout:  # fmt: skip
     """The front end of ``model``'s family (:func:`convert`'s dispatch): ViT, Eva, else the pixel-space jigsaw."""
     if isinstance(model, VisionTransformer) and model.pos_embed is not None:
+        _refuse_pixel_jigsaw_for_the_token_path(model, pixel_jigsaw)
         # A hybrid ViT (CNN stem) jigsaws its images, a block of pixels per token; others move their tokens.
         pixel_block = hybrid_pixel_block(model.patch_embed)
         patch_size = pixel_block or _first(model.patch_embed.patch_size)
@@ -191,26 +230,91 @@ def _front_end(
     if isinstance(model, Eva):  # EVA-02, DINOv3, PE, the vit_*_rope_* models: a table, a rotary table, or both
         if model.pos_embed is None:  # RoPE only
             dal = _without_dal(model, dal, asked_dal, "it gets the identity rotation at the shuffled positions")
+        else:
+            _refuse_pixel_jigsaw_for_the_token_path(model, pixel_jigsaw)
         grid, dim, patch_size = eva_layout(model)
         new_class = mjp_class_of(original_class(type(model)), Eva, MJPEva)
         return _Layout(new_class, grid, dim, patch_size, dal, _fusing(model, fused_patch_embed), None)
+    # The pixel-space jigsaw. The classes MJP covered before every family (PIXEL_CLASSES) keep their named MJP
+    # class and their patch (the patch embedding's, else 16); every other timm image model gets a class made for
+    # it and its first stage's stride.
     if wrapper_class is not None:
-        mjp_class, timm_class = WRAPPER_MIXINS[wrapper_class], None
+        mjp_class: type | None = WRAPPER_MIXINS[wrapper_class]
+        timm_class = None
+        legacy = wraps_a_legacy_class(model)
+        legacy = True if legacy is None else legacy  # a wrapper of unknown origin keeps the patch it always had
     else:
         timm_class = next((base for base in PIXEL_CLASSES if isinstance(model, base)), None)
-        if timm_class is None:
-            families = (VisionTransformer, Eva, *PIXEL_CLASSES, *WRAPPER_MIXINS)
-            supported = ", ".join(dict.fromkeys(base.__name__ for base in families))
-            raise TypeError(f"model: convert() supports timm {supported}; got {type(model).__name__}")
-        mjp_class = PIXEL_CLASSES[timm_class]
+        legacy = timm_class is not None
+        mjp_class = PIXEL_CLASSES[timm_class] if legacy else None
+    if not legacy:  # the PIXEL_CLASSES (Swin with its optional absolute_pos_embed too) were never refused
+        _refuse_unless_an_image_model(model)
+        _refuse_a_table_unless_asked(model, pixel_jigsaw)
     if fused_patch_embed:
         raise ValueError(f"fused_patch_embed=True: {unfusable_reason(model)}")
-    dal = _without_dal(model, dal, asked_dal, "it gets the pixel-space jigsaw")
     if patch_size is None:
-        embed = getattr(model, "patch_embed", None)
-        patch_size = _first(getattr(embed, "patch_size", 16) if embed is not None else 16)
-    new_class = mjp_class_of(type(model), timm_class, mjp_class)
+        patch_size = legacy_patch_size(model) if legacy else _first_stage_patch(model)
+    dal = _without_dal(model, dal, asked_dal, "it gets the pixel-space jigsaw")
+    new_class = mjp_class_of(type(model), timm_class, mjp_class) if mjp_class is not None else pixel_class(type(model))
     return _Layout(new_class, _grid(model, patch_size), None, patch_size, dal, False, None)
+
+
+def _refuse_pixel_jigsaw_for_the_token_path(model: nn.Module, pixel_jigsaw: bool) -> None:
+    """``pixel_jigsaw=True`` is for tables the token path does not cover: a ValueError for one it covers."""
+    if pixel_jigsaw:
+        raise ValueError(
+            f"pixel_jigsaw=True: model {_model_name(model)} has an absolute position table that MJP's token path "
+            "covers (the unknown embedding on the table, DAL: the paper's method); convert it without pixel_jigsaw"
+        )
+
+
+def _refuse_unless_an_image_model(model: nn.Module) -> None:
+    """A TypeError for a model that does not publish timm's ``feature_info`` (every timm image model does): there is
+    no image, or no stride, to cut a jigsaw from."""
+    if first_stage_stride(model) is None:
+        families = (VisionTransformer, Eva, *PIXEL_CLASSES, *WRAPPER_MIXINS)
+        supported = ", ".join(dict.fromkeys(base.__name__ for base in families))
+        raise TypeError(
+            f"model: convert() supports timm image models ({supported}, and with the pixel-space jigsaw every timm "
+            f"image model without a learned absolute position table); got {type(model).__name__}, which has no "
+            "timm feature_info with the stride of its first stage: not a timm image model"
+        )
+
+
+def _refuse_a_table_unless_asked(model: nn.Module, pixel_jigsaw: bool) -> None:
+    """A TypeError for a model with a learned absolute position table outside ViT/Eva (the token path's, issue 40
+    item 1), unless ``pixel_jigsaw=True`` asked for the pixel jigsaw: never the pixel jigsaw silently, which would
+    leave the table's rows where the paper's method replaces them."""
+    tables = absolute_position_tables(model)
+    if tables and not pixel_jigsaw:
+        shown = ", ".join(tables[:3]) + (f" and {len(tables) - 3} more" if len(tables) > 3 else "")
+        raise TypeError(
+            f"model: {_model_name(model)} has a learned absolute position table ({shown}); MJP's token path (the "
+            "unknown embedding on the table, DAL) covers timm's VisionTransformer and Eva, and for this model it is "
+            "not built yet. convert(model, pixel_jigsaw=True) gives it the pixel-space jigsaw of its input images "
+            "instead, the table kept as it is (a moved patch gets the row of where it lands: the naive shuffle)"
+        )
+
+
+def _first_stage_patch(model: nn.Module) -> int:
+    """The default jigsaw patch of a pixel-space model outside PIXEL_CLASSES: its first stage's stride, refused
+    with a ValueError where it cannot cut the model's images (1: single pixels; not a divisor of the input size)."""
+    stride = first_stage_stride(model)
+    where = "its first feature stage's stride (feature_info[0]['reduction'])"
+    if stride < 2:
+        raise ValueError(
+            f"model: {_model_name(model)}: {where} is {stride}: the first stage keeps the input's resolution, so the "
+            "jigsaw would move single pixels, which keeps no patch's content together; give patch_size=N (N >= 2) "
+            "to jigsaw N x N blocks"
+        )
+    size = model_input_size(model)
+    if size is not None and (size[0] % stride or size[1] % stride):
+        raise ValueError(
+            f"model: {_model_name(model)}: its input size {size[0]}x{size[1]} is not a multiple of {where}, "
+            f"{stride}: its images cannot be cut into whole {stride}x{stride} patches; give patch_size=N with N "
+            "dividing the height and width of the images it will get"
+        )
+    return stride
 
 
 def _install(model: nn.Module, state: MJPState, layout: _Layout, wrapped: bool) -> None:
@@ -248,9 +352,10 @@ def fast_patch_embed(model: nn.Module, *, backend: str | None = None) -> nn.Modu
     Args:
         model: a timm ``VisionTransformer`` (a distilled DeiT too) or ``Eva`` (EVA-02, PE, the ``_ape`` RoPE
             models) with absolute position embeddings and timm's standard patch
-            embedding (``PatchEmbed``; a Conv2d with stride equal to its square kernel; no norm; flattened output;
-            a fixed image size: no ``dynamic_img_size``, ``dynamic_img_pad`` or ``strict_img_size=False``), an MJP
-            version of one, or timm's ``features_only`` wrapper (``FeatureGetterNet``) of one.
+            embedding (``PatchEmbed``; a Conv2d with stride equal to its square kernel; no norm; a fixed image size,
+            or any with ``dynamic_img_size``, the table resampled to each batch's grid as timm does, and the images
+            padded as timm pads them with ``dynamic_img_pad``), an MJP version of one, or timm's ``features_only``
+            wrapper (``FeatureGetterNet``) of one.
         backend: the fused op's backend (as :func:`mjp_fast.mjp_patch_embed`); default automatic. An MJP model has
             one backend for its sampler, embedding and DAL loss (``model.mjp.backend``, ``convert``'s ``backend``):
             given here, it sets that one; None keeps it.

@@ -25,7 +25,7 @@ from timm.models.eva import Eva
 
 from mjp_fast.ops.rope_identity import rope_identity
 from mjp_fast.timm.base import MJPModel
-from mjp_fast.timm.fused import fused_pos_embed, is_fused, prefix_positions_of, prefix_tokens_of
+from mjp_fast.timm.fused import fused_grid, fused_pos_embed, is_fused, prefix_positions_of, prefix_tokens_of
 from mjp_fast.timm.state import MJPState
 from mjp_fast.timm.vit import MJPVisionTransformer
 
@@ -100,6 +100,10 @@ def _patch_tokens_and_tables(
     """timm's ``_pos_embed`` inputs: the patch tokens ``[B, N, D]`` (the images where the embedding is fused),
     the grid, the position table (resampled to a dynamic size, as timm does) and the rotary table."""
     embed, pos_table, rope = model.patch_embed, model.pos_embed, model.rope
+    if model.dynamic_img_size and is_fused(embed):
+        # x: the images; fused_pos_embed resamples the table for their grid itself (pos_table: not read)
+        grid = fused_grid(embed, x)
+        return x, grid, None, rope.get_embed(shape=grid) if rope is not None else None
     if model.dynamic_img_size:
         batch, rows, cols, dim = x.shape
         grid = (rows, cols)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from timm.models._features import FeatureDictNet, FeatureGetterNet
+from timm.models._features import FeatureDictNet, FeatureGetterNet, FeatureHookNet
 
 from mjp_fast.timm.base import MJPModel, MJPNoDALModel
 from mjp_fast.timm.state import MJPState
@@ -22,9 +22,14 @@ class _MJPFeatureGetterMixin(MJPModel):
 
 
 class _MJPFeatureModulesMixin(MJPNoDALModel):
-    """timm's ``FeatureListNet``/``FeatureDictNet`` (``features_only=True`` for CNNs and Swin). They are module
-    dicts that run their entries in order, not the model's ``forward``: :func:`convert` puts ``mjp`` first, so
-    the input is jigsawed (pixel-space MJP) before the first layer."""
+    """timm's ``FeatureListNet``/``FeatureDictNet`` (``features_only=True`` for most CNNs and Swin) and
+    ``FeatureHookNet`` (Xception, NASNet, PNASNet). They are module dicts that run their entries in order, not the
+    model's ``forward`` (a hook net's hooks read the outputs of the modules they are on, whatever runs before):
+    :func:`convert` puts ``mjp`` first, so the input is jigsawed (pixel-space MJP) before the first layer."""
 
 
-WRAPPER_MIXINS = {FeatureGetterNet: _MJPFeatureGetterMixin, FeatureDictNet: _MJPFeatureModulesMixin}
+WRAPPER_MIXINS = {
+    FeatureGetterNet: _MJPFeatureGetterMixin,
+    FeatureDictNet: _MJPFeatureModulesMixin,
+    FeatureHookNet: _MJPFeatureModulesMixin,
+}

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 import torch.fx
-from timm.layers import PatchEmbed
+import torch.nn.functional as F
+from timm.layers import PatchEmbed, resample_abs_pos_embed
 from timm.models.deit import VisionTransformerDistilled
 from timm.models.eva import Eva
 from timm.models.vision_transformer import VisionTransformer
@@ -119,9 +120,24 @@ class _ImagesThroughPatchEmbed:
         return resolve_once(cache, self.fused_backend, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The images ``[B, C, H, W]``, checked as timm's ``PatchEmbed.forward`` checks them: a fixed size
+        (``strict_img_size``), or (a model with ``dynamic_img_size``) sides that are multiples of the patch, else
+        padded to multiples at the bottom and right with zeros (``dynamic_img_pad``), as timm pads them before its
+        convolution."""
         _, _, height, width = x.shape
-        torch._assert(height == self.img_size[0], f"Input height ({height}) doesn't match model ({self.img_size[0]}).")
-        torch._assert(width == self.img_size[1], f"Input width ({width}) doesn't match model ({self.img_size[1]}).")
+        patch_h, patch_w = self.patch_size
+        if self.strict_img_size:
+            torch._assert(
+                height == self.img_size[0], f"Input height ({height}) doesn't match model ({self.img_size[0]})."
+            )
+            torch._assert(width == self.img_size[1], f"Input width ({width}) doesn't match model ({self.img_size[1]}).")
+        elif self.dynamic_img_pad:
+            x = F.pad(x, (0, (patch_w - width % patch_w) % patch_w, 0, (patch_h - height % patch_h) % patch_h))
+        else:
+            torch._assert(
+                height % patch_h == 0, f"Input height ({height}) should be divisible by patch size ({patch_h})."
+            )
+            torch._assert(width % patch_w == 0, f"Input width ({width}) should be divisible by patch size ({patch_w}).")
         return x
 
 
@@ -144,9 +160,10 @@ def original_class(cls: type) -> type:
 def unfusable_reason(model: nn.Module) -> str | None:
     """None when the model's patch embedding plus position add can run as one fused op, else why not.
 
-    The fused op computes a square, non-overlapping Conv2d patch embedding of a fixed image size, flattened to
-    ``[B, N, D]``, plus ``pos_embed``: timm's standard ``PatchEmbed`` of a ``VisionTransformer`` (a distilled DeiT
-    included) or an ``Eva`` with an absolute table.
+    The fused op computes a square, non-overlapping Conv2d patch embedding, flattened to ``[B, N, D]``, plus
+    ``pos_embed``: timm's standard ``PatchEmbed`` of a ``VisionTransformer`` (a distilled DeiT included) or an
+    ``Eva`` with an absolute table, at a fixed image size, or at any size with ``dynamic_img_size`` (the table
+    resampled to each call's grid as timm resamples it; ``dynamic_img_pad``: the images padded as timm pads them).
     """
     family = next((base for base in (VisionTransformer, Eva) if isinstance(model, base)), None)
     if family is None:
@@ -159,8 +176,6 @@ def unfusable_reason(model: nn.Module) -> str | None:
     for name in ("forward_features", "forward_intermediates"):
         if getattr(timm_class, name) is not getattr(family, name):
             return f"{timm_class.__name__} overrides {family.__name__}.{name}, which the fused path relies on"
-    if model.dynamic_img_size:
-        return "the model has dynamic_img_size=True (the fused op needs a fixed image size)"
     embed = model.patch_embed
     embed_class = original_class(type(embed))
     if not issubclass(embed_class, PatchEmbed):
@@ -181,14 +196,19 @@ def unfusable_reason(model: nn.Module) -> str | None:
         )
     if not isinstance(embed.norm, nn.Identity):
         return f"patch_embed has a norm layer ({type(embed.norm).__name__}) after its projection"
-    if not embed.flatten:
-        return f"patch_embed outputs {embed.output_fmt.value} feature maps, not flattened [B, N, D] tokens"
     if embed.img_size is None:
-        return "patch_embed has no fixed img_size"
-    if embed.dynamic_img_pad:
-        return "patch_embed has dynamic_img_pad=True (the fused op needs a fixed image size)"
-    if not embed.strict_img_size:
-        return "patch_embed has strict_img_size=False (the fused op needs a fixed image size)"
+        return "patch_embed has no img_size (the grid of its position table)"
+    if model.dynamic_img_size:
+        # timm's dynamic model: an NHWC feature map that its _pos_embed flattens, any image size
+        if embed.flatten or embed.output_fmt.value != "NHWC":
+            return f"patch_embed outputs {embed.output_fmt.value} features, not the NHWC map of dynamic_img_size"
+    else:
+        if not embed.flatten:
+            return f"patch_embed outputs {embed.output_fmt.value} feature maps, not flattened [B, N, D] tokens"
+        if embed.dynamic_img_pad:
+            return "patch_embed has dynamic_img_pad=True without dynamic_img_size (the table has one grid)"
+        if not embed.strict_img_size:
+            return "patch_embed has strict_img_size=False without dynamic_img_size (the table has one grid)"
     prefix_positions = 0 if model.no_embed_class else model.num_prefix_tokens
     if model.pos_embed.shape[1] - prefix_positions != embed.num_patches:
         return f"pos_embed has {model.pos_embed.shape[1]} positions, not {prefix_positions} + {embed.num_patches}"
@@ -251,16 +271,32 @@ def fused_pos_embed(model: VisionTransformer, images: torch.Tensor, state: nn.Mo
     embed = model.patch_embed
     proj = embed.proj
     prefix, prefix_positions = prefix_tokens_of(model), prefix_positions_of(model)
-    if state is not None and state.engaged:
-        grid = tuple(embed.grid_size)
-        tokens = state(
-            images, model.pos_embed, grid, proj.weight, proj.bias, prefix=prefix, prefix_positions=prefix_positions
+    grid, pos_table = tuple(embed.grid_size), model.pos_embed
+    dal_table = dal_grid = None  # DAL regresses the stored table, not one resampled for another input size
+    if model.dynamic_img_size:
+        grid = fused_grid(embed, images)
+        # timm's resampling (the stored table itself where the grid is the table's), differentiable
+        pos_table = resample_abs_pos_embed(
+            pos_table, new_size=grid, old_size=embed.grid_size, num_prefix_tokens=prefix_positions
         )
+        if pos_table is not model.pos_embed:
+            dal_table, dal_grid = model.pos_embed, tuple(embed.grid_size)
+    if state is not None and state.engaged:
+        tokens = state(
+            images, pos_table, grid, proj.weight, proj.bias, prefix=prefix, prefix_positions=prefix_positions,
+            dal_table=dal_table, dal_grid=dal_grid,
+        )  # fmt: skip
         return model.pos_drop(tokens)
     if state is not None:
         state.record_jigsaw(None)
     arguments = (None, None, state if state is not None else embed, prefix, prefix_positions)
-    return model.pos_drop(fused_patch_embed(images, proj.weight, proj.bias, model.pos_embed, *arguments))
+    return model.pos_drop(fused_patch_embed(images, proj.weight, proj.bias, pos_table, *arguments))
+
+
+def fused_grid(patch_embed: nn.Module, images: torch.Tensor) -> tuple[int, int]:
+    """The token grid of ``images`` ``[B, C, H, W]`` (padded already, see ``_ImagesThroughPatchEmbed.forward``)."""
+    patch_h, patch_w = patch_embed.patch_size
+    return images.shape[-2] // patch_h, images.shape[-1] // patch_w
 
 
 class FusedViTMixin:

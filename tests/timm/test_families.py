@@ -24,7 +24,7 @@ EXPECTED = {
     "ViT, registers, global pool": ("UNK on the table", True),
     "ViT, no_embed_class (DeiT III)": ("UNK on the table", True),
     "ViT at 518 px (DINOv2)": ("UNK on the table", True),
-    "ViT, dynamic_img_size": ("UNK on the table", False),
+    "ViT, dynamic_img_size": ("UNK on the table", True),
     "ViT, hybrid (ResNet stem)": ("pixel jigsaw + UNK on the table", False),
     "distilled DeiT": ("UNK on the table", True),
     "EVA-02 (table + RoPE)": ("UNK on the table + RoPE identity", True),
