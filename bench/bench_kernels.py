@@ -14,6 +14,11 @@ position-gradient plans are made again on the way in and out):
 - ``default``: the constants as shipped;
 - ``partials unpipelined``: ``PARTIAL_STAGES = 1``: the position gradient's partials kernel without its software
   pipeline (its loop as before commit 93b2e73, which the H100 timed at 103 us, and 201 us with a mask);
+- ``partials, more programs`` and ``partials, fewer programs``: the position gradient's partials kernel split into
+  more batch chunks (``PROGRAMS_PER_SM = 16``, ``MAX_PARTIAL_SHARE = 0.4``: 1,650 programs of 3 steps at DeiT-S's
+  batch of 256 on 132 SMs) or fewer (``PROGRAMS_PER_SM = 1``: 147 programs of 37 steps of one sample's 32 rows),
+  against the default's 600 of 8: the H200 timed the default at 107 us (206 us with a mask) for 77 MB, 0.7 TB/s of
+  its ~4.8, and these bracket it: more loads in flight, or longer loops with fewer partials;
 - ``weight gradient, patches gathered``: ``WEIGHT_GRADIENT_BY_INVERSE = False``: the weight gradient with a jigsaw
   gathers the patches by the perm (as the H200 timed it on 2026-11-28: 454 us against 258 us without a jigsaw), not
   the gradient's rows by the perm's inverse (the default since issue 39);
@@ -101,6 +106,12 @@ SETTINGS: dict[str, dict[str, object]] = {
         "mjp_fast.triton.dal_loss.BACKWARD_TILES": {"BLOCK_N": 16, "BLOCK_H": 32, "BLOCK_D": 64},
     },
     "weight gradient, patches gathered": {"mjp_fast.triton.patch_embed.WEIGHT_GRADIENT_BY_INVERSE": False},
+    # The position gradient far from HBM's bandwidth (issue 39): which way the plan should move, measured.
+    "partials, more programs": {
+        "mjp_fast.triton.common.PROGRAMS_PER_SM": 16,
+        "mjp_fast.triton.common.MAX_PARTIAL_SHARE": 0.4,
+    },
+    "partials, fewer programs": {"mjp_fast.triton.common.PROGRAMS_PER_SM": 1},
 }
 
 

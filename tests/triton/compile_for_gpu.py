@@ -23,10 +23,15 @@ import traceback
 # Shared memory one block may use (opt-in maximum), by compute capability: A100, H100/H200.
 MAX_SHARED_BYTES = {80: 166912, 90: 232448}
 
-# Module constants that choose which launch path runs, not how a kernel compiles: every path's variants are among
-# _variants() whatever they hold (the weight gradient gathering the patches, HAS_PERM, or the gradient's rows by the
-# inverse, INVERSE).
-PATH_CONSTANTS = {"mjp_fast.triton.patch_embed.WEIGHT_GRADIENT_BY_INVERSE"}
+# Module constants that choose which launch path runs, or how many programs a launch has, not how a kernel
+# compiles: every path's variants are among _variants() whatever they hold (the weight gradient gathering the
+# patches, HAS_PERM, or the gradient's rows by the inverse, INVERSE; the position gradient's batch chunks, a grid
+# size and a runtime argument, unless the plan also changes its tiles, which then compile as changed variants).
+LAUNCH_CONSTANTS = {
+    "mjp_fast.triton.patch_embed.WEIGHT_GRADIENT_BY_INVERSE",
+    "mjp_fast.triton.common.PROGRAMS_PER_SM",
+    "mjp_fast.triton.common.MAX_PARTIAL_SHARE",
+}
 
 
 def _variants() -> list[tuple[str, object, dict[str, str], dict[str, object], dict[str, int]]]:
@@ -627,8 +632,8 @@ def check_benchmark_settings(target) -> bool:
                 every_ok = every_ok and ok
                 verdict = "ok  " if ok else "FAIL"
                 print(f"{verdict} sm_{target.arch} setting {setting_name}: {name}: {detail}", flush=True)
-        if not changed and set(setting) <= PATH_CONSTANTS:
-            print(f"ok   sm_{target.arch} setting {setting_name}: chooses between launch paths whose variants are "
+        if not changed and set(setting) <= LAUNCH_CONSTANTS:
+            print(f"ok   sm_{target.arch} setting {setting_name}: chooses launch paths or grids whose variants are "
                   "compiled above", flush=True)  # fmt: skip
         elif not changed:
             every_ok = False
