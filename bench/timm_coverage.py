@@ -256,6 +256,7 @@ def check_model(
         (each step's outcome: ``True`` or the error's first line), ``eval_max_diff``, ``seconds``.
     """
     import mjp_fast.timm as mjp_timm
+    from mjp_fast.timm.inline_table import runs_fused
     from mjp_fast.train.models import input_size
 
     start = time.perf_counter()
@@ -283,7 +284,7 @@ def check_model(
             return record
         steps["convert"] = True
         record.update(path=mjp_path(model), mjp=what_mjp_does(model), patch_size=model.mjp.patch_size)
-        record["fused"] = mjp_timm.is_fused(model.patch_embed) if hasattr(model, "patch_embed") else False
+        record["fused"] = runs_fused(model.patch_embed) if hasattr(model, "patch_embed") else False
         # Before the training step, whose forward moves BatchNorm statistics (the hybrid ViTs' ResNet stems).
         model.eval()
         base.eval()
@@ -347,6 +348,15 @@ def check_model(
 
 
 STEPS = ("convert", "eval = timm", "train step", "mjp_eval", "state dict")
+
+
+def with_depth_companions(name: str, optional: dict[str, Any]) -> dict[str, Any]:
+    """``optional`` plus the keywords a model needs beside a smaller ``depth`` to use all its parameters: ConViT joins
+    its class token after ``local_up_to_layer`` blocks (10 by default), so with fewer blocks timm's own model leaves
+    the token unused; the last block then is a global one, as the last two of ConViT's own twelve."""
+    if "depth" in optional and name.startswith("convit"):
+        return {**optional, "local_up_to_layer": max(0, optional["depth"] - 1)}
+    return optional
 
 
 def _create(name: str, overrides: dict[str, Any], optional: dict[str, Any], device: str) -> tuple[nn.Module, list]:
@@ -513,7 +523,14 @@ def main(argv: list[str] | None = None) -> int:
             not_run.append(name)
             continue
         overrides, side = models[name]
-        record = check_model(name, overrides, side, backend=args.backend, device=args.device, optional=optional)
+        record = check_model(
+            name,
+            overrides,
+            side,
+            backend=args.backend,
+            device=args.device,
+            optional=with_depth_companions(name, optional),
+        )
         records.append(record)
         if record["ok"]:
             status = "ok"

@@ -19,6 +19,9 @@ front end per timm family, which :func:`convert` picks (docs/timm-coverage.md li
   images are jigsawed instead, one block of pixels per token, and the masked positions get ``unk_embed``.
 - ``eva.py``: ``Eva`` (EVA-02, DINOv3, PE, the RoPE ViTs): ``unk_embed`` on the table where there is one, no rotation
   at the shuffled positions, and ``unk_embed`` added to the shuffled tokens where there is no table.
+- ``inline_table.py``: ``Cait`` and ``ConVit`` (with its table; its GPSA blocks' relative terms are left as they are),
+  which add ``pos_embed`` inline after the patch embedding: ``unk_embed`` on the table and DAL, applied in a
+  class-swapped patch embedding (fused with the position term where it is timm's ``PatchEmbed``).
 - ``pixel.py``: models without an absolute table (ResNet, Swin, ConvNeXt, the relative-position ViTs, BEiT) get the
   pixel-space jigsaw of their input, as the paper's ResNet-50 + MJP and Swin-T + MJP rows.
 

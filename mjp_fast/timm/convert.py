@@ -23,6 +23,7 @@ from mjp_fast.timm.fused import (
     unfusable_reason,
     unfuse_patch_embed,
 )
+from mjp_fast.timm.inline_table import has_inline_table, inline_table_layout, install_inline_table
 from mjp_fast.timm.pixel import (
     PIXEL_CLASSES,
     absolute_position_tables,
@@ -93,14 +94,14 @@ def convert(
     Args:
         model: a timm ``VisionTransformer`` (any size; class token or not; register tokens; ``no_embed_class``;
             a distilled DeiT; a hybrid with a CNN stem, whose images are jigsawed), an ``Eva`` (EVA-02, DINOv3, PE,
-            the RoPE ViTs): MJP's token path; or any other timm image model without a learned absolute position
-            table (CNNs, Swin, ConvNeXt, the relative-position ViTs, BEiT, XCiT, LeViT, Twins, MobileViT, ...): the
-            pixel-space jigsaw of its input images; or timm's ``features_only`` wrapper of one of them
+            the RoPE ViTs), a ``Cait``, a ``ConVit`` with a table: MJP's token path; or any other timm image model
+            without a learned absolute position table (CNNs, Swin, ConvNeXt, the relative-position ViTs, BEiT, XCiT,
+            LeViT, Twins, MobileViT, ...): the pixel jigsaw of its images; or timm's ``features_only`` wrapper of one
             (``FeatureGetterNet``: the wrapped model is converted; ``FeatureListNet``/``FeatureDictNet``/
             ``FeatureHookNet``: their input is jigsawed). docs/timm-coverage.md lists what each timm family gets.
             Refused: a model that is not a timm image model (no ``feature_info``), and one with a learned absolute
-            position table that is neither a ``VisionTransformer`` nor an ``Eva`` (CaiT, CrossViT, PiT, ConViT,
-            TNT, NaFlexViT, Hiera, ...: MJP's token path for them is not built yet; see ``pixel_jigsaw``).
+            position table that the token path does not cover (CrossViT, PiT, TNT, NaFlexViT, Hiera, ...: MJP's
+            token path for them is not built yet; see ``pixel_jigsaw``).
         ratio, prob, seed, min_block, min_aspect, shared, backend: as :class:`mjp_fast.JigsawSampler`.
         dal: the DAL regressor's kind (``"nonlinear"``, ``"linear"``, ``"pca"``), or None or ``"none"`` (timm's
             ``create_model`` drops None-valued keywords, so ``mjp_dal="none"`` is how to say it there), or
@@ -124,10 +125,10 @@ def convert(
             >= 0; default 0.01, the paper's start): any loop that back-propagates the output trains DAL. Change it
             with ``model.mjp_dal_weight`` or :class:`mjp_fast.timm.DALWeightSchedule`. Not in the state dict.
         pixel_jigsaw: True: give a model with a learned absolute position table that MJP's token path does not
-            cover (CaiT, CrossViT, PiT, ConViT, TNT, NaFlexViT, Hiera, ...) the pixel-space jigsaw of its input
+            cover (CrossViT, PiT, TNT, NaFlexViT, Hiera, ...) the pixel-space jigsaw of its input
             images; its table is kept as it is (a moved patch gets the row of where it lands: the paper's naive
             shuffle, in pixel space). False (default): such a model is refused. No effect on models that get the
-            pixel jigsaw anyway; a ValueError for a ``VisionTransformer``/``Eva`` with a table (the token path).
+            pixel jigsaw anyway; a ValueError for a model with a table that the token path covers.
         fused_patch_embed: run the ViT's patch embedding, jigsaw and position term as one
             :func:`mjp_fast.mjp_patch_embed` call (``backend`` chooses its backend). None: wherever the patch
             embedding is timm's standard one (``PatchEmbed``, a Conv2d with stride equal to its square kernel, no
@@ -217,7 +218,12 @@ def _front_end(
     model: nn.Module, wrapper_class: type | None, dal: str | None, asked_dal: bool, patch_size: int | None,
     fused_patch_embed: bool | None, pixel_jigsaw: bool,
 ) -> _Layout:  # fmt: skip
-    """The front end of ``model``'s family (:func:`convert`'s dispatch): ViT, Eva, else the pixel-space jigsaw."""
+    """The front end of ``model``'s family (:func:`convert`'s dispatch): ViT, Eva, CaiT and ConViT (with a table),
+    else the pixel-space jigsaw."""
+    if has_inline_table(model):  # the table added inline after the patch embedding; MJP hooks the patch embedding
+        _refuse_pixel_jigsaw_for_the_token_path(model, pixel_jigsaw)
+        new_class, grid, dim, patch_size, fuse, pixel_block = inline_table_layout(model, fused_patch_embed)
+        return _Layout(new_class, grid, dim, patch_size, dal, fuse, pixel_block)
     if isinstance(model, VisionTransformer) and model.pos_embed is not None:
         _refuse_pixel_jigsaw_for_the_token_path(model, pixel_jigsaw)
         # A hybrid ViT (CNN stem) jigsaws its images, a block of pixels per token; others move their tokens.
@@ -282,17 +288,17 @@ def _refuse_unless_an_image_model(model: nn.Module) -> None:
 
 
 def _refuse_a_table_unless_asked(model: nn.Module, pixel_jigsaw: bool) -> None:
-    """A TypeError for a model with a learned absolute position table outside ViT/Eva (the token path's, issue 40
-    item 1), unless ``pixel_jigsaw=True`` asked for the pixel jigsaw: never the pixel jigsaw silently, which would
-    leave the table's rows where the paper's method replaces them."""
+    """A TypeError for a model with a learned absolute position table outside ViT/Eva/CaiT/ConViT (the token
+    path's, issue 40 item 1), unless ``pixel_jigsaw=True`` asked for the pixel jigsaw: never the pixel jigsaw
+    silently, which would leave the table's rows where the paper's method replaces them."""
     tables = absolute_position_tables(model)
     if tables and not pixel_jigsaw:
         shown = ", ".join(tables[:3]) + (f" and {len(tables) - 3} more" if len(tables) > 3 else "")
         raise TypeError(
             f"model: {_model_name(model)} has a learned absolute position table ({shown}); MJP's token path (the "
-            "unknown embedding on the table, DAL) covers timm's VisionTransformer and Eva, and for this model it is "
-            "not built yet. convert(model, pixel_jigsaw=True) gives it the pixel-space jigsaw of its input images "
-            "instead, the table kept as it is (a moved patch gets the row of where it lands: the naive shuffle)"
+            "unknown embedding on the table, DAL) covers timm's VisionTransformer, Eva, Cait and ConVit, and for this "
+            "model it is not built yet. convert(model, pixel_jigsaw=True) gives it the pixel-space jigsaw of its input "
+            "images instead, the table kept as it is (a moved patch gets the row of where it lands: the naive shuffle)"
         )
 
 
@@ -329,7 +335,9 @@ def _install(model: nn.Module, state: MJPState, layout: _Layout, wrapped: bool) 
     state.train(model.training)
     model.__class__ = layout.new_class
     model.mjp = state
-    if layout.fuse:
+    if has_inline_table(model):  # CaiT, ConViT: fused or not, and a hybrid stem's pixel jigsaw, in the embedding
+        install_inline_table(model, layout.fuse)
+    elif layout.fuse:
         fuse_patch_embed(model.patch_embed)  # the backend is the state's, for the whole model
     elif isinstance(model, VisionTransformer):
         unfuse_patch_embed(model.patch_embed)

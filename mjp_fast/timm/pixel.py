@@ -14,9 +14,10 @@ Two kinds of pixel-space classes:
 - every other timm image model: an MJP subclass made for its class (:func:`pixel_class`), jigsawed at its first
   stage's stride (:func:`first_stage_stride`).
 
-A model that has a learned absolute position table but is not a ``VisionTransformer`` or ``Eva`` (CaiT, CrossViT,
-PiT, ConViT, TNT, NaFlexViT, Hiera, VOLO, ...) is MJP's token path's, which is not built for it yet: it is refused
-(:func:`absolute_position_tables`) unless ``convert(..., pixel_jigsaw=True)`` asks for the pixel jigsaw.
+A model that has a learned absolute position table but is not a ``VisionTransformer``, ``Eva``, ``Cait`` or
+``ConVit`` (CrossViT, PiT, TNT, NaFlexViT, Hiera, VOLO, ...) is MJP's token path's, which is not built for it
+yet: it is refused (:func:`absolute_position_tables`) unless ``convert(..., pixel_jigsaw=True)`` asks for the pixel
+jigsaw.
 """
 
 from __future__ import annotations

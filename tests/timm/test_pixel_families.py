@@ -39,13 +39,11 @@ PIXEL_FAMILIES: dict[str, tuple[str, dict, int, int]] = {
     ),
 }
 
-# Models with a learned absolute position table that are not a VisionTransformer or Eva: the token path's (not built
-# yet), refused unless pixel_jigsaw=True. Built on the meta device: the refusal comes before any computation.
+# Models with a learned absolute position table outside VisionTransformer, Eva, Cait and ConVit: the token path's (not
+# built yet), refused unless pixel_jigsaw=True. Built on the meta device: the refusal comes before any computation.
 TABLE_MODELS = {
-    "cait_xxs24_224": "pos_embed",
     "crossvit_tiny_240": "pos_embed_0",
     "pit_ti_224": "pos_embed",
-    "convit_tiny": "pos_embed",
     "tnt_s_patch16_224": "patch_pos",
     "naflexvit_base_patch16_gap": "embeds.pos_embed",
     "hiera_tiny_224": "pos_embed",
