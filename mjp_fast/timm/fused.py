@@ -177,6 +177,32 @@ def unfusable_reason(model: nn.Module) -> str | None:
         if getattr(timm_class, name) is not getattr(family, name):
             return f"{timm_class.__name__} overrides {family.__name__}.{name}, which the fused path relies on"
     embed = model.patch_embed
+    reason = projection_reason(embed)
+    if reason is not None:
+        return reason
+    if embed.img_size is None:
+        return "patch_embed has no img_size (the grid of its position table)"
+    if model.dynamic_img_size:
+        # timm's dynamic model: an NHWC feature map that its _pos_embed flattens, any image size
+        if embed.flatten or embed.output_fmt.value != "NHWC":
+            return f"patch_embed outputs {embed.output_fmt.value} features, not the NHWC map of dynamic_img_size"
+    else:
+        if not embed.flatten:
+            return f"patch_embed outputs {embed.output_fmt.value} feature maps, not flattened [B, N, D] tokens"
+        if embed.dynamic_img_pad:
+            return "patch_embed has dynamic_img_pad=True without dynamic_img_size (the table has one grid)"
+        if not embed.strict_img_size:
+            return "patch_embed has strict_img_size=False without dynamic_img_size (the table has one grid)"
+    prefix_positions = 0 if model.no_embed_class else model.num_prefix_tokens
+    if model.pos_embed.shape[1] - prefix_positions != embed.num_patches:
+        return f"pos_embed has {model.pos_embed.shape[1]} positions, not {prefix_positions} + {embed.num_patches}"
+    return None
+
+
+def projection_reason(embed: nn.Module) -> str | None:
+    """None where ``embed`` is timm's ``PatchEmbed`` (its ``forward`` not overridden) projecting with a square,
+    non-overlapping Conv2d (stride equal to its kernel; no padding, dilation or groups) and no norm after it, the
+    projection the fused op computes; else why not (the image size and output layout are the caller's to check)."""
     embed_class = original_class(type(embed))
     if not issubclass(embed_class, PatchEmbed):
         return f"patch_embed is a {embed_class.__name__}, not timm's PatchEmbed"
@@ -196,22 +222,6 @@ def unfusable_reason(model: nn.Module) -> str | None:
         )
     if not isinstance(embed.norm, nn.Identity):
         return f"patch_embed has a norm layer ({type(embed.norm).__name__}) after its projection"
-    if embed.img_size is None:
-        return "patch_embed has no img_size (the grid of its position table)"
-    if model.dynamic_img_size:
-        # timm's dynamic model: an NHWC feature map that its _pos_embed flattens, any image size
-        if embed.flatten or embed.output_fmt.value != "NHWC":
-            return f"patch_embed outputs {embed.output_fmt.value} features, not the NHWC map of dynamic_img_size"
-    else:
-        if not embed.flatten:
-            return f"patch_embed outputs {embed.output_fmt.value} feature maps, not flattened [B, N, D] tokens"
-        if embed.dynamic_img_pad:
-            return "patch_embed has dynamic_img_pad=True without dynamic_img_size (the table has one grid)"
-        if not embed.strict_img_size:
-            return "patch_embed has strict_img_size=False without dynamic_img_size (the table has one grid)"
-    prefix_positions = 0 if model.no_embed_class else model.num_prefix_tokens
-    if model.pos_embed.shape[1] - prefix_positions != embed.num_patches:
-        return f"pos_embed has {model.pos_embed.shape[1]} positions, not {prefix_positions} + {embed.num_patches}"
     return None
 
 

@@ -36,7 +36,7 @@ from timm.models.convit import ConVit
 from torch import nn
 
 from mjp_fast.timm.base import MJPModel, mjp_class_of
-from mjp_fast.timm.fused import is_fused, original_class
+from mjp_fast.timm.fused import is_fused, original_class, projection_reason
 from mjp_fast.timm.vit import hybrid_pixel_block
 
 INLINE_TABLE_CLASSES: tuple[type, ...] = (Cait, ConVit)
@@ -130,19 +130,9 @@ def unfusable_embed_reason(model: nn.Module) -> str | None:
     ``PatchEmbed`` itself (``forward`` not overridden), a square Conv2d with stride equal to its kernel, no padding,
     dilation or groups, no norm, flattened ``[B, N, D]`` output at the fixed size of its table's grid."""
     embed = model.patch_embed
-    embed_class = original_class(type(embed))
-    if not issubclass(embed_class, PatchEmbed) or embed_class.forward is not PatchEmbed.forward:
-        return f"patch_embed is a {embed_class.__name__}, not timm's PatchEmbed"
-    proj = embed.proj
-    if not isinstance(proj, nn.Conv2d) or type(proj).forward is not nn.Conv2d.forward:
-        return f"patch_embed.proj is a {type(proj).__name__}, not an nn.Conv2d"
-    kernel, stride = tuple(proj.kernel_size), tuple(proj.stride)
-    if kernel[0] != kernel[1] or stride != kernel:
-        return f"patch_embed.proj has kernel {kernel} and stride {stride} (the fused op needs a square kernel = stride)"
-    if proj.padding not in ("valid", (0, 0)) or tuple(proj.dilation) != (1, 1) or proj.groups != 1:
-        return f"patch_embed.proj has padding {proj.padding}, dilation {tuple(proj.dilation)}, groups {proj.groups}"
-    if not isinstance(embed.norm, nn.Identity):
-        return f"patch_embed has a norm layer ({type(embed.norm).__name__}) after its projection"
+    reason = projection_reason(embed)
+    if reason is not None:
+        return reason
     if not embed.flatten or not embed.strict_img_size or embed.dynamic_img_pad:
         return "patch_embed does not output flattened tokens at one fixed image size (the table has one grid)"
     if model.pos_embed.shape[1] != embed.num_patches:
