@@ -335,7 +335,10 @@ def check_model(
         reloaded.eval()
         with torch.no_grad(), reloaded.mjp_eval(ratio=0.5, seed=0):
             again = _logits(reloaded(images))
-        if not torch.equal(again, jigsawed):
+        # Equal within float rounding: a cache made from the weights (LeViT's attention biases in timm 1.0.29) may
+        # sum in another order than the model that trained; a weight or MJP state not reloaded moves far more.
+        scale = float(jigsawed.abs().max()) if jigsawed.numel() else 1.0
+        if not torch.allclose(again, jigsawed, rtol=1e-4, atol=1e-4 * max(scale, 1e-6)):
             raise RuntimeError(f"the reloaded state dict gives other outputs (by {(again - jigsawed).abs().max():.3g})")
         steps["state dict"] = True
     except Exception as error:  # noqa: BLE001 - recorded: the sweep goes on

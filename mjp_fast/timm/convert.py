@@ -254,8 +254,8 @@ def _front_end(
         legacy = timm_class is not None
         mjp_class = PIXEL_CLASSES[timm_class] if legacy else None
     if not legacy:  # the PIXEL_CLASSES (Swin with its optional absolute_pos_embed too) were never refused
+        _refuse_a_table_unless_asked(model, pixel_jigsaw)  # the table first: the more telling reason
         _refuse_unless_an_image_model(model)
-        _refuse_a_table_unless_asked(model, pixel_jigsaw)
     if fused_patch_embed:
         raise ValueError(f"fused_patch_embed=True: {unfusable_reason(model)}")
     if patch_size is None:

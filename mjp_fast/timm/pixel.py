@@ -125,7 +125,13 @@ def first_stage_stride(model: nn.Module) -> int | None:
         reduction = info[0]["reduction"]
     except (TypeError, KeyError, IndexError):
         return None
-    return int(reduction) if isinstance(reduction, int) and not isinstance(reduction, bool) else None
+    if not isinstance(reduction, int) or isinstance(reduction, bool):
+        return None
+    if reduction < 1:  # a placeholder, not a stride (timm 1.0.29's ConViT publishes 0): the patch embedding's patch
+        patch = getattr(getattr(model, "patch_embed", None), "patch_size", None)
+        patch = patch[0] if isinstance(patch, (tuple, list)) else patch
+        return int(patch) if isinstance(patch, int) and patch >= 1 else int(reduction)
+    return int(reduction)
 
 
 def model_input_size(model: nn.Module) -> tuple[int, int] | None:
@@ -156,19 +162,16 @@ def legacy_patch_size(model: nn.Module) -> int:
 
 def wraps_a_legacy_class(wrapper: nn.Module) -> bool | None:
     """Whether a ``FeatureListNet``/``FeatureDictNet``/``FeatureHookNet`` wraps a :data:`PIXEL_CLASSES` model; None
-    where that cannot be told. The wrapper keeps the model's layers, not its class: the class is the one timm builds
-    for the wrapper's architecture name (``pretrained_cfg['architecture']``), built on the meta device (no memory,
-    no weights)."""
+    where that cannot be told. The wrapper keeps the model's layers, not its class: the class is told by the module
+    of timm's entry point for the wrapper's architecture name (``pretrained_cfg['architecture']``), each of those
+    classes' modules building that class alone. Nothing is built (timm 1.0.29's RegNet cannot be, on the meta
+    device)."""
     config = getattr(wrapper, "pretrained_cfg", None)
     architecture = config.get("architecture") if isinstance(config, dict) else None
     if not isinstance(architecture, str) or not timm.is_model(architecture):
         return None
-    try:
-        with torch.device("meta"):
-            probe = timm.create_model(architecture, pretrained=False)
-    except Exception:  # noqa: BLE001 - a model that cannot be built on the meta device: unknown, not an error
-        return None
-    return isinstance(probe, tuple(PIXEL_CLASSES))
+    module = timm.models.model_entrypoint(architecture).__module__
+    return module in {timm_class.__module__ for timm_class in PIXEL_CLASSES}
 
 
 def pixel_class(model_class: type) -> type:

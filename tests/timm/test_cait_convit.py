@@ -148,7 +148,10 @@ def test_fx_graphs(kind, training):
 def test_features_only(kind):
     name, keywords = MODELS[kind]
     torch.manual_seed(0)
-    wrapper = timm.create_model(name, pretrained=False, features_only=True, out_indices=(0, 1), **keywords)
+    try:
+        wrapper = timm.create_model(name, pretrained=False, features_only=True, out_indices=(0, 1), **keywords)
+    except RuntimeError as error:  # timm 1.0.29's ConVit: "features_only not implemented"
+        pytest.skip(f"timm {timm.__version__} builds no features_only {name}: {error}")
     plain = copy.deepcopy(wrapper).eval()
     model = mjp_timm.convert(wrapper, **SETTINGS).eval()
     assert model.mjp is model.model.mjp and isinstance(model.model.patch_embed, InlineTablePatchEmbed)

@@ -49,6 +49,8 @@ def test_forward_and_backward_reach_every_parameter(base):
 @pytest.mark.parametrize("base", list(MODELS))
 def test_forward_features_head_and_intermediates(base):
     model = _create(base).eval()
+    if not hasattr(model, "forward_intermediates"):  # timm 1.0.29's ConVit has none
+        pytest.skip(f"timm {timm.__version__}'s {type(model).__name__} has no forward_intermediates")
     images = _images()
     with torch.no_grad():
         features = model.forward_features(images)
@@ -62,7 +64,10 @@ def test_forward_features_head_and_intermediates(base):
 
 @pytest.mark.parametrize("base", list(MODELS))
 def test_features_only(base):
-    model = _create(base, features_only=True, out_indices=(0, 1)).train()
+    try:
+        model = _create(base, features_only=True, out_indices=(0, 1)).train()
+    except RuntimeError as error:  # timm 1.0.29's ConVit: "features_only not implemented"
+        pytest.skip(f"timm {timm.__version__} builds no features_only {base}: {error}")
     features = model(_images())
     assert len(features) == len(model.feature_info.channels()) == 2
     for feature, channels, reduction in zip(features, model.feature_info.channels(), model.feature_info.reduction()):
