@@ -120,25 +120,28 @@ class _ImagesThroughPatchEmbed:
         return resolve_once(cache, self.fused_backend, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The images ``[B, C, H, W]``, checked as timm's ``PatchEmbed.forward`` checks them: a fixed size
-        (``strict_img_size``), or (a model with ``dynamic_img_size``) sides that are multiples of the patch, else
-        padded to multiples at the bottom and right with zeros (``dynamic_img_pad``), as timm pads them before its
-        convolution."""
-        _, _, height, width = x.shape
-        patch_h, patch_w = self.patch_size
-        if self.strict_img_size:
-            torch._assert(
-                height == self.img_size[0], f"Input height ({height}) doesn't match model ({self.img_size[0]})."
-            )
-            torch._assert(width == self.img_size[1], f"Input width ({width}) doesn't match model ({self.img_size[1]}).")
-        elif self.dynamic_img_pad:
-            x = F.pad(x, (0, (patch_w - width % patch_w) % patch_w, 0, (patch_h - height % patch_h) % patch_h))
-        else:
-            torch._assert(
-                height % patch_h == 0, f"Input height ({height}) should be divisible by patch size ({patch_h})."
-            )
-            torch._assert(width % patch_w == 0, f"Input width ({width}) should be divisible by patch size ({patch_w}).")
-        return x
+        """The images ``[B, C, H, W]``, checked (and padded) as timm's ``PatchEmbed`` does: :func:`checked_images`."""
+        return checked_images(self, x)
+
+
+def checked_images(embed: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The images ``[B, C, H, W]`` of a fused timm ``PatchEmbed`` (``embed``), checked as timm's
+    ``PatchEmbed.forward`` checks them: a fixed size (``strict_img_size``), or (a model with ``dynamic_img_size``)
+    sides that are multiples of the patch, else padded to multiples at the bottom and right with zeros
+    (``dynamic_img_pad``), as timm pads them before its convolution."""
+    _, _, height, width = x.shape
+    patch_h, patch_w = embed.patch_size
+    if embed.strict_img_size:
+        torch._assert(
+            height == embed.img_size[0], f"Input height ({height}) doesn't match model ({embed.img_size[0]})."
+        )
+        torch._assert(width == embed.img_size[1], f"Input width ({width}) doesn't match model ({embed.img_size[1]}).")
+    elif embed.dynamic_img_pad:
+        x = F.pad(x, (0, (patch_w - width % patch_w) % patch_w, 0, (patch_h - height % patch_h) % patch_h))
+    else:
+        torch._assert(height % patch_h == 0, f"Input height ({height}) should be divisible by patch size ({patch_h}).")
+        torch._assert(width % patch_w == 0, f"Input width ({width}) should be divisible by patch size ({patch_w}).")
+    return x
 
 
 class FusedPatchEmbed(_ImagesThroughPatchEmbed, PatchEmbed):

@@ -36,7 +36,7 @@ from timm.models.convit import ConVit
 from torch import nn
 
 from mjp_fast.timm.base import MJPModel, mjp_class_of
-from mjp_fast.timm.fused import is_fused, original_class, projection_reason
+from mjp_fast.timm.fused import checked_images, is_fused, original_class, projection_reason
 from mjp_fast.timm.vit import hybrid_pixel_block
 
 INLINE_TABLE_CLASSES: tuple[type, ...] = (Cait, ConVit)
@@ -60,7 +60,7 @@ class _InlineTableEmbed:
             return super().forward(x)
         table, grid = model.pos_embed, tuple(self.grid_size)
         if self.__dict__.get("_mjp_fused", False):
-            _check_image_size(self, x)
+            x = checked_images(self, x)  # a fixed size here (unfusable_embed_reason): timm's check of it
             proj = self.proj
             tokens = state(x, table, grid, proj.weight, proj.bias, prefix=None, prefix_positions=0)
         elif isinstance(self, HybridEmbed):
@@ -71,14 +71,6 @@ class _InlineTableEmbed:
         else:  # each token a function of its own patch: moving the tokens is moving the patches
             tokens = state(super().forward(x), table, grid, prefix=None, prefix_positions=0)
         return tokens - table
-
-
-def _check_image_size(embed: nn.Module, images: torch.Tensor) -> None:
-    """The fused path reads the images itself: the size check of timm's ``PatchEmbed`` (``strict_img_size``, the
-    only mode the fused path takes here)."""
-    height, width = images.shape[-2:]
-    torch._assert(height == embed.img_size[0], f"Input height ({height}) doesn't match model ({embed.img_size[0]}).")
-    torch._assert(width == embed.img_size[1], f"Input width ({width}) doesn't match model ({embed.img_size[1]}).")
 
 
 class InlineTablePatchEmbed(_InlineTableEmbed, PatchEmbed):
