@@ -256,7 +256,7 @@ def check_model(
         (each step's outcome: ``True`` or the error's first line), ``eval_max_diff``, ``seconds``.
     """
     import mjp_fast.timm as mjp_timm
-    from mjp_fast.timm.inline_table import runs_fused
+    from mjp_fast.timm.convert import runs_fused
     from mjp_fast.train.models import input_size
 
     start = time.perf_counter()
@@ -284,7 +284,7 @@ def check_model(
             return record
         steps["convert"] = True
         record.update(path=mjp_path(model), mjp=what_mjp_does(model), patch_size=model.mjp.patch_size)
-        record["fused"] = runs_fused(model.patch_embed) if hasattr(model, "patch_embed") else False
+        record["fused"] = runs_fused(model)
         # Before the training step, whose forward moves BatchNorm statistics (the hybrid ViTs' ResNet stems).
         model.eval()
         base.eval()

@@ -12,18 +12,20 @@ from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
 from mjp_fast.core import check_backend, check_dal_kind, check_dal_reduction, check_unk
+from mjp_fast.timm import inline_table
 from mjp_fast.timm.base import MJPModel, mjp_class_of
 from mjp_fast.timm.eva import FusedEvaMixin, MJPEva, eva_layout
 from mjp_fast.timm.features import WRAPPER_MIXINS
+from mjp_fast.timm.front_end import TokenFrontEnd
 from mjp_fast.timm.fused import (
     FusedViTMixin,
     fuse_patch_embed,
     fused_model_class,
+    is_fused,
     original_class,
     unfusable_reason,
     unfuse_patch_embed,
 )
-from mjp_fast.timm.inline_table import has_inline_table, inline_table_layout, install_inline_table
 from mjp_fast.timm.pixel import (
     PIXEL_CLASSES,
     absolute_position_tables,
@@ -36,6 +38,22 @@ from mjp_fast.timm.pixel import (
 from mjp_fast.timm.schedule import DEFAULT_DAL_WEIGHT, check_dal_weight
 from mjp_fast.timm.state import MJPState
 from mjp_fast.timm.vit import MJPVisionTransformer, hybrid_pixel_block, jigsaw_pixels_before
+
+TOKEN_FRONT_ENDS: tuple[TokenFrontEnd, ...] = (inline_table.FRONT_END,)
+"""The token-path front ends of the families whose table is added outside the ViT's ``_pos_embed`` hook, each in
+its own module (see :mod:`mjp_fast.timm.front_end`), tried in order before the ViT and Eva front ends."""
+
+
+def _token_front_end(model: nn.Module) -> TokenFrontEnd | None:
+    return next((front_end for front_end in TOKEN_FRONT_ENDS if front_end.covers(model)), None)
+
+
+def runs_fused(model: nn.Module) -> bool:
+    """Whether a converted model runs its patch embedding fused with its position term."""
+    front_end = _token_front_end(model)
+    if front_end is not None:
+        return front_end.runs_fused(model)
+    return hasattr(model, "patch_embed") and is_fused(model.patch_embed)
 
 
 def _grid(model: nn.Module, patch_size: int) -> tuple[int, int]:
@@ -220,10 +238,11 @@ def _front_end(
 ) -> _Layout:  # fmt: skip
     """The front end of ``model``'s family (:func:`convert`'s dispatch): ViT, Eva, CaiT and ConViT (with a table),
     else the pixel-space jigsaw."""
-    if has_inline_table(model):  # the table added inline after the patch embedding; MJP hooks the patch embedding
+    token_front_end = _token_front_end(model)
+    if token_front_end is not None:  # a table added outside the ViT's _pos_embed hook: the family's own front end
         _refuse_pixel_jigsaw_for_the_token_path(model, pixel_jigsaw)
-        new_class, grid, dim, patch_size, fuse, pixel_block = inline_table_layout(model, fused_patch_embed)
-        return _Layout(new_class, grid, dim, patch_size, dal, fuse, pixel_block)
+        token = token_front_end.layout(model, fused_patch_embed)
+        return _Layout(token.new_class, token.grid, token.dim, token.patch_size, dal, token.fuse, token.pixel_block)
     if isinstance(model, VisionTransformer) and model.pos_embed is not None:
         _refuse_pixel_jigsaw_for_the_token_path(model, pixel_jigsaw)
         # A hybrid ViT (CNN stem) jigsaws its images, a block of pixels per token; others move their tokens.
@@ -333,10 +352,11 @@ def _install(model: nn.Module, state: MJPState, layout: _Layout, wrapped: bool) 
         if hasattr(state, "unused_unk_row"):
             state.unused_unk_row = state.unused_unk_row.to(reference.dtype)
     state.train(model.training)
+    token_front_end = _token_front_end(model)  # before the class changes: covers() is asked of timm's model
     model.__class__ = layout.new_class
     model.mjp = state
-    if has_inline_table(model):  # CaiT, ConViT: fused or not, and a hybrid stem's pixel jigsaw, in the embedding
-        install_inline_table(model, layout.fuse)
+    if token_front_end is not None:  # fused or not, and a stem's pixel jigsaw: the family's own wiring
+        token_front_end.install(model, layout)
     elif layout.fuse:
         fuse_patch_embed(model.patch_embed)  # the backend is the state's, for the whole model
     elif isinstance(model, VisionTransformer):

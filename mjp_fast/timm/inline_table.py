@@ -36,7 +36,8 @@ from timm.models.convit import ConVit
 from torch import nn
 
 from mjp_fast.timm.base import MJPModel, mjp_class_of
-from mjp_fast.timm.fused import checked_images, is_fused, original_class, projection_reason
+from mjp_fast.timm.front_end import TokenFrontEnd, TokenLayout
+from mjp_fast.timm.fused import checked_images, original_class, projection_reason
 from mjp_fast.timm.vit import hybrid_pixel_block
 
 INLINE_TABLE_CLASSES: tuple[type, ...] = (Cait, ConVit)
@@ -132,11 +133,9 @@ def unfusable_embed_reason(model: nn.Module) -> str | None:
     return None
 
 
-def inline_table_layout(
-    model: nn.Module, fused_patch_embed: bool | None
-) -> tuple[type, tuple[int, int], int, int, bool, int | None]:
-    """:func:`mjp_fast.timm.convert`'s layout of a CaiT or ConViT with a table: ``(MJP class, grid, token width,
-    jigsaw patch size, fused, pixel block)`` (the pixel block: a hybrid ConViT's pixels per token, else None).
+def inline_table_layout(model: nn.Module, fused_patch_embed: bool | None) -> TokenLayout:
+    """:func:`mjp_fast.timm.convert`'s layout of a CaiT or ConViT with a table (the pixel block: a hybrid ConViT's
+    pixels per token, else None).
 
     Raises:
         ValueError: ``fused_patch_embed=True`` where the patch embedding cannot run fused (the message says why), or a
@@ -155,23 +154,26 @@ def inline_table_layout(
     timm_class = next(base for base in INLINE_TABLE_CLASSES if isinstance(model, base))
     new_class = mjp_class_of(original_class(type(model)), timm_class, _MJP_CLASSES[timm_class])
     fuse = fused_patch_embed is not False and reason is None
-    return new_class, tuple(embed.grid_size), model.embed_dim, int(patch), fuse, pixel_block
+    return TokenLayout(new_class, tuple(embed.grid_size), model.embed_dim, int(patch), fuse, pixel_block)
 
 
-def runs_fused(patch_embed: nn.Module) -> bool:
-    """Whether a converted model's patch embedding runs fused with its position term: the ViT and Eva pass-through
-    (:func:`mjp_fast.timm.is_fused`), or a CaiT's or ConViT's MJP embedding installed fused."""
-    return is_fused(patch_embed) or (
-        isinstance(patch_embed, _InlineTableEmbed) and bool(patch_embed.__dict__.get("_mjp_fused", False))
-    )
+def runs_fused(model: nn.Module) -> bool:
+    """Whether a converted CaiT's or ConViT's MJP embedding was installed fused with its position term."""
+    embed = model.patch_embed
+    return isinstance(embed, _InlineTableEmbed) and bool(embed.__dict__.get("_mjp_fused", False))
 
 
-def install_inline_table(model: nn.Module, fuse: bool) -> None:
+def install_inline_table(model: nn.Module, layout: TokenLayout) -> None:
     """Swaps the patch embedding of a converted CaiT or ConViT (holding ``model.mjp`` already) to apply MJP: fused
-    with the position term where ``fuse`` (checked by :func:`inline_table_layout`)."""
+    with the position term where ``layout.fuse`` (checked by :func:`inline_table_layout`)."""
+    fuse = layout.fuse
     embed = model.patch_embed
     embed_class = original_class(type(embed))
     named = _NAMED_EMBEDS.get(embed_class)
     embed.__class__ = named if named is not None else mjp_class_of(embed_class, None, _InlineTableEmbed)
     embed.__dict__["_mjp_model"] = model
     embed.__dict__["_mjp_fused"] = fuse
+
+
+FRONT_END = TokenFrontEnd(has_inline_table, inline_table_layout, install_inline_table, runs_fused)
+"""CaiT and ConViT (with a table), for :func:`mjp_fast.timm.convert`."""

@@ -1,0 +1,41 @@
+"""The contract of a token-path front end for a family of timm models that add a learned absolute position table
+somewhere :func:`mjp_fast.timm.convert` cannot reach through the ViT's ``_pos_embed`` hook (CaiT and ConViT, PiT, TNT,
+CrossViT, NaFlexViT): one ``TokenFrontEnd`` per family module, listed in ``convert.TOKEN_FRONT_ENDS``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+from torch import nn
+
+
+class TokenLayout(NamedTuple):
+    """What a front end makes of a model: its MJP class, the grid and token width of ``model.mjp`` (the
+    :class:`mjp_fast.timm.MJPState`), the jigsaw's patch size in pixels, whether the embedding runs fused, and the
+    pixels per token of a stem that is jigsawed in pixel space before it (None where tokens are moved)."""
+
+    new_class: type
+    grid: tuple[int, int]
+    dim: int
+    patch_size: int
+    fuse: bool
+    pixel_block: int | None
+
+
+class TokenFrontEnd(NamedTuple):
+    """A token-path front end.
+
+    Attributes:
+        covers: whether a (not yet converted) model is this front end's.
+        layout: ``(model, fused_patch_embed)`` -> :class:`TokenLayout`; raises ValueError/TypeError (naming the
+            argument) before anything changes, e.g. ``fused_patch_embed=True`` where the embedding cannot be fused.
+        install: ``(model, layout)``: called once the model is its MJP class and holds ``model.mjp``; wires MJP in
+            (class swaps of submodules, extra states), on the model's device and dtype.
+        runs_fused: whether a converted model of this front end runs its embedding fused (for the coverage sweep).
+    """
+
+    covers: Callable[[nn.Module], bool]
+    layout: Callable[[nn.Module, bool | None], TokenLayout]
+    install: Callable[[nn.Module, TokenLayout], None]
+    runs_fused: Callable[[nn.Module], bool]
