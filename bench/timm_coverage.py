@@ -200,13 +200,14 @@ def round_robin(names: list[str], patterns: tuple[str, ...] = FAMILY_PATTERNS) -
 def what_mjp_does(model: nn.Module) -> str:
     """How a converted model applies MJP, in the coverage table's words."""
     import mjp_fast.timm as mjp_timm
+    from mjp_fast.timm.pixel import absolute_position_tables
 
     if isinstance(model, mjp_timm.MJPPixelModel):
         return "pixel jigsaw"
     parts = []
     if isinstance(getattr(model, "patch_embed", None), HybridEmbed):  # a CNN stem: its input images are jigsawed
         parts.append("pixel jigsaw")
-    if getattr(model, "pos_embed", None) is not None:
+    if absolute_position_tables(model):  # pos_embed, or a family's own (pos_embed_0, patch_pos, embeds.pos_embed)
         parts.append("UNK on the table" if model.mjp.unk_embed is not None else "table, naive shuffle")
     if getattr(model, "rope", None) is not None:
         parts.append("RoPE identity" if parts else "RoPE identity + UNK on the tokens")

@@ -12,7 +12,7 @@ from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
 from mjp_fast.core import check_backend, check_dal_kind, check_dal_reduction, check_unk
-from mjp_fast.timm import inline_table
+from mjp_fast.timm import hiera, inline_table
 from mjp_fast.timm.base import MJPModel, mjp_class_of
 from mjp_fast.timm.eva import FusedEvaMixin, MJPEva, eva_layout
 from mjp_fast.timm.features import WRAPPER_MIXINS
@@ -39,7 +39,10 @@ from mjp_fast.timm.schedule import DEFAULT_DAL_WEIGHT, check_dal_weight
 from mjp_fast.timm.state import MJPState
 from mjp_fast.timm.vit import MJPVisionTransformer, hybrid_pixel_block, jigsaw_pixels_before
 
-TOKEN_FRONT_ENDS: tuple[TokenFrontEnd, ...] = (inline_table.FRONT_END,)
+TOKEN_FRONT_ENDS: tuple[TokenFrontEnd, ...] = (
+    inline_table.FRONT_END,
+    hiera.FRONT_END,
+)
 """The token-path front ends of the families whose table is added outside the ViT's ``_pos_embed`` hook, each in
 its own module (see :mod:`mjp_fast.timm.front_end`), tried in order before the ViT and Eva front ends."""
 
