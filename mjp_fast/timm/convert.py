@@ -29,6 +29,7 @@ from mjp_fast.timm.fused import (
 from mjp_fast.timm.pixel import (
     PIXEL_CLASSES,
     absolute_position_tables,
+    first_downsampling_stride,
     first_stage_stride,
     legacy_patch_size,
     model_input_size,
@@ -188,7 +189,9 @@ def convert(
         model.__class__ = mjp_class_of(type(model), None, WRAPPER_MIXINS[wrapper_class])
         return model
     layout = _front_end(model, wrapper_class, dal_kind, asked_dal, patch_size, fused_patch_embed, pixel_jigsaw)
-    state = MJPState(layout.grid, layout.dim, dal=layout.dal, patch_size=layout.patch_size, **settings)
+    state = MJPState(
+        layout.grid, layout.dim, dal=layout.dal, patch_size=layout.patch_size, border=layout.border, **settings
+    )
     _install(model, state, layout, wrapper_class is not None)
     return model
 
@@ -215,7 +218,8 @@ def _check_model_and_front_end_settings(
 
 class _Layout(NamedTuple):
     """What :func:`convert` makes of a model: its MJP class, the state's grid, token width, patch size and DAL kind,
-    whether the patch embedding runs fused, and a hybrid ViT's pixel block (None elsewhere)."""
+    whether the patch embedding runs fused, a hybrid ViT's pixel block (None elsewhere), and whether a pixel-space
+    jigsaw keeps a border of partial patches in place (MJPState's ``border``)."""
 
     new_class: type
     grid: tuple[int, int]
@@ -224,6 +228,7 @@ class _Layout(NamedTuple):
     dal: str | None
     fuse: bool
     pixel_block: int | None
+    border: bool = False
 
 
 def _fusing(model: nn.Module, fused_patch_embed: bool | None) -> bool:
@@ -284,7 +289,8 @@ def _front_end(
         patch_size = legacy_patch_size(model) if legacy else _first_stage_patch(model)
     dal = _without_dal(model, dal, asked_dal, "it gets the pixel-space jigsaw")
     new_class = mjp_class_of(type(model), timm_class, mjp_class) if mjp_class is not None else pixel_class(type(model))
-    return _Layout(new_class, _grid(model, patch_size), None, patch_size, dal, False, None)
+    border = _has_border(model, patch_size)
+    return _Layout(new_class, _grid(model, patch_size), None, patch_size, dal, False, None, border)
 
 
 def _refuse_pixel_jigsaw_for_the_token_path(model: nn.Module, pixel_jigsaw: bool) -> None:
@@ -325,24 +331,25 @@ def _refuse_a_table_unless_asked(model: nn.Module, pixel_jigsaw: bool) -> None:
 
 
 def _first_stage_patch(model: nn.Module) -> int:
-    """The default jigsaw patch of a pixel-space model outside PIXEL_CLASSES: its first stage's stride, refused
-    with a ValueError where it cannot cut the model's images (1: single pixels; not a divisor of the input size)."""
-    stride = first_stage_stride(model)
-    where = "its first feature stage's stride (feature_info[0]['reduction'])"
+    """The default jigsaw patch of a pixel-space model outside PIXEL_CLASSES: the stride of its first feature stage
+    that downsamples (VGG's and DLA's first stage keeps the input's resolution: their second stage's), refused with a
+    ValueError where no stage downsamples (the jigsaw would move single pixels)."""
+    stride = first_downsampling_stride(model)
     if stride < 2:
         raise ValueError(
-            f"model: {_model_name(model)}: {where} is {stride}: the first stage keeps the input's resolution, so the "
-            "jigsaw would move single pixels, which keeps no patch's content together; give patch_size=N (N >= 2) "
-            "to jigsaw N x N blocks"
-        )
-    size = model_input_size(model)
-    if size is not None and (size[0] % stride or size[1] % stride):
-        raise ValueError(
-            f"model: {_model_name(model)}: its input size {size[0]}x{size[1]} is not a multiple of {where}, "
-            f"{stride}: its images cannot be cut into whole {stride}x{stride} patches; give patch_size=N with N "
-            "dividing the height and width of the images it will get"
+            f"model: {_model_name(model)}: none of its feature stages downsamples (feature_info's reductions are all "
+            "1), so its own jigsaw would move single pixels, which keeps no patch's content together; give "
+            "patch_size=N (N >= 2) to jigsaw N x N blocks"
         )
     return stride
+
+
+def _has_border(model: nn.Module, patch_size: int) -> bool:
+    """Whether the pixel-space jigsaw of ``model`` keeps a border in place: the input size it was built for is not a
+    multiple of ``patch_size`` (Inception's, Xception's 299 px, NASNet's 331 in 2-pixel blocks), so its images are
+    jigsawed over their largest region of whole patches (see :class:`mjp_fast.timm.MJPState`'s ``border``)."""
+    size = model_input_size(model)
+    return size is not None and bool(size[0] % patch_size or size[1] % patch_size)
 
 
 def _install(model: nn.Module, state: MJPState, layout: _Layout, wrapped: bool) -> None:

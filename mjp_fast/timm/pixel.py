@@ -134,6 +134,22 @@ def first_stage_stride(model: nn.Module) -> int | None:
     return int(reduction)
 
 
+def first_downsampling_stride(model: nn.Module) -> int | None:
+    """The stride of ``model``'s first feature stage that downsamples (a stride of at least 2): the first stage's
+    (:func:`first_stage_stride`), or where that stage keeps the input's resolution (VGG's and DLA's first
+    convolutions, stride 1) the next stage's that does; None where timm publishes no ``feature_info``, 1 where no
+    stage downsamples."""
+    first = first_stage_stride(model)
+    if first is None or first >= 2:
+        return first
+    info = model.feature_info
+    try:
+        reductions = info.reduction() if hasattr(info, "reduction") else [stage["reduction"] for stage in info]
+    except (TypeError, KeyError):
+        return first
+    return next((int(r) for r in reductions if isinstance(r, int) and not isinstance(r, bool) and r >= 2), first)
+
+
 def model_input_size(model: nn.Module) -> tuple[int, int] | None:
     """The (height, width) ``model`` was built for: timm's traits (``img_size`` given to ``create_model``), else its
     patch embedding's ``img_size``, else its pretrained config's ``input_size``; None where none says."""

@@ -42,6 +42,10 @@ class MJPState(MJPCore):
             embeddings to replace); ``unk`` then has no effect. ``last_jigsaw`` keeps the sampled mask with or
             without unk (the DAL loss leaves those positions out).
         patch_size: the jigsaw's patch size in pixels.
+        border: pixel-space: images whose height or width is not a multiple of ``patch_size`` are jigsawed over
+            their largest top-left region of whole patches, the rows and columns past it (fewer than ``patch_size``:
+            a border at the bottom and right) left in place (the models built for such a size: Inception's 299 px in
+            2-pixel blocks). False (default): such images are a ValueError in training.
         dal_weight: the weight at which a training forward attaches the DAL loss to the tokens (finite, >= 0;
             default 0.01, the paper's starting weight). Held in ``dal_weight``, a 0-d float32 buffer, not in the
             state dict; change it with :meth:`set_dal_weight` (a model's ``mjp_dal_weight``).
@@ -53,6 +57,7 @@ class MJPState(MJPCore):
         dim: int | None,
         *,
         patch_size: int,
+        border: bool = False,
         dal_weight: float = DEFAULT_DAL_WEIGHT,
         **settings: Unpack[MJPSettings],
     ) -> None:
@@ -60,6 +65,9 @@ class MJPState(MJPCore):
         dal_weight = check_dal_weight("dal_weight", dal_weight)
         self._init_core(grid_size, dim, **settings)
         self.patch_size = check_int("patch_size", patch_size, minimum=1)
+        if not isinstance(border, bool):
+            raise TypeError(f"border must be a bool, got {type(border).__name__} {border!r}")
+        self.border = border
         # Read by the attached loss's backward, filled in place (compiled and captured graphs keep reading it).
         self.register_buffer("dal_weight", torch.tensor(dal_weight, dtype=torch.float32), persistent=False)
 
@@ -304,14 +312,24 @@ class MJPState(MJPCore):
         if not isinstance(x, torch.Tensor) or x.dim() != 4:
             raise ValueError(f"x: a pixel-space MJP model takes images [B, C, H, W], got {_describe(x)}")
         patch = self.patch_size
-        if x.shape[-2] % patch or x.shape[-1] % patch:
+        height, width = x.shape[-2:]
+        rows, cols = height // patch, width // patch
+        # A state pickled before the border existed has none: the strict check.
+        border = self.__dict__.get("border", False) and rows > 0 and cols > 0
+        if (height % patch or width % patch) and not border:
             raise ValueError(
-                f"images: height {x.shape[-2]} and width {x.shape[-1]} must be multiples of the jigsaw patch "
-                f"size {patch}"
+                f"images: height {height} and width {width} must be multiples of the jigsaw patch size {patch}"
             )
-        jigsaw = self.sampler(x.shape[0], x.device, (x.shape[-2] // patch, x.shape[-1] // patch))
+        jigsaw = self.sampler(x.shape[0], x.device, (rows, cols))
         self.record_jigsaw(jigsaw)
-        return x if jigsaw is None else jigsaw_images(x, jigsaw, patch, validate=False)
+        if jigsaw is None:
+            return x
+        if rows * patch == height and cols * patch == width:
+            return jigsaw_images(x, jigsaw, patch, validate=False)
+        # The whole patches jigsawed, the border (fewer than one patch of rows and columns) glued back in place.
+        inner = jigsaw_images(x[..., : rows * patch, : cols * patch], jigsaw, patch, validate=False)
+        top = torch.cat((inner, x[..., : rows * patch, cols * patch :]), dim=-1)
+        return torch.cat((top, x[..., rows * patch :, :]), dim=-2)
 
 
 def _identity_perm(perm: torch.Tensor) -> torch.Tensor:

@@ -39,14 +39,13 @@ PIXEL_FAMILIES: dict[str, tuple[str, dict, int, int]] = {
     ),
 }
 
-# Models with a learned absolute position table outside VisionTransformer, Eva, Cait and ConVit: the token path's (not
-# built yet), refused unless pixel_jigsaw=True. Built on the meta device: the refusal comes before any computation.
+# Models with a learned absolute position table that no token-path front end covers (not built yet), refused unless
+# pixel_jigsaw=True. Built on the meta device: the refusal comes before any computation.
 TABLE_MODELS = {
-    "crossvit_tiny_240": "pos_embed_0",
-    "pit_ti_224": "pos_embed",
-    "tnt_s_patch16_224": "patch_pos",
-    "naflexvit_base_patch16_gap": "embeds.pos_embed",
-    "hiera_tiny_224": "pos_embed",
+    "nest_tiny": "levels.0.pos_embed",
+    "volo_d1_224": "pos_embed",
+    "visformer_tiny": "pos_embed1",
+    "sam2_hiera_tiny": "pos_embed",
 }
 
 
@@ -83,13 +82,13 @@ def test_mvitv2_relative_positions_at_a_tiny_width():
         assert torch.equal(reloaded(images), model(images))
 
 
-def test_hiera_has_a_table_and_gets_the_pixel_jigsaw_only_when_asked():
+def test_hiera_takes_the_token_path_in_the_sweep_and_the_pixel_jigsaw_is_refused_for_it():
     name, overrides = "hiera_tiny_224", dict(img_size=(32, 32), embed_dim=16, num_heads=1, stages=(1, 1, 1, 1))
-    refused = check_model(name, overrides, 32)
-    assert refused["path"] == "refused" and "learned absolute position table (pos_embed)" in refused["refused"]
-    record = check_model(name, overrides, 32, convert_options=dict(pixel_jigsaw=True))
+    record = check_model(name, overrides, 32)
     assert record["ok"], f"{record['steps']}\n{record.get('traceback', '')}"
-    assert (record["path"], record["patch_size"], record["mjp_eval_jigsawed"]) == ("pixel", 4, True)
+    assert (record["path"], record["mjp"], record["patch_size"]) == ("token", "UNK on the table", 4)
+    refused = check_model(name, overrides, 32, convert_options=dict(pixel_jigsaw=True))
+    assert refused["path"] == "refused" and "token path covers" in refused["refused"]
 
 
 def _meta_model(name: str, **kwargs) -> torch.nn.Module:
@@ -135,19 +134,38 @@ def test_images_that_the_stride_does_not_divide_are_refused_in_training_as_befor
         model(torch.randn(1, 3, 33, 33))
 
 
-@pytest.mark.parametrize(
-    "name, kwargs, words",
-    [
-        ("vgg11", {}, r"vgg11 \(VGG\): its first feature stage's stride .* is 1: .*give patch_size=N \(N >= 2\)"),
-        ("inception_v3", {}, r"input size 299x299 is not a multiple of .* 2: .*give patch_size=N"),
-    ],
-)
-def test_a_stride_that_cannot_cut_the_images_is_refused_with_how_to_choose_one(name, kwargs, words):
-    with pytest.raises(ValueError, match=words):
-        mjp_timm.convert(_meta_model(name, **kwargs))
-    # an explicit patch size is the caller's choice (the images are checked in training)
-    converted = mjp_timm.convert(_meta_model(name, **kwargs), patch_size=8)
-    assert converted.mjp.patch_size == 8
+def test_a_first_stage_at_full_resolution_jigsaws_at_the_first_downsampling_stride():
+    # VGG's first feature stage is its first convolutions' output (stride 1): the jigsaw takes the next stage's, 2
+    assert mjp_timm.convert(_meta_model("vgg11")).mjp.patch_size == 2
+    model = _meta_model("vgg11")
+    model.feature_info = [dict(info, reduction=1) for info in model.feature_info]  # no stage downsamples
+    with pytest.raises(ValueError, match=r"vgg11 \(VGG\): none of its feature stages downsamples .*patch_size=N"):
+        mjp_timm.convert(model)
+    assert mjp_timm.convert(model, patch_size=8).mjp.patch_size == 8  # the caller's choice
+
+
+def test_an_input_size_the_stride_does_not_divide_keeps_a_border_in_place():
+    """Inception's 299 px in 2-pixel blocks: the largest region of whole blocks (298 px) is jigsawed, the last row
+    and column stay where they are; models built for a multiple keep the strict check."""
+    assert mjp_timm.convert(_meta_model("inception_v3")).mjp.border
+    assert not mjp_timm.convert(timm.create_model("test_efficientnet")).mjp.border
+    torch.manual_seed(0)
+    plain = timm.create_model("test_efficientnet", num_classes=3)
+    model = mjp_timm.convert(copy.deepcopy(plain), ratio=0.5, prob=1.0, min_block=1)
+    model.mjp.border = True  # as convert sets it for a model built for 299 px; test_efficientnet is small
+    images = torch.randn(2, 3, 35, 33, requires_grad=True)
+    jigsawed = model.mjp(images)
+    jigsaw = model.mjp.last_jigsaw
+    assert jigsaw.mask.shape == (2, 17 * 16) and bool(jigsaw.mask.any())
+    expected = images.detach().clone()
+    expected[..., :34, :32] = jigsaw_images(images.detach()[..., :34, :32], jigsaw, 2)
+    assert torch.equal(jigsawed.detach(), expected)
+    jigsawed.sum().backward()  # every pixel's gradient: moved or kept, each pixel is used once
+    assert torch.equal(images.grad, torch.ones_like(images))
+    model.train()
+    assert model(images.detach()).shape == (2, 3)
+    with pytest.raises(ValueError, match="height 1 and width 33 must be multiples"):  # less than one block
+        model.mjp(torch.randn(1, 3, 1, 33))
 
 
 def test_bad_pixel_jigsaw_settings_are_named():
