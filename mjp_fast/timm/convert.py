@@ -6,16 +6,16 @@ from __future__ import annotations
 import warnings
 from typing import NamedTuple
 
-from timm.models._features import FeatureGetterNet
+from timm.models._features import FeatureGetterNet, FeatureHookNet
 from timm.models.eva import Eva
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
 from mjp_fast.core import check_backend, check_dal_kind, check_dal_reduction, check_unk
-from mjp_fast.timm import hiera, inline_table
+from mjp_fast.timm import hiera, inline_table, naflexvit, pit, tnt
 from mjp_fast.timm.base import MJPModel, mjp_class_of
 from mjp_fast.timm.eva import FusedEvaMixin, MJPEva, eva_layout
-from mjp_fast.timm.features import WRAPPER_MIXINS
+from mjp_fast.timm.features import WRAPPER_MIXINS, MJPFeatureHookBodyMixin
 from mjp_fast.timm.front_end import TokenFrontEnd
 from mjp_fast.timm.fused import (
     FusedViTMixin,
@@ -43,6 +43,9 @@ from mjp_fast.timm.vit import MJPVisionTransformer, hybrid_pixel_block, jigsaw_p
 TOKEN_FRONT_ENDS: tuple[TokenFrontEnd, ...] = (
     inline_table.FRONT_END,
     hiera.FRONT_END,
+    pit.FRONT_END,
+    tnt.FRONT_END,
+    naflexvit.FRONT_END,
 )
 """The token-path front ends of the families whose table is added outside the ViT's ``_pos_embed`` hook, each in
 its own module (see :mod:`mjp_fast.timm.front_end`), tried in order before the ViT and Eva front ends."""
@@ -187,6 +190,14 @@ def convert(
             pixel_jigsaw=pixel_jigsaw, **settings,
         )  # fmt: skip
         model.__class__ = mjp_class_of(type(model), None, WRAPPER_MIXINS[wrapper_class])
+        return model
+    if wrapper_class is FeatureHookNet and list(model.keys()) == ["body"] and _token_front_end(model.body) is not None:
+        # A hook net around a whole token-path model (PiT's features_only): its own forward runs, the hooks collect
+        convert(
+            model.body, dal=dal, patch_size=patch_size, fused_patch_embed=fused_patch_embed,
+            pixel_jigsaw=pixel_jigsaw, **settings,
+        )  # fmt: skip
+        model.__class__ = mjp_class_of(type(model), None, MJPFeatureHookBodyMixin)
         return model
     layout = _front_end(model, wrapper_class, dal_kind, asked_dal, patch_size, fused_patch_embed, pixel_jigsaw)
     state = MJPState(

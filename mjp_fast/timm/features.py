@@ -28,6 +28,19 @@ class _MJPFeatureModulesMixin(MJPNoDALModel):
     :func:`convert` puts ``mjp`` first, so the input is jigsawed (pixel-space MJP) before the first layer."""
 
 
+class MJPFeatureHookBodyMixin(MJPModel):
+    """timm's ``FeatureHookNet`` around a whole model (its one entry ``body``, whose own ``forward`` runs while hooks
+    on its stages collect the features: PiT's ``features_only``) where that model takes MJP's token path:
+    :func:`convert` converts the body, and MJP's methods and state are the body's."""
+
+    @property
+    def mjp(self) -> MJPState:
+        return self.body.mjp
+
+    def mjp_aux_loss(self) -> torch.Tensor:
+        return self.body.mjp_aux_loss()
+
+
 WRAPPER_MIXINS = {
     FeatureGetterNet: _MJPFeatureGetterMixin,
     FeatureDictNet: _MJPFeatureModulesMixin,
