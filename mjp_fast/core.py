@@ -193,15 +193,20 @@ class MJPCore(nn.Module):
     def last_jigsaw(self, jigsaw: Jigsaw | None) -> None:
         self.record_jigsaw(jigsaw)
 
-    def record_jigsaw(self, jigsaw: Jigsaw | None) -> None:
+    def record_jigsaw(self, jigsaw: Jigsaw | None, grid: tuple[int, int] | None = None) -> None:
         """Sets :attr:`last_jigsaw` and forgets the DAL loss kept for ``mjp_aux_loss``: what the forwards call.
 
         A method, not the property's setter, inside a forward: torch 2.11's dynamo (the lent GPU machines') replays
         a property set on a module after the compiled graph, so the setter's forgetting came after the forward had
         kept its new loss, and ``mjp_aux_loss()`` then computed a second loss: DAL counted twice in compiled
         training (the H200's Inductor failure of 2026-11-27, found again on the CPU in the GPU image's versions).
-        A method is traced in order."""
+        A method is traced in order.
+
+        ``grid``: the grid ``jigsaw`` was drawn on, where a forward knows it (an input of another size than the
+        table's: the DAL loss then leaves no position out, whatever the number of positions; see
+        :meth:`dal_loss_of`)."""
         self.__dict__["_last_jigsaw"] = jigsaw
+        self.__dict__["_last_grid"] = (int(grid[0]), int(grid[1])) if grid is not None and jigsaw is not None else None
         stash = self.__dict__.get("_dal_stash")
         if stash is not None:
             stash["loss"] = stash["unclaimed"] = None
@@ -234,8 +239,12 @@ class MJPCore(nn.Module):
         (every one without a jigsaw, or when its mask is of another grid: an input of another size)."""
         coords = self.dal_coordinates_for(grid, table.device)
         mask = jigsaw.mask if jigsaw is not None else None
-        if mask is not None and mask.shape[1] != coords.shape[0]:
-            mask = None  # the input had another grid (dynamic size): regress every stored position
+        drawn_on = self.__dict__.get("_last_grid") if jigsaw is self.last_jigsaw else None
+        table_grid = tuple(grid) if grid is not None else tuple(self.sampler.grid_size)
+        if mask is not None and (mask.shape[1] != coords.shape[0] or (drawn_on is not None and drawn_on != table_grid)):
+            # The input had another grid (dynamic size): regress every stored position. Told by the grid the jigsaw
+            # was drawn on where the forward recorded it (a 2x8 input of a 4x4 table has as many positions).
+            mask = None
         # The whole table: its prefix rows are skipped by the kernels, so nothing is sliced here.
         backend = self.backend_for(coords.device)
         return dal_loss_unchecked(table, self.dal_regressor, coords, mask, backend, prefix_positions, self.dal_scale)

@@ -157,7 +157,7 @@ class MJPState(MJPCore):
             # move and the shuffled ones get unk_embed, the one learned marker of an unknown position.
             pos_table = x.new_zeros((1, x.shape[1], x.shape[2]))
         sampled, jigsaw = self._sample(x, grid, pixels_jigsawed)
-        self.record_jigsaw(sampled)  # also forgets the last forward's DAL loss
+        self.record_jigsaw(sampled, grid)  # also forgets the last forward's DAL loss
         # The DAL loss rides on the tokens in training only; the regressor's forward is not needed otherwise.
         training = self.training and torch.is_grad_enabled()
         regressor = self.dal_regressor if training else None
@@ -321,7 +321,7 @@ class MJPState(MJPCore):
                 f"images: height {height} and width {width} must be multiples of the jigsaw patch size {patch}"
             )
         jigsaw = self.sampler(x.shape[0], x.device, (rows, cols))
-        self.record_jigsaw(jigsaw)
+        self.record_jigsaw(jigsaw, (rows, cols))
         if jigsaw is None:
             return x
         if rows * patch == height and cols * patch == width:

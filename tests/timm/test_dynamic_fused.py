@@ -91,6 +91,26 @@ def test_a_training_step_at_another_size_gives_every_parameter_a_gradient(model)
     torch.testing.assert_close(mjp.mjp.last_dal_loss, stored)
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_an_input_grid_with_as_many_positions_as_the_table_leaves_no_table_row_out_of_dal(fused):
+    """A 2x8 input of a 4x4 table: the jigsaw's mask has 16 positions too, but they are not the table's; DAL regresses
+    every stored row (the mask of another grid must not pick table rows by number)."""
+    base = _base(*MODELS[0])
+    mjp = mjp_timm.convert(copy.deepcopy(base), ratio=0.5, prob=1.0, min_block=1, fused_patch_embed=fused).train()
+    patch = base.patch_embed.patch_size[0]
+    mjp(torch.randn(2, 3, 2 * patch, 8 * patch, generator=torch.Generator().manual_seed(3)))
+    assert mjp.mjp.last_jigsaw.mask.shape == (2, 16) and bool(mjp.mjp.last_jigsaw.mask.any())
+    stored = mjp.mjp.dal_loss_of(mjp.pos_embed, None, None, prefix_positions_of(mjp)).detach()
+    torch.testing.assert_close(mjp.mjp.last_dal_loss, stored)
+    mjp.mjp_aux_loss()  # the attached loss, handed out once; then computed again from the last jigsaw
+    torch.testing.assert_close(mjp.mjp_aux_loss().detach(), stored)
+    # at the table's own grid the mask counts: the masked rows are left out
+    mjp(torch.randn(2, 3, 4 * patch, 4 * patch, generator=torch.Generator().manual_seed(4)))
+    masked = mjp.mjp.dal_loss_of(mjp.pos_embed, None, mjp.mjp.last_jigsaw, prefix_positions_of(mjp)).detach()
+    torch.testing.assert_close(mjp.mjp.last_dal_loss, masked)
+    assert not torch.allclose(masked, mjp.mjp.dal_loss_of(mjp.pos_embed, None, None, prefix_positions_of(mjp)))
+
+
 @pytest.mark.parametrize("model", MODELS, ids=_model_id)
 def test_fast_patch_embed_of_a_dynamic_model_has_timms_outputs_and_gradients(model):
     base = _base(*model).train()
