@@ -12,7 +12,7 @@ from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
 from mjp_fast.core import check_backend, check_dal_kind, check_dal_reduction, check_unk
-from mjp_fast.timm import hiera, inline_table, naflexvit, pit, tnt
+from mjp_fast.timm import crossvit, hiera, inline_table, naflexvit, pit, tnt
 from mjp_fast.timm.base import MJPModel, mjp_class_of
 from mjp_fast.timm.eva import FusedEvaMixin, MJPEva, eva_layout
 from mjp_fast.timm.features import WRAPPER_MIXINS, MJPFeatureHookBodyMixin
@@ -46,6 +46,7 @@ TOKEN_FRONT_ENDS: tuple[TokenFrontEnd, ...] = (
     pit.FRONT_END,
     tnt.FRONT_END,
     naflexvit.FRONT_END,
+    crossvit.FRONT_END,
 )
 """The token-path front ends of the families whose table is added outside the ViT's ``_pos_embed`` hook, each in
 its own module (see :mod:`mjp_fast.timm.front_end`), tried in order before the ViT and Eva front ends."""
