@@ -22,6 +22,14 @@ front end per timm family, which :func:`convert` picks (docs/timm-coverage.md li
 - ``inline_table.py``: ``Cait`` and ``ConVit`` (with its table; its GPSA blocks' relative terms are left as they are),
   which add ``pos_embed`` inline after the patch embedding: ``unk_embed`` on the table and DAL, applied in a
   class-swapped patch embedding (fused with the position term where it is timm's ``PatchEmbed``).
+- ``hiera.py``, ``pit.py``: ``Hiera`` and PiT, whose stems overlap the patches' borders: the images are jigsawed
+  before the stem, one block of its stride per token, and the masked positions get ``unk_embed`` on the table.
+- ``tnt.py``: ``TNT``: the images are jigsawed per patch (inner and outer tokens move together), ``unk_embed`` on
+  ``patch_pos``.
+- ``crossvit.py``: ``CrossVit``: both branches, one jigsaw per image carried from the coarser grid to the finer,
+  ``model.mjp`` branch 0's state and ``model.mjp.branch_1`` branch 1's.
+- ``naflexvit.py``: ``NaFlexVit``: learned and factorized tables, images and NaFlex dicts with a grid per sample.
+- ``front_end.py``: the contract of these token-path front ends (``convert.TOKEN_FRONT_ENDS``).
 - ``pixel.py``: models without an absolute table (ResNet, Swin, ConvNeXt, the relative-position ViTs, BEiT) get the
   pixel-space jigsaw of their input, as the paper's ResNet-50 + MJP and Swin-T + MJP rows.
 

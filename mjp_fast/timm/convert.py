@@ -118,27 +118,32 @@ def convert(
     """Turns a timm model into its MJP version in place, keeping its weights; returns it.
 
     Args:
-        model: a timm ``VisionTransformer`` (any size; class token or not; register tokens; ``no_embed_class``;
-            a distilled DeiT; a hybrid with a CNN stem, whose images are jigsawed), an ``Eva`` (EVA-02, DINOv3, PE,
-            the RoPE ViTs), a ``Cait``, a ``ConVit`` with a table: MJP's token path; or any other timm image model
-            without a learned absolute position table (CNNs, Swin, ConvNeXt, the relative-position ViTs, BEiT, XCiT,
-            LeViT, Twins, MobileViT, ...): the pixel jigsaw of its images; or timm's ``features_only`` wrapper of one
-            (``FeatureGetterNet``: the wrapped model is converted; ``FeatureListNet``/``FeatureDictNet``/
+        model: MJP's token path (the unknown embedding on the table, DAL) for a timm ``VisionTransformer`` (any
+            size; class token or not; register tokens; ``no_embed_class``; a distilled DeiT; a hybrid with a CNN
+            stem, whose images are jigsawed), an ``Eva`` (EVA-02, DINOv3, PE, the RoPE ViTs), and the families of
+            ``TOKEN_FRONT_ENDS`` (a ``Cait``, a ``ConVit`` with a table, ``Hiera``, PiT, ``TNT``, ``CrossVit`` on both
+            branches, ``NaFlexVit`` with a learned or factorized table, ...: each its own module of this package);
+            or any other timm image model without a learned absolute position table (CNNs, Swin, ConvNeXt, the
+            relative-position ViTs, BEiT, XCiT, LeViT, Twins, MobileViT, ...): the pixel jigsaw of its images; or
+            timm's ``features_only`` wrapper of one (``FeatureGetterNet``, or a ``FeatureHookNet`` around a whole
+            token-path model: the wrapped model is converted; ``FeatureListNet``/``FeatureDictNet``/
             ``FeatureHookNet``: their input is jigsawed). docs/timm-coverage.md lists what each timm family gets.
             Refused: a model that is not a timm image model (no ``feature_info``), and one with a learned absolute
-            position table that the token path does not cover (CrossViT, PiT, TNT, NaFlexViT, Hiera, ...: MJP's
-            token path for them is not built yet; see ``pixel_jigsaw``).
+            position table that no front end covers (docs/timm-coverage.md names them; see ``pixel_jigsaw``).
         ratio, prob, seed, min_block, min_aspect, shared, backend: as :class:`mjp_fast.JigsawSampler`.
         dal: the DAL regressor's kind (``"nonlinear"``, ``"linear"``, ``"pca"``), or None or ``"none"`` (timm's
             ``create_model`` drops None-valued keywords, so ``mjp_dal="none"`` is how to say it there), or
             ``"auto"`` (default): ``"nonlinear"`` where the model has an absolute position table, else none. A model
             without a table asked for DAL warns once (naming the model) and trains without it.
         patch_size: the jigsaw's patch size for pixel-space models, an int >= 1. Default: the stride of the model's
-            first feature stage (``feature_info[0]['reduction']``: its patch embedding's or stem's stride), which
-            must divide the model's input size and be at least 2; ResNet, Swin, ConvNeXt, ``VisionTransformerRelPos``,
-            BEiT and a ViT without ``pos_embed`` keep the patch they always had (the patch embedding's, else 16).
-            ViTs and Evas with a table use their own (a hybrid ViT: its image size over its token grid). In
-            training the images' height and width must be multiples of it (a ValueError otherwise).
+            first feature stage that downsamples (``feature_info``'s reductions: its patch embedding's or stem's
+            stride; VGG's and DLA's first stage keeps the input's resolution: their second's); ResNet, Swin,
+            ConvNeXt, ``VisionTransformerRelPos``, BEiT and a ViT without ``pos_embed`` keep the patch they always
+            had (the patch embedding's, else 16). Token-path models use their own (the patch, or the stride of a
+            stem that is jigsawed in pixels). In training the images' height and width must be multiples of it (a
+            ValueError otherwise), except for a model built for an input size that the patch does not divide
+            (Inception's 299 px at 2): its largest top-left region of whole patches is jigsawed and the border of
+            fewer than one patch stays in place.
         dal_normalize: regress coordinates scaled to [0, 1] instead of raw integers.
         unk: masked positions get the learned unknown embedding ``mjp.unk_embed`` (MJP, default). False: the
             patches of the masked positions are still permuted among themselves, but every position keeps its own
@@ -151,10 +156,10 @@ def convert(
             >= 0; default 0.01, the paper's start): any loop that back-propagates the output trains DAL. Change it
             with ``model.mjp_dal_weight`` or :class:`mjp_fast.timm.DALWeightSchedule`. Not in the state dict.
         pixel_jigsaw: True: give a model with a learned absolute position table that MJP's token path does not
-            cover (CrossViT, PiT, TNT, NaFlexViT, Hiera, ...) the pixel-space jigsaw of its input
-            images; its table is kept as it is (a moved patch gets the row of where it lands: the paper's naive
-            shuffle, in pixel space). False (default): such a model is refused. No effect on models that get the
-            pixel jigsaw anyway; a ValueError for a model with a table that the token path covers.
+            cover (docs/timm-coverage.md names them) the pixel-space jigsaw of its input images; its table is kept
+            as it is (a moved patch gets the row of where it lands: the paper's naive shuffle, in pixel space).
+            False (default): such a model is refused. No effect on models that get the pixel jigsaw anyway; a
+            ValueError for a model with a table that the token path covers.
         fused_patch_embed: run the ViT's patch embedding, jigsaw and position term as one
             :func:`mjp_fast.mjp_patch_embed` call (``backend`` chooses its backend). None: wherever the patch
             embedding is timm's standard one (``PatchEmbed``, a Conv2d with stride equal to its square kernel, no
@@ -327,17 +332,23 @@ def _refuse_unless_an_image_model(model: nn.Module) -> None:
         )
 
 
+def _covered_classes() -> str:
+    """The timm classes MJP's token path covers, for a message: the ViT's, Eva's and each front end's."""
+    names = ["VisionTransformer", "Eva"] + [name for front_end in TOKEN_FRONT_ENDS for name in front_end.names]
+    return ", ".join(names)
+
+
 def _refuse_a_table_unless_asked(model: nn.Module, pixel_jigsaw: bool) -> None:
-    """A TypeError for a model with a learned absolute position table outside ViT/Eva/CaiT/ConViT (the token
-    path's, issue 40 item 1), unless ``pixel_jigsaw=True`` asked for the pixel jigsaw: never the pixel jigsaw
+    """A TypeError for a model with a learned absolute position table that no token-path front end covers, unless
+    ``pixel_jigsaw=True`` asked for the pixel jigsaw: never the pixel jigsaw
     silently, which would leave the table's rows where the paper's method replaces them."""
     tables = absolute_position_tables(model)
     if tables and not pixel_jigsaw:
         shown = ", ".join(tables[:3]) + (f" and {len(tables) - 3} more" if len(tables) > 3 else "")
         raise TypeError(
             f"model: {_model_name(model)} has a learned absolute position table ({shown}); MJP's token path (the "
-            "unknown embedding on the table, DAL) covers timm's VisionTransformer, Eva, Cait and ConVit, and for this "
-            "model it is not built yet. convert(model, pixel_jigsaw=True) gives it the pixel-space jigsaw of its input "
+            f"unknown embedding on the table, DAL) covers timm's {_covered_classes()}, and for this model it is not "
+            "built yet. convert(model, pixel_jigsaw=True) gives it the pixel-space jigsaw of its input "
             "images instead, the table kept as it is (a moved patch gets the row of where it lands: the naive shuffle)"
         )
 

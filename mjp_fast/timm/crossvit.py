@@ -468,5 +468,5 @@ def _branch_state(
     return branch
 
 
-FRONT_END = TokenFrontEnd(is_crossvit, crossvit_layout, install_crossvit, runs_fused)
+FRONT_END = TokenFrontEnd(is_crossvit, crossvit_layout, install_crossvit, runs_fused, names=("CrossVit",))
 """CrossViT (both branches), for :func:`mjp_fast.timm.convert`."""

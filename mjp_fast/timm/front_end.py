@@ -1,6 +1,7 @@
 """The contract of a token-path front end for a family of timm models that add a learned absolute position table
-somewhere :func:`mjp_fast.timm.convert` cannot reach through the ViT's ``_pos_embed`` hook (CaiT and ConViT, PiT, TNT,
-CrossViT, NaFlexViT): one ``TokenFrontEnd`` per family module, listed in ``convert.TOKEN_FRONT_ENDS``."""
+somewhere :func:`mjp_fast.timm.convert` cannot reach through the ViT's ``_pos_embed`` hook (CaiT and ConViT, Hiera,
+PiT, TNT, CrossViT, NaFlexViT, ...): one ``TokenFrontEnd`` per family module, listed in
+``convert.TOKEN_FRONT_ENDS``."""
 
 from __future__ import annotations
 
@@ -33,9 +34,11 @@ class TokenFrontEnd(NamedTuple):
         install: ``(model, layout)``: called once the model is its MJP class and holds ``model.mjp``; wires MJP in
             (class swaps of submodules, extra states), on the model's device and dtype.
         runs_fused: whether a converted model of this front end runs its embedding fused (for the coverage sweep).
+        names: the timm classes it covers, for messages.
     """
 
     covers: Callable[[nn.Module], bool]
     layout: Callable[[nn.Module, bool | None], TokenLayout]
     install: Callable[[nn.Module, TokenLayout], None]
     runs_fused: Callable[[nn.Module], bool]
+    names: tuple[str, ...] = ()

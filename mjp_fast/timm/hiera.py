@@ -139,5 +139,5 @@ def runs_fused(model: nn.Module) -> bool:
     return False
 
 
-FRONT_END = TokenFrontEnd(covers, hiera_layout, install_hiera, runs_fused)
+FRONT_END = TokenFrontEnd(covers, hiera_layout, install_hiera, runs_fused, names=("Hiera",))
 """Hiera (images), for :func:`mjp_fast.timm.convert`."""

@@ -175,5 +175,7 @@ def install_inline_table(model: nn.Module, layout: TokenLayout) -> None:
     embed.__dict__["_mjp_fused"] = fuse
 
 
-FRONT_END = TokenFrontEnd(has_inline_table, inline_table_layout, install_inline_table, runs_fused)
+FRONT_END = TokenFrontEnd(
+    has_inline_table, inline_table_layout, install_inline_table, runs_fused, names=("Cait", "ConVit")
+)
 """CaiT and ConViT (with a table), for :func:`mjp_fast.timm.convert`."""

@@ -397,5 +397,5 @@ def runs_fused(model: nn.Module) -> bool:
     return False
 
 
-FRONT_END = TokenFrontEnd(has_naflex_table, naflex_layout, install_naflex, runs_fused)
+FRONT_END = TokenFrontEnd(has_naflex_table, naflex_layout, install_naflex, runs_fused, names=("NaFlexVit",))
 """NaFlexVit with a learned or factorized table, for :func:`mjp_fast.timm.convert`."""

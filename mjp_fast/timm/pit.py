@@ -203,5 +203,5 @@ def install_pit(model: nn.Module, layout: TokenLayout) -> None:
     embed.__dict__["_mjp_table_view"] = _TableView()
 
 
-FRONT_END = TokenFrontEnd(is_pit, pit_layout, install_pit, runs_fused)
+FRONT_END = TokenFrontEnd(is_pit, pit_layout, install_pit, runs_fused, names=("PoolingVisionTransformer",))
 """PiT (``PoolingVisionTransformer``, distilled or not), for :func:`mjp_fast.timm.convert`."""

@@ -12,12 +12,11 @@ Two kinds of pixel-space classes:
   ``VisionTransformerRelPos``, BEiT), the classes MJP had before it covered every family: their names are in pickles
   and their jigsaw patch is the patch embedding's, else 16 pixels, as it always was;
 - every other timm image model: an MJP subclass made for its class (:func:`pixel_class`), jigsawed at its first
-  stage's stride (:func:`first_stage_stride`).
+  downsampling stage's stride (:func:`first_downsampling_stride`).
 
-A model that has a learned absolute position table but is not a ``VisionTransformer``, ``Eva``, ``Cait`` or
-``ConVit`` (CrossViT, PiT, TNT, NaFlexViT, Hiera, VOLO, ...) is MJP's token path's, which is not built for it
-yet: it is refused (:func:`absolute_position_tables`) unless ``convert(..., pixel_jigsaw=True)`` asks for the pixel
-jigsaw.
+A model that has a learned absolute position table is MJP's token path's (the ViT and Eva front ends, and those of
+``convert.TOKEN_FRONT_ENDS``); one that no front end covers yet is refused (:func:`absolute_position_tables`) unless
+``convert(..., pixel_jigsaw=True)`` asks for the pixel jigsaw.
 """
 
 from __future__ import annotations

@@ -163,5 +163,5 @@ def install_tnt(model: nn.Module, layout: TokenLayout) -> None:
         module.__dict__["_mjp_model"] = model
 
 
-FRONT_END = TokenFrontEnd(is_tnt, tnt_layout, install_tnt, runs_fused)
+FRONT_END = TokenFrontEnd(is_tnt, tnt_layout, install_tnt, runs_fused, names=("TNT",))
 """TNT (its patch-level table), for :func:`mjp_fast.timm.convert`."""
