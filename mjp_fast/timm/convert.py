@@ -12,7 +12,17 @@ from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
 from mjp_fast.core import check_backend, check_dal_kind, check_dal_reduction, check_unk
-from mjp_fast.timm import crossvit, hiera, inline_table, naflexvit, pit, tnt
+from mjp_fast.timm import (
+    crossvit,
+    gemma4_vit,
+    hiera,
+    hieradet,
+    inline_table,
+    naflexvit,
+    pit,
+    qwen3_vit,
+    tnt,
+)
 from mjp_fast.timm.base import MJPModel, mjp_class_of
 from mjp_fast.timm.eva import FusedEvaMixin, MJPEva, eva_layout
 from mjp_fast.timm.features import WRAPPER_MIXINS, MJPFeatureHookBodyMixin
@@ -47,6 +57,9 @@ TOKEN_FRONT_ENDS: tuple[TokenFrontEnd, ...] = (
     tnt.FRONT_END,
     naflexvit.FRONT_END,
     crossvit.FRONT_END,
+    hieradet.FRONT_END,
+    gemma4_vit.FRONT_END,
+    qwen3_vit.FRONT_END,
 )
 """The token-path front ends of the families whose table is added outside the ViT's ``_pos_embed`` hook, each in
 its own module (see :mod:`mjp_fast.timm.front_end`), tried in order before the ViT and Eva front ends."""
