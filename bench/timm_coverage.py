@@ -63,6 +63,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import timm
 import torch
 from timm.layers import HybridEmbed
+from timm.models.eva import Eva
 from torch import nn
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -209,7 +210,7 @@ def what_mjp_does(model: nn.Module) -> str:
         parts.append("pixel jigsaw")
     if absolute_position_tables(model):  # pos_embed, or a family's own (pos_embed_0, patch_pos, embeds.pos_embed)
         parts.append("UNK on the table" if model.mjp.unk_embed is not None else "table, naive shuffle")
-    if getattr(model, "rope", None) is not None:
+    if isinstance(model, Eva) and model.rope is not None:  # the one front end that changes the rotary embedding
         parts.append("RoPE identity" if parts else "RoPE identity + UNK on the tokens")
     return " + ".join(parts) if parts else "tokens moved"
 
