@@ -30,8 +30,17 @@ DAL regresses that sum, the ``H * W`` rows of the composed table, so both factor
 
 Not covered: a NaFlexVit without an absolute table (``pos_embed='none'``, RoPE only) gets :func:`convert`'s
 pixel-space jigsaw of its images (no dict input there). With RoPE as well as a table, a moved token keeps the
-rotation of the sequence slot it lands in (the rotary table is made by the model, outside ``embeds``). The
-embedding is not fused (``runs_fused`` is False): the tokens are embedded by timm's projection, then moved.
+rotation of the sequence slot it lands in (the rotary table is made by the model, outside ``embeds``).
+
+Fusion. Where the embedding is a plain linear projection (``embed_proj_type='linear'``, a ``nn.Linear`` with no
+input norm before it and no norm after it: :func:`unfusable_reason`), a step (training, or inside ``mjp_eval``)
+embeds the patch rows, moves them, adds the position term and puts the prefix tokens in front in one operation,
+:func:`mjp_fast.ops.gathered_patch_embed.gathered_patch_embed_step` (a GEMM whose loads gather the rows, on the
+``triton`` backend; the other backends run its torch computation, the same arithmetic as the unfused step's): the
+patch rows are gathered, not the embedded tokens moved after. Image input is patchified as timm does first. The
+position term is timm's, computed as above (``[B, N, D]`` per sample, ``[N, D]`` for image input). Variable-size
+patches (5-D input with timm's patch interpolator) are embedded unfused. Eval outside ``mjp_eval`` is timm's either
+way. ``fused_patch_embed=False`` keeps the unfused step; True refuses an embedding that cannot fuse, saying why.
 """
 
 from __future__ import annotations
@@ -43,6 +52,8 @@ from timm.models.naflexvit import NaFlexEmbeds, NaFlexVit, batch_patchify, calcu
 from torch import nn
 
 from mjp_fast.ops.aux_loss import keep_in_graph
+from mjp_fast.ops.gathered_patch_embed import gathered_patch_embed_step
+from mjp_fast.ops.patch_embed import autocast_like_conv
 from mjp_fast.ops.pos_embed import mjp_position_step
 from mjp_fast.sampler.jigsaw import Jigsaw
 from mjp_fast.timm.base import MJPModel, mjp_class_of
@@ -91,9 +102,30 @@ class MJPNaFlexEmbeds(NaFlexEmbeds):
         if not state.engaged:  # MJP off (eval mode): timm's embedding, so the model is timm's exactly
             state.record_jigsaw(None)
             return super().forward(x, patch_coord=patch_coord, patch_valid=patch_valid)
+        rows = self._fused_rows(x, patch_coord) if self.__dict__.get("_mjp_fused", False) else None
+        if rows is not None:  # the projection runs inside the step, fused
+            patches, grid = rows
+            return self.pos_drop(self._mjp_step(state, patches, grid, patch_coord, patch_valid, fused=True)), grid
         tokens, grid = self._patch_tokens(x, patch_coord)
         tokens = self._mjp_step(state, tokens, grid, patch_coord, patch_valid)
         return self.pos_drop(tokens), grid
+
+    def _fused_rows(
+        self, x: torch.Tensor, patch_coord: torch.Tensor | None
+    ) -> tuple[torch.Tensor, tuple[int, int] | None] | None:
+        """The patch rows ``[B, N, P*P*C]`` that timm's linear path projects, and the batch's grid (None for
+        pre-patchified input); None where that path does not project them plainly (variable-size 5-D patches through
+        timm's patch interpolator: the unfused step then). Only for an embedding that :func:`unfusable_reason`
+        accepts; timm's input checks."""
+        grid: tuple[int, int] | None = None
+        if patch_coord is None:
+            _assert(x.ndim == 4, "Expecting 2D image input with input ndim == 4")
+            x, grid = batch_patchify(x, self.patch_size, pad=self.dynamic_img_pad, channels_last=self.channels_last)
+        else:
+            _assert(x.ndim == 5 or x.ndim == 3, "Expecting patchified input with ndim == 3 or 5.")
+            if self.enable_patch_interpolator and x.ndim == 5:
+                return None
+        return x.flatten(2), grid
 
     def _patch_tokens(
         self, x: torch.Tensor, patch_coord: torch.Tensor | None
@@ -131,19 +163,20 @@ class MJPNaFlexEmbeds(NaFlexEmbeds):
         return self.norm(x), grid
 
     def _position_term(
-        self, tokens: torch.Tensor, grid: tuple[int, int] | None, patch_coord: torch.Tensor | None
-    ) -> torch.Tensor:
-        """timm's position term of ``tokens`` ``[B, N, D]``, in their dtype: ``[1, N, D]`` for the batch's ``grid``
-        (image input), else ``[B, N, D]`` for each sample's grid from ``patch_coord`` (zero rows where timm adds
-        none: its padding). Computed by timm's own methods, added to zeros (exact: ``0 + p`` is ``p``)."""
+        self, shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device, grid: tuple[int, int] | None,
+        patch_coord: torch.Tensor | None,
+    ) -> torch.Tensor:  # fmt: skip
+        """timm's position term of tokens of ``shape`` ``[B, N, D]`` and ``dtype``: ``[1, N, D]`` for the batch's
+        ``grid`` (image input), else ``[B, N, D]`` for each sample's grid from ``patch_coord`` (zero rows where timm
+        adds none: its padding). Computed by timm's own methods, added to zeros (exact: ``0 + p`` is ``p``)."""
         if grid is not None:
-            term = tokens.new_zeros((1, tokens.shape[1], tokens.shape[2]))
+            term = torch.zeros((1, shape[1], shape[2]), dtype=dtype, device=device)
             if self.pos_embed_type == "learned":
                 self._apply_learned_pos_embed(term, grid_size=grid)
             else:
                 self._apply_factorized_pos_embed(term, grid_size=grid)
             return term
-        term = torch.zeros_like(tokens)
+        term = torch.zeros(shape, dtype=dtype, device=device)
         if self.pos_embed_type == "learned":
             if self.pos_embed_use_grid_sample:
                 self._apply_learned_naflex_pos_embed_grid_sample(term, patch_coord=patch_coord)
@@ -169,16 +202,24 @@ class MJPNaFlexEmbeds(NaFlexEmbeds):
         grid: tuple[int, int] | None,
         patch_coord: torch.Tensor | None,
         patch_valid: torch.Tensor | None,
+        fused: bool = False,
     ) -> torch.Tensor:
-        """MJP's step on the patch tokens ``[B, N, D]``: the jigsaw (while the sampler is active), ``unk_embed`` at
-        the masked positions, timm's position term elsewhere, the prefix tokens in front; in training with a DAL
-        regressor and grad enabled, the DAL loss of the stored table attached. Returns ``[B, Q + N, D]``."""
+        """MJP's step on the patch tokens ``[B, N, D]`` (``fused``: on the patch rows ``[B, N, P*P*C]``, which it
+        embeds in the same operation): the jigsaw (while the sampler is active), ``unk_embed`` at the masked
+        positions, timm's position term elsewhere, the prefix tokens in front; in training with a DAL regressor and
+        grad enabled, the DAL loss of the stored table attached. Returns ``[B, Q + N, D]``."""
         if grid is None:
             patch_coord, patch_valid = _checked_naflex_input(tokens, patch_coord, patch_valid)
         else:
             grid = (int(grid[0]), int(grid[1]))
         own_grid = table_grid(self)
-        position = self._position_term(tokens, grid, patch_coord)
+        if fused:
+            patches, weight, bias = _projection_operands(tokens, self.proj)
+            dtype = _linear_dtype(patches, weight)
+            shape = (tokens.shape[0], tokens.shape[1], weight.shape[0])
+        else:
+            dtype, shape = tokens.dtype, tuple(tokens.shape)
+        position = self._position_term(shape, dtype, tokens.device, grid, patch_coord)
         prefix = self._prefix()
         sampler = state.sampler
         sampled = dal_mask = None
@@ -189,7 +230,9 @@ class MJPNaFlexEmbeds(NaFlexEmbeds):
             sampled, dal_mask = naflex_jigsaw(sampler, patch_coord, patch_valid, own_grid)
         state.record_jigsaw(sampled)  # also forgets the last forward's DAL loss
         jigsaw, unk_row = state.position_jigsaw(sampled)  # the naive shuffle (unk=False) masks no position
-        if jigsaw is None:
+        if fused:
+            out = _fused_embedding(state, patches, weight, bias, position, unk_row, jigsaw, prefix)
+        elif jigsaw is None:
             out = _prepend(tokens + position, prefix)
         elif position.shape[0] == 1:  # one position term for the batch: the step's kernels
             backend = state.backend_for(tokens.device)
@@ -213,6 +256,46 @@ def _prepend(tokens: torch.Tensor, prefix: torch.Tensor | None) -> torch.Tensor:
     if prefix is None:
         return tokens
     return torch.cat((prefix.expand(tokens.shape[0], -1, -1), tokens), dim=1)
+
+
+def _projection_operands(
+    patches: torch.Tensor, proj: nn.Linear
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(patches, weight, bias)`` as timm's ``nn.Linear`` multiplies them: under autocast, each cast to its dtype as
+    autocast casts a linear layer's inputs (float64 kept); otherwise as they are."""
+    device_type = patches.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return patches, proj.weight, proj.bias
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(autocast_like_conv(tensor, dtype) for tensor in (patches, proj.weight, proj.bias))  # type: ignore[return-value]
+
+
+def _linear_dtype(patches: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype of timm's projection output (``F.linear`` of the operands :func:`_projection_operands` gives)."""
+    return torch.promote_types(patches.dtype, weight.dtype)
+
+
+def _fused_embedding(
+    state: MJPState, patches: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, position: torch.Tensor,
+    unk_row: torch.Tensor | None, jigsaw: Jigsaw | None, prefix: torch.Tensor | None,
+) -> torch.Tensor:  # fmt: skip
+    """The fused step's tokens ``[B, Q + N, D]``: ``patches`` ``[B, N, K]`` embedded by ``weight``/``bias``, moved by
+    ``jigsaw``, plus ``unk_row`` or ``position`` (``[1, N, D]`` shared or ``[B, N, D]``), the prefix in front, in the
+    dtype of timm's ``cat(prefix, proj(x) + position)``.
+
+    The op writes the prefix rows itself where they have the tokens' dtype; a prefix of another dtype (a float32
+    class token under autocast) is put in front by ``cat`` instead, which promotes the tokens, as timm's does."""
+    dtype = position.dtype
+    fused_prefix = prefix if prefix is None or prefix.dtype == dtype else None
+    unk = unk_row.to(dtype) if jigsaw is not None and unk_row is not None else None
+    pos = position[0] if position.shape[0] == 1 else position
+    with torch.autocast(patches.device.type, enabled=False):  # the operands are cast already (autocast's casts)
+        out = gathered_patch_embed_step(
+            patches, weight, bias, pos, unk, jigsaw, state.backend_for(patches.device), fused_prefix, permutation=True
+        )
+    if prefix is not None and fused_prefix is None:
+        out = _prepend(out, prefix)  # cat promotes the tokens to the prefix dtype, as timm's does
+    return out
 
 
 def _mask_only(mask: torch.Tensor | None) -> Jigsaw | None:
@@ -362,39 +445,59 @@ def has_naflex_table(model: nn.Module) -> bool:
     return isinstance(model, NaFlexVit) and getattr(embeds, "pos_embed_type", None) in TABLE_TYPES
 
 
+def unfusable_reason(embeds: NaFlexEmbeds) -> str | None:
+    """None where a NaFlex embedding's step can run fused (the linear projection of patch rows, nothing between it
+    and the position term), else why not."""
+    if not embeds.is_linear:
+        return (
+            "embeds.proj is a Conv2d over images (embed_proj_type='conv'); the fused NaFlex op embeds patch rows with "
+            "a linear projection"
+        )
+    if type(embeds.proj) is not nn.Linear:
+        return f"embeds.proj is a {type(embeds.proj).__name__}, not a plain nn.Linear"
+    if embeds.norm_input is not None:
+        return f"embeds has an input norm ({type(embeds.norm_input).__name__}) before its projection"
+    if not isinstance(embeds.norm, nn.Identity):
+        return f"embeds has a norm layer ({type(embeds.norm).__name__}) after its projection"
+    return None
+
+
 def naflex_layout(model: nn.Module, fused_patch_embed: bool | None) -> TokenLayout:
     """:func:`mjp_fast.timm.convert`'s layout of a NaFlexVit with a table: ``model.mjp`` on the table's grid, the
-    embedding not fused.
+    embedding fused where :func:`unfusable_reason` allows it and ``fused_patch_embed`` is not False.
 
     Raises:
-        ValueError: ``fused_patch_embed=True`` (there is no fused NaFlex embedding).
+        ValueError: ``fused_patch_embed=True`` for an embedding that cannot fuse (the message says why).
         TypeError: an embedding module that is not timm's ``NaFlexEmbeds``.
     """
     embeds = model.embeds
     if not isinstance(embeds, NaFlexEmbeds):
         raise TypeError(f"model: its embedding module is {type(embeds).__name__}, not timm's NaFlexEmbeds")
-    if fused_patch_embed:
-        raise ValueError(
-            "fused_patch_embed=True: NaFlexVit's embedding has no fused MJP op (its position term is resampled per "
-            "sample and its projection runs on patchified input); convert it with fused_patch_embed=None or False"
-        )
+    reason = unfusable_reason(embeds) if fused_patch_embed is not False else None
+    if fused_patch_embed and reason is not None:
+        raise ValueError(f"fused_patch_embed=True: {reason}")
     new_class = mjp_class_of(original_class(type(model)), NaFlexVit, MJPNaFlexVit)
     # The jigsaw moves tokens: the patch size is the patches' height, kept for reference (NaFlex patches are square).
     patch = int(embeds.patch_size[0])
-    return TokenLayout(new_class, table_grid(embeds), model.embed_dim, patch, False, None)
+    fuse = fused_patch_embed is not False and reason is None
+    return TokenLayout(new_class, table_grid(embeds), model.embed_dim, patch, fuse, None)
 
 
 def install_naflex(model: nn.Module, layout: TokenLayout) -> None:
-    """Swaps the embedding module of a converted NaFlexVit (holding ``model.mjp`` already) to apply MJP."""
+    """Swaps the embedding module of a converted NaFlexVit (holding ``model.mjp`` already) to apply MJP, fused where
+    ``layout.fuse`` (checked by :func:`naflex_layout`)."""
     embeds = model.embeds
     embeds.__class__ = mjp_class_of(original_class(type(embeds)), NaFlexEmbeds, MJPNaFlexEmbeds)
     embeds.__dict__["_mjp_model"] = model
     embeds.__dict__["_mjp_dal_mask"] = None
+    embeds.__dict__["_mjp_fused"] = layout.fuse
 
 
 def runs_fused(model: nn.Module) -> bool:
-    """A NaFlexVit's MJP embedding is never fused (see the module docstring)."""
-    return False
+    """Whether a converted NaFlexVit's MJP step embeds its patch rows fused (see the module docstring; 5-D
+    variable-size patches through timm's patch interpolator excepted)."""
+    embeds = getattr(model, "embeds", None)
+    return isinstance(embeds, MJPNaFlexEmbeds) and bool(embeds.__dict__.get("_mjp_fused", False))
 
 
 FRONT_END = TokenFrontEnd(has_naflex_table, naflex_layout, install_naflex, runs_fused, names=("NaFlexVit",))

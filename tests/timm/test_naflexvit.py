@@ -2,7 +2,8 @@
 to timm's (images and NaFlex dicts), a training step whose output alone reaches every parameter (DAL attached),
 ``mjp_eval``, the per-sample jigsaw against a pure-torch oracle and the sampler's own draws on each sample's grid,
 mixed grids with padding, DAL over the table's grid only, the factorized table, FX, ``forward_intermediates``,
-``features_only``, checkpoints both ways, bad input; and timm's model checks on a registered ``mjp_`` NaFlexVit."""
+``features_only``, checkpoints both ways, bad input; the fused embedding (where it runs, and that it takes the unfused
+step's values and gradients); and timm's model checks on a registered ``mjp_`` NaFlexVit."""
 
 from __future__ import annotations
 
@@ -19,9 +20,11 @@ from timm.models.naflexvit import batch_patchify
 
 import mjp_fast.timm as mjp_timm
 from mjp_fast import dal_loss, sample_jigsaw
+from mjp_fast.timm import naflexvit as naflex_front_end
 from mjp_fast.timm import register
 from mjp_fast.timm.convert import runs_fused
 from mjp_fast.timm.naflexvit import MJPNaFlexEmbeds, MJPNaFlexVit, naflex_jigsaw
+from tests.conftest import backends_for
 
 TINY = dict(embed_dim=32, depth=1, num_heads=2, patch_size=4, pos_embed_grid_size=(4, 4), num_classes=5)
 MODELS = {
@@ -110,7 +113,7 @@ def test_convert_eval_train_and_mjp_eval(kind):
     model = mjp_timm.convert(copy.deepcopy(plain), **SETTINGS)
     assert isinstance(model, MJPNaFlexVit) and isinstance(model.embeds, MJPNaFlexEmbeds)
     assert model.mjp.unk_embed is not None and model.mjp.dal_regressor is not None
-    assert tuple(model.mjp.sampler.grid_size) == (4, 4) and not runs_fused(model)
+    assert tuple(model.mjp.sampler.grid_size) == (4, 4) and runs_fused(model)  # a linear embedding: fused
     assert "mjp.unk_embed" in model.no_weight_decay()
     images, batch = _images(), _naflex_batch()
     model.eval(), plain.eval()
@@ -309,8 +312,8 @@ def test_bad_input_is_refused_by_name():
     negative[0, 0, 1] = -1
     with pytest.raises(ValueError, match="coordinates must be >= 0"):
         model(patches, patch_coord=negative, patch_valid=valid)
-    with pytest.raises(ValueError, match="fused_patch_embed=True: NaFlexVit's embedding has no fused MJP op"):
-        mjp_timm.convert(_plain("learned"), fused_patch_embed=True)
+    with pytest.raises(ValueError, match=r"fused_patch_embed=True: embeds.proj is a Conv2d over images"):
+        mjp_timm.convert(_plain("learned_conv"), fused_patch_embed=True)
     with pytest.raises(ValueError, match=r"pixel_jigsaw=True: model .*NaFlexVit.* token path covers"):
         mjp_timm.convert(_plain("learned"), pixel_jigsaw=True)
 
@@ -415,6 +418,145 @@ def test_checkpoints_both_ways_and_pickling(kind):
         assert torch.equal(loaded(batch), model(batch))
     copied = copy.deepcopy(model)
     assert copied.embeds.__dict__["_mjp_model"] is copied
+
+
+# The fused embedding (issue 40 item 1): the linear projection of the patch rows, the jigsaw, the position term and the
+# prefix as one op (mjp_fast/ops/gathered_patch_embed.py).
+
+
+def _fused_pair(kind: str, backend: str | None = None, **overrides) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """The same NaFlexVit converted fused and unfused, with the same MJP state (unk_embed, DAL regressor, seed)."""
+    plain = _plain(kind, **overrides)
+    fused = mjp_timm.convert(copy.deepcopy(plain), backend=backend, **SETTINGS)
+    unfused = mjp_timm.convert(copy.deepcopy(plain), backend=backend, fused_patch_embed=False, **SETTINGS)
+    assert runs_fused(fused) and not runs_fused(unfused)
+    unfused.mjp.load_state_dict(fused.mjp.state_dict())
+    with torch.no_grad():
+        fused.mjp.unk_embed.normal_()
+        unfused.mjp.unk_embed.copy_(fused.mjp.unk_embed)
+    return fused, unfused
+
+
+def _step_and_grads(model: torch.nn.Module, inputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad()
+    out = model(inputs)
+    out.logsumexp(-1).mean().backward()  # DAL rides on the output
+    return out.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def _counting_fused_op(monkeypatch) -> list[int]:
+    """Counts the calls of the fused op from the front end."""
+    calls = []
+    original = naflex_front_end.gathered_patch_embed_step
+
+    def counted(*arguments, **keywords):
+        calls.append(1)
+        return original(*arguments, **keywords)
+
+    monkeypatch.setattr(naflex_front_end, "gathered_patch_embed_step", counted)
+    return calls
+
+
+@pytest.mark.parametrize("kind", [*DICT_KINDS, "learned_no_bias"])
+@pytest.mark.parametrize("backend", [None, "triton"], ids=["automatic", "triton"])
+def test_fused_and_unfused_steps_agree_in_outputs_and_gradients(kind, backend, monkeypatch):
+    """Images and a mixed-grid NaFlex dict with padding, training and mjp_eval: the same jigsaws (one seed), the same
+    tokens and every parameter's gradient. The automatic backend on the CPU runs the op's torch computation, the
+    unfused step's arithmetic: its tokens equal bit for bit, its gradients within float rounding (the unfused step of
+    image input runs the position step's kernels, whose sums over the batch take another order). The Triton kernels
+    sum the GEMM in another order: float tolerance."""
+    if backend == "triton" and "triton" not in backends_for("cpu"):
+        pytest.skip("needs the triton backend (the interpreter here)")
+    name = "learned" if kind == "learned_no_bias" else kind
+    overrides = dict(pre_norm=True) if kind == "learned_no_bias" else {}  # timm's CLIP setting: no projection bias
+    fused, unfused = _fused_pair(name, backend, **overrides)
+    if kind == "learned_no_bias":
+        assert fused.embeds.proj.bias is None
+    calls = _counting_fused_op(monkeypatch)
+    exact = dict(rtol=0, atol=0) if backend is None else dict(rtol=1e-4, atol=1e-5)
+    close = dict(rtol=1e-5, atol=1e-7) if backend is None else exact
+    for inputs in (_images(), _naflex_batch()):
+        fused.train(), unfused.train()
+        got, got_grads = _step_and_grads(fused, inputs)
+        expected, expected_grads = _step_and_grads(unfused, inputs)
+        assert fused.mjp.last_jigsaw.mask.any()
+        assert torch.equal(fused.mjp.last_jigsaw.perm, unfused.mjp.last_jigsaw.perm)
+        torch.testing.assert_close(got, expected, **exact)
+        assert got_grads.keys() == expected_grads.keys() and not _missing_grads(fused)
+        for parameter, grad in got_grads.items():
+            torch.testing.assert_close(
+                grad, expected_grads[parameter], **close, msg=lambda m, parameter=parameter: f"{parameter}: {m}"
+            )
+        fused.eval(), unfused.eval()
+        with torch.no_grad():
+            with fused.mjp_eval(ratio=0.5, seed=3), unfused.mjp_eval(ratio=0.5, seed=3):
+                torch.testing.assert_close(fused(inputs), unfused(inputs), **exact)
+            torch.testing.assert_close(fused(inputs), unfused(inputs), rtol=0, atol=0)  # eval: timm's, both
+    assert len(calls) == 4  # two training steps and two mjp_eval forwards ran the op; eval did not
+
+
+def test_the_fused_step_under_autocast_is_timms_arithmetic():
+    """bfloat16 autocast on the CPU: the op takes the operands as autocast gives them to timm's nn.Linear, so the
+    fused step (automatic backend: the op's torch computation) equals the unfused one bit for bit, in its dtype;
+    the float32 register tokens promote the output as timm's cat does."""
+    fused, unfused = _fused_pair("learned")
+    batch = _naflex_batch()
+    outputs = []
+    for model in (fused, unfused):
+        model.train()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            tokens, _ = model.embeds(batch["patches"], batch["patch_coord"], batch["patch_valid"])
+        outputs.append(tokens)
+    assert outputs[0].dtype == outputs[1].dtype == torch.float32  # the float32 register tokens promote
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=0, atol=0)
+    fused.embeds.reg_token = None  # no prefix: the tokens keep the autocast dtype
+    unfused.embeds.reg_token = None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, _ = fused.embeds(batch["patches"], batch["patch_coord"], batch["patch_valid"])
+        expected, _ = unfused.embeds(batch["patches"], batch["patch_coord"], batch["patch_valid"])
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "overrides, reason",
+    [
+        (dict(embed_proj_type="conv"), r"embeds.proj is a Conv2d over images"),
+        ("input norm", r"embeds has an input norm \(LayerNorm\) before its projection"),
+        (dict(embed_norm_layer="layernorm"), r"embeds has a norm layer \(LayerNorm\) after its projection"),
+    ],
+)
+def test_runs_fused_where_the_embedding_can_fuse_and_true_says_why_not(overrides, reason, monkeypatch):
+    if overrides == "input norm":  # timm's NaFlexVit config does not pass input_norm_layer on: set as timm makes it
+        plain = _plain("learned")
+        plain.embeds.norm_input = torch.nn.LayerNorm(48)
+    else:
+        plain = _plain("learned", **overrides)
+    with pytest.raises(ValueError, match=f"fused_patch_embed=True: {reason}"):
+        mjp_timm.convert(copy.deepcopy(plain), fused_patch_embed=True)
+    model = mjp_timm.convert(copy.deepcopy(plain), **SETTINGS).train()  # automatic: unfused, and says so
+    assert not runs_fused(model)
+    calls = _counting_fused_op(monkeypatch)
+    model(_images()).sum().backward()
+    assert not calls and model.mjp.last_jigsaw.mask.any()
+    assert runs_fused(mjp_timm.convert(_plain("learned"), fused_patch_embed=True))
+    assert not runs_fused(mjp_timm.convert(_plain("learned"), fused_patch_embed=False))
+
+
+def test_variable_size_patches_through_the_interpolator_take_the_unfused_step(monkeypatch):
+    """5-D patches of another size than the projection's go through timm's patch interpolator: that call is
+    embedded unfused (the op is not called) and gives the unfused model's tokens."""
+    fused, unfused = _fused_pair("learned", enable_patch_interpolator=True)
+    batch = _naflex_batch([(16, 16), (8, 8)])
+    rows = batch["patches"].reshape(2, -1, 4, 4, 3)
+    big = F.interpolate(rows.flatten(0, 1).permute(0, 3, 1, 2), size=(6, 6), mode="bilinear")
+    patches = big.permute(0, 2, 3, 1).reshape(2, -1, 6, 6, 3)
+    calls = _counting_fused_op(monkeypatch)
+    with torch.no_grad(), fused.mjp_eval(ratio=0.5, seed=2), unfused.mjp_eval(ratio=0.5, seed=2):
+        got = fused.embeds(patches, batch["patch_coord"], batch["patch_valid"])[0]
+        expected = unfused.embeds(patches, batch["patch_coord"], batch["patch_valid"])[0]
+    assert not calls and fused.mjp.last_jigsaw.mask.any()
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
 # Issue 40 item 5: timm's model checks (tests/test_models.py style) on a registered mjp_ NaFlexVit, MJP on.

@@ -403,6 +403,109 @@ def _variants() -> list[tuple[str, object, dict[str, str], dict[str, object], di
                     )
                 )
     variants.extend(_dal_loss_variants(dal_loss))
+    variants.extend(_gathered_patch_embed_variants())
+    return variants
+
+
+def _gathered_patch_embed_variants() -> list[tuple[str, object, dict[str, str], dict[str, object], dict[str, int]]]:
+    """The gathered (NaFlex) patch embedding's kernels with the tiles of their GPU launches, at NaFlex-B's sizes
+    (D = 768, K = 16 * 16 * 3): forward with 0, 1 and 5 prefix rows, the patches' and weight's gradients, and the
+    per-sample position gradient; bfloat16 and float32."""
+    from mjp_fast.triton import gathered_patch_embed as gathered
+
+    variants = []
+    weight_tiles = dict(zip(("BLOCK_M", "BLOCK_D", "BLOCK_K"), gathered._grad_weight_tiles(768, 768)))
+    block_r, block_d, _ = gathered._sample_position_tiles(768)
+    for dtype, precision in (("bf16", "tf32"), ("fp32", "ieee")):
+        forward = {
+            **{name: f"*{dtype}" for name in ("patches_ptr", "weight_ptr", "bias_ptr", "pos_ptr", "unk_ptr")},
+            "prefix_ptr": f"*{dtype}",
+            "perm_ptr": "*i64",
+            "mask_ptr": "*i1",
+            "out_ptr": f"*{dtype}",
+            **dict.fromkeys(("total_tokens", "num_positions", "K", "D", "stride_pb", "stride_pn"), "i32"),
+            **dict.fromkeys(("stride_pk", "stride_pos_b", "total_prefix", "prefix_count", "token_bucket"), "i32"),
+        }
+        grad_patches = {
+            "grad_ptr": f"*{dtype}",
+            "weight_ptr": f"*{dtype}",
+            "perm_ptr": "*i64",
+            "grad_patches_ptr": f"*{dtype}",
+            **dict.fromkeys(("total_tokens", "num_positions", "K", "D", "prefix_count", "token_bucket"), "i32"),
+        }
+        grad_weight = {
+            "grad_ptr": f"*{dtype}",
+            "patches_ptr": f"*{dtype}",
+            "perm_ptr": "*i64",
+            "partial_ptr": "*fp32",
+            **dict.fromkeys(("total_tokens", "num_positions", "K", "D", "tokens_per_split", "prefix_count"), "i32"),
+            **dict.fromkeys(("stride_pb", "stride_pn", "stride_pk"), "i32"),
+        }
+        sample_position = {
+            "grad_ptr": f"*{dtype}",
+            "mask_ptr": "*i1",
+            "grad_pos_ptr": f"*{dtype}",
+            "partial_ptr": "*fp32",
+            **dict.fromkeys(("total_tokens", "num_positions", "D", "rows_per_program", "prefix_count"), "i32"),
+        }
+        dot = {"PRECISION": precision, "UPCAST": False}
+        for index, (m, d, k, warps, stages) in enumerate(gathered.GPU_GEMM_SHAPES[:2]):
+            tiles = {"BLOCK_M": m, "BLOCK_D": d, "BLOCK_K": k}
+            options = {"num_warps": warps, "num_stages": stages}
+            for prefix, has_prefix in (("P=0", False), ("P=1", True), ("P=5", True)):
+                if prefix == "P=5" and index:
+                    continue
+                flags = {"HAS_BIAS": True, "HAS_PERM": True, "HAS_MASK": True, "HAS_PREFIX": has_prefix, **dot}
+                values = {**flags, **tiles}
+                signature = {**forward, **dict.fromkeys(values, "constexpr")}
+                if prefix == "P=1":  # a launch makes an int argument equal to 1 a constexpr: one class token
+                    signature["prefix_count"] = "constexpr"
+                    values["prefix_count"] = 1
+                variants.append(
+                    (
+                        f"gathered_patch_embed forward {dtype} {m}x{d}x{k} {prefix}",
+                        gathered._forward_kernel.fn,
+                        signature,
+                        values,
+                        options,
+                    )
+                )
+                backward_flags = {"HAS_PERM": True, "HAS_PREFIX": has_prefix, **dot}
+                variants.append(
+                    (
+                        f"gathered_patch_embed grad_patches {dtype} {m}x{d}x{k} {prefix}",
+                        gathered._grad_patches_kernel.fn,
+                        {**grad_patches, **dict.fromkeys({**backward_flags, **tiles}, "constexpr")},
+                        {**backward_flags, **tiles},
+                        options,
+                    )
+                )
+                if index == 0:
+                    variants.append(
+                        (
+                            f"gathered_patch_embed grad_weight {dtype} {prefix}",
+                            gathered._grad_weight_kernel,
+                            {**grad_weight, **dict.fromkeys({**backward_flags, **weight_tiles}, "constexpr")},
+                            {**backward_flags, **weight_tiles},
+                            {},
+                        )
+                    )
+                    position_flags = {
+                        "HAS_MASK": True,
+                        "HAS_PREFIX": has_prefix,
+                        "WRITE_POS": True,
+                        "BLOCK_R": block_r,
+                        "BLOCK_D": block_d,
+                    }
+                    variants.append(
+                        (
+                            f"gathered_patch_embed sample_position {dtype} {prefix}",
+                            gathered._sample_position_kernel,
+                            {**sample_position, **dict.fromkeys(position_flags, "constexpr")},
+                            position_flags,
+                            {},
+                        )
+                    )
     return variants
 
 

@@ -64,5 +64,7 @@ def test_every_triton_kernel_compiles_for_hopper():
     for name in SETTINGS:
         if name != DEFAULT:
             assert f"ok   sm_90 setting {name}: " in result.stdout, name
+    # the gathered (NaFlex) patch embedding: forward, the patches', weight's and per-sample position gradients
+    assert result.stdout.count("ok   sm_90 gathered_patch_embed") == 32
     # _dot with mixed operand dtypes (bfloat16 x float32) compiles its float32 branch alone
     assert result.stdout.count("(upcast): cubin") == 3
