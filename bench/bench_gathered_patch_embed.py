@@ -217,8 +217,12 @@ def _aims(rows: list[dict], *, smoke: bool, device: str) -> list[dict]:
     if device == "cuda" and not smoke:
         found = [r for r in rows if r["implementation"] == "mjp[triton]" and r["mode"] == "forward+backward"]
         measured = found[0]["ratio_vs_baseline"] if found else None
-    note = "not run on the CPU" if device != "cuda" else ("smoke run" if smoke else None)
-    verdict = "NOT RUN" if smoke or device != "cuda" else aim_verdict(measured, GPU_AIM_RATIO, higher_is_better=False)
+    if smoke:  # a smoke run judges nothing, as every case's
+        verdict, note = "NOT JUDGED", "smoke run: tiny sizes"
+    elif device != "cuda":
+        verdict, note = "NOT RUN", "not run on the CPU"
+    else:
+        verdict, note = aim_verdict(measured, GPU_AIM_RATIO, higher_is_better=False), None
     return [{"aim": aim, "measured": measured, "unit": "x", "verdict": verdict, "note": note}]
 
 

@@ -27,7 +27,7 @@
 #      case; train_step and host_cost measure each GPU backend built (triton,
 #      cuda) in rounds of its own, five variants and steady-state blocks          200 s   ~190 s
 #   8. train_step benchmark under torch.compile                                  the rest  ~60 s
-#   9. benchmarks, eager: patch_embed, sampler (measured by earlier runs: what
+#   9. benchmarks, eager: patch_embed, gathered_patch_embed (never run), sampler (what
 #      time is left, if any)                                                     the rest  little or none
 #   the command: 540 s. The timm-family sweep (one model in its 60 s on the last two runs) is a mode of its own.
 #   the session: start-up + command + transfers                                         ~11 min of the 15
@@ -288,7 +288,7 @@ benchmarks() {
     --compile --repeats 20 --out "$out"
   grep -E "^(PASS|FAIL|NOT RUN|NOISY|ERROR)" "$work/bench_compiled.log" | head -n 20
   stage "benchmarks, eager, the rest" 600 bench_rest.log python3 -m bench.run --device cuda \
-    --cases patch_embed,sampler --out "$out"
+    --cases patch_embed,gathered_patch_embed,sampler --out "$out"
   grep -E "^(PASS|FAIL|NOT RUN|NOISY|ERROR)" "$work/bench_rest.log" | cut -c1-400 | head -n 20
 }
 

@@ -62,6 +62,7 @@ SUITE = "mjp_fast"
 CASES = {
     "sampler": "bench.bench_sampler",
     "patch_embed": "bench.bench_patch_embed",
+    "gathered_patch_embed": "bench.bench_gathered_patch_embed",
     "jigsaw_apply": "bench.bench_jigsaw_apply",
     "host_cost": "bench.bench_host_cost",
     "train_step": "bench.bench_train_step",

@@ -215,8 +215,27 @@ def _check_train_loop_values(section: dict) -> None:
                 assert row[field + "_runs"] == pytest.approx([mine / theirs for mine, theirs in runs])
 
 
+def _check_gathered_patch_embed_values(section: dict) -> None:
+    """Both groups (the op, the NaFlexVit front end) in both modes, each row's ratio to its group's baseline in the
+    same mode."""
+    rows = section["results"]
+    assert {(row["group"], row["mode"]) for row in rows} == {
+        (group, mode) for group in ("op", "front end") for mode in ("forward", "forward+backward")
+    }
+    baselines = {"op": "gather+linear", "front end": "front end unfused"}
+    for row in rows:
+        base = next(
+            other
+            for other in rows
+            if (other["group"], other["mode"]) == (row["group"], row["mode"])
+            and other["implementation"] == baselines[row["group"]]
+        )
+        assert row["ratio_vs_baseline"] == pytest.approx(row["median_s"] / base["median_s"])
+
+
 VALUE_CHECKS = {
     "sampler": _check_sampler_values,
+    "gathered_patch_embed": _check_gathered_patch_embed_values,
     "patch_embed": _check_patch_embed_values,
     "jigsaw_apply": _check_jigsaw_apply_values,
     "host_cost": _check_host_cost_values,
@@ -403,6 +422,7 @@ CASE_ROW_KEYS = {
         "max_abs_error_vs_timm",
         "matches_timm",
     },
+    "gathered_patch_embed": {"group", "mode", "implementation", "median_s", "ratio_vs_baseline"},
     "jigsaw_apply": {"ratio", "output", "backend", "jigsaw_cost_s", "jigsaw_cost_vs_plain_embedding", "check"},
     "host_cost": {"baseline", "ops", "op_counts", "triton_launches", "ratio"},
     "train_step": {
@@ -489,6 +509,7 @@ def test_mjp_bench_smoke_runs_every_case_into_one_json(tmp_path, capsys):
     assert {aim["case"] for aim in payload["aims"]} == {
         "sampler",
         "patch_embed",
+        "gathered_patch_embed",
         "host_cost",
         "train_step",
         "train_loop",
@@ -562,7 +583,8 @@ def test_mjp_bench_rejects_unknown_cases(tmp_path, capsys):
     assert main(["bench", "--smoke", "--cases", "sampler,nope", "--out", str(tmp_path)]) == 2
     assert (
         "cases must be a comma-separated subset of "
-        "sampler,patch_embed,jigsaw_apply,host_cost,train_step,kernels,train_loop" in capsys.readouterr().err
+        "sampler,patch_embed,gathered_patch_embed,jigsaw_apply,host_cost,train_step,kernels,train_loop"
+        in capsys.readouterr().err
     )
     assert not list(tmp_path.iterdir())
 
