@@ -29,6 +29,12 @@ front end per timm family, which :func:`convert` picks (docs/timm-coverage.md li
 - ``crossvit.py``: ``CrossVit``: both branches, one jigsaw per image carried from the coarser grid to the finer,
   ``model.mjp`` branch 0's state and ``model.mjp.branch_1`` branch 1's.
 - ``naflexvit.py``: ``NaFlexVit``: learned and factorized tables, images and NaFlex dicts with a grid per sample.
+- ``nest.py``, ``visformer.py``, ``volo.py``: ``Nest`` (level 0's table, mapped from its blocks to the grid; tokens
+  moved), ``Visformer`` (``pos_embed1``; images jigsawed before the stem), ``VOLO`` (the table added at 1/16 after
+  the outlooker; images jigsawed before the stem in 16-pixel blocks); their later, pooled tables stay as they are.
+- ``hieradet.py``, ``gemma4_vit.py``, ``qwen3_vit.py``: SAM 2's ``HieraDet`` (images jigsawed before the stem),
+  Gemma 4's (its factorized one-hot table; images and NaFlex patches) and Qwen3's (the resampled table) vision
+  classifiers and encoders.
 - ``front_end.py``: the contract of these token-path front ends (``convert.TOKEN_FRONT_ENDS``).
 - ``pixel.py``: models without an absolute table (ResNet, Swin, ConvNeXt, the relative-position ViTs, BEiT) get the
   pixel-space jigsaw of their input, as the paper's ResNet-50 + MJP and Swin-T + MJP rows.

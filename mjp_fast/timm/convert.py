@@ -19,9 +19,12 @@ from mjp_fast.timm import (
     hieradet,
     inline_table,
     naflexvit,
+    nest,
     pit,
     qwen3_vit,
     tnt,
+    visformer,
+    volo,
 )
 from mjp_fast.timm.base import MJPModel, mjp_class_of
 from mjp_fast.timm.eva import FusedEvaMixin, MJPEva, eva_layout
@@ -60,6 +63,9 @@ TOKEN_FRONT_ENDS: tuple[TokenFrontEnd, ...] = (
     hieradet.FRONT_END,
     gemma4_vit.FRONT_END,
     qwen3_vit.FRONT_END,
+    nest.FRONT_END,
+    visformer.FRONT_END,
+    volo.FRONT_END,
 )
 """The token-path front ends of the families whose table is added outside the ViT's ``_pos_embed`` hook, each in
 its own module (see :mod:`mjp_fast.timm.front_end`), tried in order before the ViT and Eva front ends."""
@@ -131,38 +137,30 @@ def convert(
     """Turns a timm model into its MJP version in place, keeping its weights; returns it.
 
     Args:
-        model: MJP's token path (the unknown embedding on the table, DAL) for a timm ``VisionTransformer`` (any
-            size; class token or not; register tokens; ``no_embed_class``; a distilled DeiT; a hybrid with a CNN
-            stem, whose images are jigsawed), an ``Eva`` (EVA-02, DINOv3, PE, the RoPE ViTs), and the families of
-            ``TOKEN_FRONT_ENDS`` (a ``Cait``, a ``ConVit`` with a table, ``Hiera``, PiT, ``TNT``, ``CrossVit`` on both
-            branches, ``NaFlexVit`` with a learned or factorized table, ...: each its own module of this package);
-            or any other timm image model without a learned absolute position table (CNNs, Swin, ConvNeXt, the
-            relative-position ViTs, BEiT, XCiT, LeViT, Twins, MobileViT, ...): the pixel jigsaw of its images; or
-            timm's ``features_only`` wrapper of one (``FeatureGetterNet``, or a ``FeatureHookNet`` around a whole
-            token-path model: the wrapped model is converted; ``FeatureListNet``/``FeatureDictNet``/
-            ``FeatureHookNet``: their input is jigsawed). docs/timm-coverage.md lists what each timm family gets.
-            Refused: a model that is not a timm image model (no ``feature_info``), and one with a learned absolute
-            position table that no front end covers (docs/timm-coverage.md names them; see ``pixel_jigsaw``).
+        model: a timm image model. MJP's token path (the unknown embedding on the table, DAL) for a
+            ``VisionTransformer`` (a distilled DeiT; a hybrid with a CNN stem: its images are jigsawed), an ``Eva``
+            and each family of ``TOKEN_FRONT_ENDS`` (CaiT, ConViT, Hiera, PiT, TNT, CrossViT, NaFlexViT, ...); the
+            pixel jigsaw of its images for any model without a learned absolute position table (CNNs, Swin,
+            ConvNeXt, BEiT, XCiT, LeViT, ...); or timm's ``features_only`` wrapper of one (the wrapped model
+            converted, or a module list's input jigsawed). docs/timm-coverage.md lists what each family gets.
+            Refused: a model without timm's ``feature_info`` (not an image model), and one with a learned absolute
+            position table that no front end covers (see ``pixel_jigsaw``).
         ratio, prob, seed, min_block, min_aspect, shared, backend: as :class:`mjp_fast.JigsawSampler`.
         dal: the DAL regressor's kind (``"nonlinear"``, ``"linear"``, ``"pca"``), or None or ``"none"`` (timm's
             ``create_model`` drops None-valued keywords, so ``mjp_dal="none"`` is how to say it there), or
             ``"auto"`` (default): ``"nonlinear"`` where the model has an absolute position table, else none. A model
             without a table asked for DAL warns once (naming the model) and trains without it.
         patch_size: the jigsaw's patch size for pixel-space models, an int >= 1. Default: the stride of the model's
-            first feature stage that downsamples (``feature_info``'s reductions: its patch embedding's or stem's
-            stride; VGG's and DLA's first stage keeps the input's resolution: their second's); ResNet, Swin,
-            ConvNeXt, ``VisionTransformerRelPos``, BEiT and a ViT without ``pos_embed`` keep the patch they always
-            had (the patch embedding's, else 16). Token-path models use their own (the patch, or the stride of a
-            stem that is jigsawed in pixels). In training the images' height and width must be multiples of it (a
-            ValueError otherwise), except for a model built for an input size that the patch does not divide
-            (Inception's 299 px at 2): its largest top-left region of whole patches is jigsawed and the border of
-            fewer than one patch stays in place.
+            first feature stage that downsamples (its patch embedding's or stem's); ResNet, Swin, ConvNeXt, BEiT and
+            the relative-position ViTs keep theirs (the patch embedding's, else 16). Token-path models use their
+            own. In training the images' sides must be multiples of it (a ValueError), but for a model built for a
+            size it does not divide (Inception's 299 px at 2): its largest top-left region of whole patches is
+            jigsawed, the border of fewer than one patch kept in place.
         dal_normalize: regress coordinates scaled to [0, 1] instead of raw integers.
         unk: masked positions get the learned unknown embedding ``mjp.unk_embed`` (MJP, default). False: the
-            patches of the masked positions are still permuted among themselves, but every position keeps its own
-            ``pos_embed[n]`` (the paper's "naive shuffle" ablation); no ``mjp.unk_embed`` parameter is created (not in
-            the state dict; ``model.mjp.unk_embed`` is None), and the DAL loss still leaves the masked positions
-            out. Models without position embeddings: no effect.
+            masked positions' patches are still permuted, but each keeps its own ``pos_embed[n]`` (the paper's
+            "naive shuffle" ablation; no ``mjp.unk_embed`` parameter; DAL still leaves the masked positions out).
+            Models without position embeddings: no effect.
         dal_reduction: ``"mean"`` (default, the paper's code: ``F.l1_loss``) or ``"sum"`` (the paper's formula,
             twice the mean) over the two coordinates in ``mjp_aux_loss()`` (see :func:`mjp_fast.dal_loss`).
         dal_weight: the weight at which a training forward attaches the DAL loss to the model's output (finite,
@@ -188,8 +186,7 @@ def convert(
         TypeError: not a timm image model, or a model with a learned absolute position table that the token path
         does not cover (without ``pixel_jigsaw=True``); the message says which. ValueError: bad settings, a model
         converted already, ``fused_patch_embed=True`` for a patch embedding the fused op cannot compute, or a
-        pixel-space model whose jigsaw patch cannot cut its images (a stride of 1, or one that does not divide
-        the input size; the message says how to choose ``patch_size``).
+        pixel-space model none of whose stages downsamples (the message says how to choose ``patch_size``).
     """
     _check_model_and_front_end_settings(model, fused_patch_embed, pixel_jigsaw, patch_size)
     check_backend(backend)
@@ -203,20 +200,14 @@ def convert(
         dal_normalize=dal_normalize, unk=unk, dal_reduction=dal_reduction, dal_weight=dal_weight,
     )  # fmt: skip
     wrapper_class = next((base for base in WRAPPER_MIXINS if isinstance(model, base)), None)
-    if wrapper_class is FeatureGetterNet:
+    inner = _wrapped_model(model, wrapper_class)
+    if inner is not None:  # the wrapper runs the whole model's forward: the model is converted
         convert(
-            model.model, dal=dal, patch_size=patch_size, fused_patch_embed=fused_patch_embed,
-            pixel_jigsaw=pixel_jigsaw, **settings,
+            inner, dal=dal, patch_size=patch_size, fused_patch_embed=fused_patch_embed, pixel_jigsaw=pixel_jigsaw,
+            **settings,
         )  # fmt: skip
-        model.__class__ = mjp_class_of(type(model), None, WRAPPER_MIXINS[wrapper_class])
-        return model
-    if wrapper_class is FeatureHookNet and list(model.keys()) == ["body"] and _token_front_end(model.body) is not None:
-        # A hook net around a whole token-path model (PiT's features_only): its own forward runs, the hooks collect
-        convert(
-            model.body, dal=dal, patch_size=patch_size, fused_patch_embed=fused_patch_embed,
-            pixel_jigsaw=pixel_jigsaw, **settings,
-        )  # fmt: skip
-        model.__class__ = mjp_class_of(type(model), None, MJPFeatureHookBodyMixin)
+        mixin = WRAPPER_MIXINS[wrapper_class] if wrapper_class is FeatureGetterNet else MJPFeatureHookBodyMixin
+        model.__class__ = mjp_class_of(type(model), None, mixin)
         return model
     layout = _front_end(model, wrapper_class, dal_kind, asked_dal, patch_size, fused_patch_embed, pixel_jigsaw)
     state = MJPState(
@@ -224,6 +215,17 @@ def convert(
     )
     _install(model, state, layout, wrapper_class is not None)
     return model
+
+
+def _wrapped_model(model: nn.Module, wrapper_class: type | None) -> nn.Module | None:
+    """The model inside a ``features_only`` wrapper that runs that model's own forward: a ``FeatureGetterNet``'s, or
+    a ``FeatureHookNet`` around a whole token-path model (its one entry ``body``: PiT's ``features_only``, whose
+    hooks collect the stages' outputs); None for the other wrappers (module lists: their input is jigsawed)."""
+    if wrapper_class is FeatureGetterNet:
+        return model.model
+    if wrapper_class is FeatureHookNet and list(model.keys()) == ["body"] and _token_front_end(model.body) is not None:
+        return model.body
+    return None
 
 
 def _check_model_and_front_end_settings(

@@ -42,10 +42,7 @@ PIXEL_FAMILIES: dict[str, tuple[str, dict, int, int]] = {
 # Models with a learned absolute position table that no token-path front end covers (not built yet), refused unless
 # pixel_jigsaw=True. Built on the meta device: the refusal comes before any computation.
 TABLE_MODELS = {
-    "nest_tiny": "levels.0.pos_embed",
-    "volo_d1_224": "pos_embed",
-    "visformer_tiny": "pos_embed1",
-    "sam2_hiera_tiny": "pos_embed",
+    "samvit_base_patch16": "pos_embed",  # VisionTransformerSAM: pos_embed [1, H, W, D]
 }
 
 
