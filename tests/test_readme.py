@@ -14,7 +14,8 @@ import yaml
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 README = (REPO_ROOT / "README.md").read_text()
-CIFAR10 = REPO_ROOT.parent / "shared" / "data" / "cifar10"
+SHARED = REPO_ROOT.parent / "shared"
+CIFAR10 = SHARED / "data" / "cifar10"
 
 
 def fenced_blocks(language: str) -> list[str]:
@@ -284,7 +285,7 @@ def test_readme_robustness_lines_parse_and_every_set_is_documented():
 def test_readme_attack_line_and_its_quoted_numbers(tmp_path):
     """``mjp attack --ratio 0.5 --output runs/attack`` as written (from a working folder of its own), the files the
     README says it writes there, and the figures the README quotes from it."""
-    (line,) = command_lines("mjp attack")
+    (line,) = [line for line in command_lines("mjp attack") if "--compare" not in line]
     result = subprocess.run(
         [sys.executable, "-m", "mjp_fast.cli", *line[1:]],
         cwd=tmp_path,
@@ -302,3 +303,42 @@ def test_readme_attack_line_and_its_quoted_numbers(tmp_path):
     assert "(a) PSNR 140 dB" in README and "(b) 7.0 dB, LPIPS 0.57" in README and "(b) 140 dB again" in README
     assert round(measured["a"]["psnr"]) == 140 and round(measured["no_unk_b"]["psnr"]) == 140
     assert round(measured["b"]["psnr"], 1) == 7.0 and round(measured["b"]["lpips"], 2) == 0.57
+
+
+def test_readme_compare_line_and_its_quoted_numbers(tmp_path):
+    """``mjp attack --compare --prior-images ../shared/data/imagenet-samples --output runs/compare`` as written (from
+    a working folder beside ``shared``, so that the README's relative path is the data's): the files it writes and
+    the photo figures the README quotes (the attacker who knows MJP, against APRIL and the blind guess)."""
+    (line,) = [line for line in command_lines("mjp attack") if "--compare" in line]
+    prior = line[line.index("--prior-images") + 1]
+    assert prior == "../shared/data/imagenet-samples"
+    if not (SHARED / "data" / "imagenet-samples").is_dir():
+        pytest.skip(f"the ImageNet sample images not found at {SHARED / 'data' / 'imagenet-samples'}")
+    work = tmp_path / "work"
+    work.mkdir()
+    (tmp_path / "shared").symlink_to(SHARED)
+    result = subprocess.run(
+        [sys.executable, "-m", "mjp_fast.cli", *line[1:]],
+        cwd=work,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    output = work / line[line.index("--output") + 1]
+    assert "`compare.md`, `compare.json` and `compare.png`" in README
+    assert {"compare.json", "compare.md", "compare.png"} <= {path.name for path in output.iterdir()}
+    measured = json.loads((output / "compare.json").read_text())["comparison"]
+
+    def mean_psnr(ratio: str, attacker: str) -> float:
+        values = measured["ratios"][ratio]["modes"]["per_sample"]["unk"][attacker]["psnr"]
+        return sum(values) / len(values)
+
+    blind = measured["blind"]["psnr"]
+    blind = sum(blind) / len(blind) if isinstance(blind, list) else blind
+    assert "27.7 dB at ratio 0.1 and still 15.7 dB at 0.75 (blind: 11.8)" in README
+    assert round(mean_psnr("0.1", "adaptive"), 1) == 27.7 and round(mean_psnr("0.75", "adaptive"), 1) == 15.7
+    assert round(blind, 1) == 11.8
+    for ratio in ("0.1", "0.27", "0.5", "0.75"):  # the attacker who knows MJP beats APRIL at every ratio
+        assert mean_psnr(ratio, "adaptive") > mean_psnr(ratio, "april") + 5

@@ -2,6 +2,7 @@
 
     mjp attack [--images DIR] [--ratio 0.5] [--output DIR] [--json PATH] [--markdown PATH] [--png PATH]
                [--attack april|optimization] [--steps 300] [--max-images N] [--seed 0] [--threads 1]
+               [--compare] [--compare-ratios 0.03,0.1,0.27,0.5,0.75] [--prior-images DIR]
 
 Attacks :class:`~mjp_fast.privacy.model.PrivacyViT` (64x64 input, patch 8, width 256, depth 4, 4 heads, 10
 classes, freshly initialised from ``--seed``): with ``--attack april`` (default) its first block is in the attack
@@ -10,6 +11,12 @@ blocks and the gradients float32. Prints the Markdown table and writes, into ``-
 ``runs/attack-<date>-<time>``, as ``mjp train`` names its runs), ``attack.json`` (``{setting: {metric: mean}}``),
 ``attack.md`` (the table) and ``attack.png`` (the reconstructions); ``--json``, ``--markdown`` and ``--png`` put
 one of them elsewhere (``--grid`` is ``--png``'s earlier name).
+
+``--compare`` (analytic attack only) then measures APRIL beside the attacker who knows MJP
+(:mod:`mjp_fast.privacy.comparison`) on the same model and images: every ratio of ``--compare-ratios``, per-sample
+and batch-shared masks, with and without UNK, and FedSGD batches of 1, 2 and 4 images; it writes ``compare.md``,
+``compare.json`` and ``compare.png`` (PSNR against the ratio) into ``--output``. The adaptive attacker's patch prior
+is fitted on ``--prior-images`` (without it the attacker runs without a prior).
 """
 
 from __future__ import annotations
@@ -84,8 +91,34 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument(
         "--seed", type=torch_seed, default=0, help="seed of the model's weights and the jigsaws (default: 0)"
     )
+    parser.add_argument(
+        "--compare",
+        action="store_true",
+        help="also measure APRIL beside the attacker who knows MJP over --compare-ratios, per-sample and shared "
+        "masks, with and without UNK, and batches of 1, 2, 4 (writes compare.md, compare.json, compare.png)",
+    )
+    parser.add_argument(
+        "--compare-ratios",
+        type=_ratios,
+        default=None,
+        metavar="R,R,...",
+        help="jigsaw ratios of --compare (default: 0.03,0.1,0.27,0.5,0.75)",
+    )
+    parser.add_argument(
+        "--prior-images",
+        metavar="DIR",
+        default=None,
+        help="a folder of images (not the attacked ones) whose patch statistics make the adaptive attacker's prior",
+    )
     parser.set_defaults(handler=run_attack_command)
     return parser
+
+
+def _ratios(text: str) -> tuple[float, ...]:
+    values = tuple(fraction(part) for part in text.split(",") if part.strip())
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected ratios in [0, 1] separated by commas, got {text!r}")
+    return values
 
 
 def output_paths(args: argparse.Namespace) -> dict[str, Path]:
@@ -106,6 +139,9 @@ def run_attack_command(args: argparse.Namespace) -> int:
     from mjp_fast.privacy.report import markdown_table, save_grid, write_json
     from mjp_fast.privacy.settings import load_images, run_settings, setting_metrics, summarize
 
+    if args.compare and args.attack != "april":
+        print("mjp attack: error: --compare needs the analytic attack (--attack april)", file=sys.stderr)
+        return 2
     try:
         names, images = load_images(args.images, MODEL_CONFIG["img_size"], args.max_images)
     except ValueError as error:
@@ -170,5 +206,57 @@ def run_attack_command(args: argparse.Namespace) -> int:
         print(f"mjp attack: error: cannot write {error.filename!r}: {error.strerror or error}", file=sys.stderr)
         return 2
     for path in paths.values():
+        print(f"wrote {path}")
+    if args.compare:
+        return _compare(args, model, images, names, paths["markdown"].parent)
+    return 0
+
+
+def _compare(args: argparse.Namespace, model, images, names, folder: Path) -> int:
+    """``--compare``: APRIL beside the attacker who knows MJP; writes compare.md, compare.json, compare.png."""
+    import torch
+
+    from mjp_fast.privacy.adaptive import fit_patch_prior
+    from mjp_fast.privacy.comparison import (
+        COMPARISON_RATIOS,
+        batch_comparison,
+        compare_attacks,
+        comparison_markdown,
+        psnr_curve,
+        write_comparison_json,
+    )
+    from mjp_fast.privacy.settings import load_images
+
+    prior = None
+    if args.prior_images is not None:
+        try:
+            _, prior_pictures = load_images(args.prior_images, MODEL_CONFIG["img_size"])
+        except ValueError as error:
+            print(f"mjp attack: error: --prior-images: {error}", file=sys.stderr)
+            return 2
+        prior = fit_patch_prior(prior_pictures, model.patch_size)
+    labels = [index % MODEL_CONFIG["num_classes"] for index in range(images.shape[0])]
+    ratios = args.compare_ratios or COMPARISON_RATIOS
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        result = compare_attacks(model, images, labels, prior=prior, ratios=ratios, seed=args.seed, say=print)
+        batches = batch_comparison(model, images, labels, prior=prior, ratio=ratios[0], seed=args.seed)
+    finally:
+        torch.set_num_threads(threads)
+    source = args.images or "scikit-image sample photos"
+    prior_text = f"patch prior from {args.prior_images}" if prior is not None else "no patch prior"
+    title = f"APRIL beside the attacker who knows MJP: {len(names)} images ({source}), 64x64, patch 8; {prior_text}"
+    table = f"{title}\n\n" + comparison_markdown(result, batches)
+    print(table, end="")
+    outputs = {"markdown": folder / "compare.md", "json": folder / "compare.json", "png": folder / "compare.png"}
+    try:
+        outputs["markdown"].write_text(table)
+        write_comparison_json({"comparison": result, "batches": batches}, outputs["json"])
+        psnr_curve(result, outputs["png"], title=title)
+    except OSError as error:
+        print(f"mjp attack: error: cannot write {error.filename!r}: {error.strerror or error}", file=sys.stderr)
+        return 2
+    for path in outputs.values():
         print(f"wrote {path}")
     return 0

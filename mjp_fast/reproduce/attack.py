@@ -15,12 +15,18 @@ the number of tokens (``D >= N + 1``) and of a patch's values (``D >= 3 P^2``).
 
 Either way the client's gradients are float64, and each image is attacked through the plain update (setting a)
 and the jigsawed updates with and without the UNK embedding (settings b, c, no_unk_b, no_unk_c).
+
+Beside APRIL, the attacker who knows MJP (:mod:`mjp_fast.privacy.adaptive`, its patch prior fitted on training
+images) is measured on the MJP model at the ratios of :data:`~mjp_fast.privacy.comparison.COMPARISON_RATIOS`, with
+per-sample and batch-shared masks, with and without UNK, and on FedSGD batches of 1, 2 and 4 images
+(:mod:`mjp_fast.privacy.comparison`); a PNG draws the PSNR against the ratio for both attackers.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -29,7 +35,9 @@ import torch
 from PIL import Image
 from torch import nn
 
+from mjp_fast.privacy.adaptive import fit_patch_prior
 from mjp_fast.privacy.april import april_attack
+from mjp_fast.privacy.comparison import COMPARISON_RATIOS, batch_comparison, compare_attacks, psnr_curve
 from mjp_fast.privacy.lpips import LPIPSWeightsError, load_lpips_weights
 from mjp_fast.privacy.metrics import METRICS, reconstruction_metrics
 from mjp_fast.privacy.model import PrivacyViT, client_gradients
@@ -38,6 +46,7 @@ from mjp_fast.privacy.settings import run_settings, setting_metrics, square_pict
 from mjp_fast.train.data import IMAGE_EXTENSIONS, resolve_split
 
 ATTACK_HEADS = 4
+PRIOR_IMAGES = 1000  # training images whose patches make the adaptive attacker's prior (100 per CIFAR class)
 LPIPS_MIN_SIZE = 32  # AlexNet's pooling needs at least 32 pixels a side
 
 
@@ -208,11 +217,18 @@ def run_attack(
     fallback_depth: int,
     patch_size: int,
     grid_path: Path | None = None,
+    comparison_ratios: tuple[float, ...] = COMPARISON_RATIOS,
+    prior_split: str = "train",
+    prior_images: int = PRIOR_IMAGES,
+    curve_path: Path | None = None,
 ) -> dict[str, Any]:
     """Attacks ``images`` test images through ``plain`` (setting a) and ``mjp`` (settings b, c and the no-UNK
     ablation) at each jigsaw ratio of ``ratios``; returns the means, the per-image PSNRs and how it was set up.
+    Then APRIL beside the attacker who knows MJP on the MJP model (``comparison``, ``batches``) at
+    ``comparison_ratios`` (none: skipped), its patch prior fitted on ``prior_images`` images of ``prior_split``.
 
     ``grid_path``: where to write the PNG of the reconstructions of the MJP model at the first ratio.
+    ``curve_path``: the PNG of the PSNR against the ratio (default: beside ``grid_path``, ``-psnr.png``).
     """
     start = time.perf_counter()
     plain_victim, reason_plain = trained_attack_model(plain)
@@ -234,6 +250,45 @@ def run_attack(
             f"{plain_victim.num_patches + 1} tokens, {_blocks(fallback_depth)}, patch {patch_size}) at CIFAR's own "
             f"{size} px, not the trained models: {reason}"
         )
+    return _run_on(
+        plain_victim,
+        mjp_victim,
+        mode,
+        description,
+        data=data,
+        split=split,
+        images=images,
+        ratios=ratios,
+        seed=seed,
+        grid_path=grid_path,
+        comparison_ratios=comparison_ratios,
+        prior_split=prior_split,
+        prior_images=prior_images,
+        curve_path=curve_path,
+        start=start,
+    )
+
+
+def _run_on(
+    plain_victim: PrivacyViT,
+    mjp_victim: PrivacyViT,
+    mode: str,
+    description: str,
+    *,
+    data: str | Path,
+    split: str,
+    images: int,
+    ratios: list[float],
+    seed: int,
+    grid_path: Path | None,
+    comparison_ratios: tuple[float, ...],
+    prior_split: str,
+    prior_images: int,
+    curve_path: Path | None,
+    start: float,
+) -> dict[str, Any]:
+    """:func:`run_attack` once its attacked models are chosen."""
+    size = mjp_victim.img_size
     names, pictures, labels = attack_images(data, split, images, size)
     metrics, metrics_note = _metrics_for(size)
     # One torch thread per two cores: the matrices are small, and on a busy 2-core machine two threads that
@@ -243,6 +298,17 @@ def run_attack(
     torch.set_num_threads(max(1, min(threads, cores // 2)))
     try:
         results = _attack(plain_victim, mjp_victim, mode, pictures, labels, ratios, seed, metrics, grid_path)
+        if comparison_ratios:
+            if curve_path is None and grid_path is not None:
+                curve_path = grid_path.with_name(grid_path.stem + "-psnr.png")
+            results.update(
+                _compare(
+                    mjp_victim, pictures, labels, data, prior_split, prior_images, comparison_ratios, seed, metrics
+                )
+            )
+            if curve_path is not None:
+                psnr_curve(results["comparison"], curve_path, title=f"{len(names)} CIFAR test images, {size} px")
+                results["curve"] = str(curve_path)
     finally:
         torch.set_num_threads(threads)
     results.update(
@@ -258,6 +324,95 @@ def run_attack(
         seconds=time.perf_counter() - start,
     )
     return results
+
+
+def refresh_report(
+    report_path: str | Path, *, data: str | Path | None = None, command: str | None = None
+) -> dict[str, Any]:
+    """Recomputes the privacy section of a written ``mjp reproduce`` report (and claim 5), keeping the rest.
+
+    Only for a report whose attack ran on the freshly initialised model (the ``cpu`` and ``smoke`` presets): that
+    model is rebuilt from the report's own record (image size, patch, width, depth, seed), so no trained checkpoint
+    is needed. The JSON beside the report (``.json``) is read and both are rewritten.
+
+    Args:
+        report_path: the report's Markdown, e.g. ``docs/reproduction.md``.
+        data: the dataset root (default: the one the report records).
+        command: how the section says it was regenerated (default: this process's command line).
+
+    Takes about 4 minutes for the ``cpu`` preset's 16 images on 2 shared CPU cores.
+
+    Raises:
+        ValueError: no attack section, or one that attacked the trained models.
+    """
+    import json
+    import shlex
+    import sys
+
+    from mjp_fast.reproduce.report import attack_claim_of, write_report
+    from mjp_fast.reproduce.variants import PRESETS
+
+    report_path = Path(report_path)
+    json_path = report_path.with_suffix(".json")
+    report = json.loads(json_path.read_text())
+    old = report.get("attack")
+    if not old:
+        raise ValueError(f"report_path: {str(json_path)!r} has no attack section to regenerate")
+    if old["mode"] != "fresh":
+        raise ValueError(
+            "report_path: its attack ran on the trained models, whose checkpoints this cannot rebuild; run the "
+            "report's own command again (mjp reproduce reuses its finished runs)"
+        )
+    start = time.perf_counter()
+    preset = PRESETS[report["preset"]["name"]]
+    data = data if data is not None else report["data"]["root"]
+    split = report["preset"]["config"].get("val_split", "auto")
+    seed = int(report["preset"]["seeds"][0])
+    classes, _ = _image_files(data, split)
+    victim = fresh_attack_model(old["image_size"], old["patch_size"], len(classes), preset.attack_depth, seed)
+    if int(victim.pos_embed.shape[-1]) != old["width"]:
+        raise ValueError(
+            f"report_path: the rebuilt model is {victim.pos_embed.shape[-1]} wide, the report's {old['width']}"
+        )
+    grid_path = Path(report["paths"]["attack"]) if report["paths"].get("attack") else None
+    attack = _run_on(
+        victim,
+        victim,
+        "fresh",
+        old["description"],
+        data=data,
+        split=split,
+        images=len(old["images"]),
+        ratios=[entry["ratio"] for entry in old["ratios"].values()],
+        seed=seed,
+        grid_path=grid_path,
+        comparison_ratios=COMPARISON_RATIOS,
+        prior_split=report["preset"]["config"].get("train_split", "train"),
+        prior_images=PRIOR_IMAGES,
+        curve_path=None,
+        start=start,
+    )
+    attack["regenerated_by"] = command or shlex.join([Path(sys.executable).name, *sys.argv])
+    report["attack"] = attack
+    claim = attack_claim_of(attack, preset.bootstrap_samples)
+    report["claims"] = [claim.__dict__ if entry["number"] == 5 else entry for entry in report["claims"]]
+    write_report(report, report_path, json_path)
+    return report
+
+
+def _compare(victim, pictures, labels, data, prior_split, prior_images, ratios, seed, metrics) -> dict[str, Any]:
+    """APRIL beside the attacker who knows MJP (:mod:`mjp_fast.privacy.comparison`) on ``victim``."""
+    start = time.perf_counter()
+    prior_names, prior_pictures, _ = attack_images(data, prior_split, prior_images, victim.img_size)
+    prior = fit_patch_prior(prior_pictures, victim.patch_size)
+    comparison = compare_attacks(victim, pictures, labels, prior=prior, ratios=ratios, seed=seed, metrics=metrics)
+    batches = batch_comparison(victim, pictures, labels, prior=prior, ratio=ratios[0], seed=seed)
+    return {
+        "comparison": comparison,
+        "batches": batches,
+        "prior": {"split": prior_split, "images": len(prior_names)},
+        "comparison_seconds": time.perf_counter() - start,
+    }
 
 
 def plain_attack(victim: PrivacyViT, pictures: torch.Tensor, labels: list[int], metrics: tuple[str, ...]):
@@ -293,3 +448,31 @@ def _attack(plain_victim, mjp_victim, mode, pictures, labels, ratios, seed, metr
             save_grid(attacks, grid_path, patch_size=mjp_victim.patch_size)
             results["grid"] = str(grid_path)
     return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m mjp_fast.reproduce.attack --report docs/reproduction.md [--data DIR]``: :func:`refresh_report`."""
+    import argparse
+    import shlex
+
+    parser = argparse.ArgumentParser(
+        prog="python -m mjp_fast.reproduce.attack",
+        description="Recomputes the privacy section (APRIL and the attacker who knows MJP) and claim 5 of a written "
+        "mjp reproduce report whose attack ran on the freshly initialised model; the rest of the report is kept.",
+    )
+    parser.add_argument("--report", required=True, metavar="PATH", help="the report's Markdown (its JSON beside it)")
+    parser.add_argument("--data", default=None, metavar="DIR", help="the dataset root (default: the report's own)")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parser.parse_args(argv)
+    command = shlex.join(["python", "-m", "mjp_fast.reproduce.attack", *argv])
+    try:
+        report = refresh_report(args.report, data=args.data, command=command)
+    except (OSError, ValueError, KeyError) as error:
+        print(f"python -m mjp_fast.reproduce.attack: error: {error}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.report} and its JSON ({report['attack']['seconds'] / 60:.1f} min)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

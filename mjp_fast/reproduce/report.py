@@ -235,14 +235,27 @@ def _regression_claim(rows: list[dict[str, Any]]) -> rules.Claim:
     return rules.regression_claim(4, CLAIM_STATEMENTS[3], points, "; ".join(references))
 
 
-def _attack_claim(attack: dict[str, Any] | None, samples: int) -> rules.Claim:
+def adaptive_psnr(attack: dict[str, Any]) -> list[float] | None:
+    """The adaptive attacker's per-image PSNRs (per-sample masks, with UNK) at the attack's first ratio, paired with
+    its setting c there (same model, images, labels and jigsaws); None when the comparison did not run it."""
+    first = next(iter(attack["ratios"].values()))
+    entry = (attack.get("comparison") or {}).get("ratios", {}).get(f"{first['ratio']:g}")
+    if entry is None or "per_sample" not in entry["modes"]:
+        return None
+    return entry["modes"]["per_sample"]["unk"]["adaptive"]["psnr"]
+
+
+def attack_claim_of(attack: dict[str, Any] | None, samples: int) -> rules.Claim:
+    """Claim 5 from the report's privacy section: the paper's claim about APRIL, with the adaptive attacker's
+    number beside it where the comparison ran (:func:`adaptive_psnr`)."""
     if attack is None:
         return rules.Claim(5, CLAIM_STATEMENTS[4], rules.NOT_MEASURED, f"Rows {BASELINE} and {MJP} were not both run.")
     first = next(iter(attack["ratios"].values()))
     context = f"Attacked: {attack['description']}."
     return rules.attack_claim(
-        5, CLAIM_STATEMENTS[4], first["psnr_a"], first["psnr_c"], ratio=first["ratio"], samples=samples, context=context
-    )
+        5, CLAIM_STATEMENTS[4], first["psnr_a"], first["psnr_c"], ratio=first["ratio"], samples=samples,
+        context=context, adaptive_psnr=adaptive_psnr(attack),
+    )  # fmt: skip
 
 
 def _cifar10_c_summary(plan, records: Mapping[str, dict]) -> dict[str, Any] | None:
@@ -315,7 +328,7 @@ def build_report(
     claims.append(rules.trend_claim(3, CLAIM_STATEMENTS[2], points, source))
     regression = _regression_rows(plan, records)
     claims.append(_regression_claim(regression))
-    claims.append(_attack_claim(attack, samples))
+    claims.append(attack_claim_of(attack, samples))
     runs = [records[spec.run_id] for spec in plan.runs]
     first_config = plan.runs[0].config
     return {

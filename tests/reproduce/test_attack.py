@@ -68,3 +68,32 @@ def test_the_fallback_says_its_own_tokens_and_the_trained_models(cifar_sample):
     description = attack["description"]
     assert description.startswith("a freshly initialised PrivacyViT (272 wide for its 257 tokens, 1 block, patch 2)")
     assert "the trained models, at 8 px in 2-pixel patches (17 tokens: a 4x4 grid" in description
+    # APRIL beside the attacker who knows MJP, on the same model and image, the prior from the training split
+    comparison = attack["comparison"]
+    assert set(comparison["ratios"]) == {"0.03", "0.1", "0.27", "0.5", "0.75"}
+    assert attack["prior"] == {"split": "train", "images": 50}
+    # one block: the gradient rows are nearly parallel and neither attack is exact (about 27 dB); they agree
+    plain = comparison["plain"]
+    assert abs(plain["adaptive"]["psnr"][0] - plain["april"]["psnr"][0]) < 3
+    assert set(attack["batches"]["sizes"]) == {"1", "2", "4"}
+
+
+def test_refresh_report_refuses_what_it_cannot_rebuild(tmp_path):
+    import json
+
+    import pytest
+
+    from mjp_fast.reproduce.attack import refresh_report
+    from mjp_fast.reproduce.report import adaptive_psnr
+
+    report = tmp_path / "reproduction.md"
+    (tmp_path / "reproduction.json").write_text(json.dumps({"attack": None}))
+    with pytest.raises(ValueError, match="no attack section"):
+        refresh_report(report)
+    (tmp_path / "reproduction.json").write_text(json.dumps({"attack": {"mode": "trained"}}))
+    with pytest.raises(ValueError, match="trained models"):
+        refresh_report(report)
+    attack = {"ratios": {"0.03": {"ratio": 0.03}}}
+    assert adaptive_psnr(attack) is None
+    attack["comparison"] = {"ratios": {"0.03": {"modes": {"per_sample": {"unk": {"adaptive": {"psnr": [20.0]}}}}}}}
+    assert adaptive_psnr(attack) == [20.0]

@@ -132,6 +132,12 @@ def test_attack_claim_rules():
     # the MJP model leaks as well
     assert rules.attack_claim(5, "attack", plain, [60.0, 61.0, 59.0, 62.0], ratio=0.5, samples=200).verdict == DISAGREES
     assert rules.attack_claim(5, "attack", plain, [], ratio=0.5, samples=200).verdict == rules.NOT_MEASURED
+    # the attacker who knows MJP: said in the evidence, paired against APRIL; the verdict stays APRIL's
+    adaptive = [24.0, 26.0, 23.0, 25.0]
+    claim = rules.attack_claim(5, "attack", plain, defended, ratio=0.03, samples=200, adaptive_psnr=adaptive)
+    assert claim.verdict == AGREES
+    assert "gets 24.5 dB on the same images and ratio; adaptive - c = +16.2 dB [95% CI" in claim.evidence
+    assert claim.numbers["adaptive_psnr"] == pytest.approx(24.5)
 
 
 def test_accuracy_claim_line():
