@@ -1,13 +1,16 @@
 """The contract of a token-path front end for a family of timm models that add a learned absolute position table
 somewhere :func:`mjp_fast.timm.convert` cannot reach through the ViT's ``_pos_embed`` hook (CaiT and ConViT, Hiera,
 PiT, TNT, CrossViT, NaFlexViT, ...): one ``TokenFrontEnd`` per family module, listed in
-``convert.TOKEN_FRONT_ENDS``."""
+``convert.TOKEN_FRONT_ENDS``; and :class:`KeptTableRows`, which the front ends that hand the MJP step a view of
+their table (PiT, NesT, Visformer, VOLO) keep it in for ``mjp_aux_loss``."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import NamedTuple
 
+import torch
+import torch.fx
 from torch import nn
 
 
@@ -42,3 +45,30 @@ class TokenFrontEnd(NamedTuple):
     install: Callable[[nn.Module, TokenLayout], None]
     runs_fused: Callable[[nn.Module], bool]
     names: tuple[str, ...] = ()
+
+
+class KeptTableRows:
+    """Holds the ``[1, N, D]`` rows of a position table that the last training forward handed to the MJP step (a view
+    or reshape of the model's parameter: PiT's and Visformer's NCHW table flattened, NesT's blockified one mapped to
+    the grid, VOLO's NHWC one reshaped), so that ``mjp_aux_loss`` hands the state that very tensor: the state gives
+    out the DAL loss a forward attached only for the table it was attached for, by identity. The rows belong to their
+    forward's graph: copies and pickles of the model get an empty holder."""
+
+    __slots__ = ("table", "rows")
+
+    def __init__(self) -> None:
+        self.table: torch.Tensor | None = None
+        self.rows: torch.Tensor | None = None
+
+    def __reduce__(self) -> tuple:
+        return (type(self), ())
+
+    def rows_of(self, table: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The rows kept for ``table`` if the last forward's were of it, else ``rows`` (the same values, afresh)."""
+        return self.rows if self.table is table and self.rows is not None else rows
+
+    def keep(self, table: torch.Tensor, rows: torch.Tensor) -> None:
+        """Keeps ``rows``, the view of ``table`` a forward handed to the MJP step (nothing while FX traces)."""
+        if isinstance(rows, torch.fx.Proxy):  # traced, not run: there is no tensor to keep
+            return
+        self.table, self.rows = table, rows

@@ -30,14 +30,13 @@ NCHW map that level 0 blockifies before it adds its table; ``fused_patch_embed=T
 from __future__ import annotations
 
 import torch
-import torch.fx
 from timm.layers import PatchEmbed
 from timm.models._features import FeatureDictNet
 from timm.models.nest import Nest, NestLevel
 from torch import nn
 
 from mjp_fast.timm.base import MJPModel, mjp_class_of
-from mjp_fast.timm.front_end import TokenFrontEnd, TokenLayout
+from mjp_fast.timm.front_end import KeptTableRows, TokenFrontEnd, TokenLayout
 from mjp_fast.timm.fused import original_class
 
 
@@ -49,31 +48,6 @@ def table_rows(table: torch.Tensor, grid: tuple[int, int], block_size: int) -> t
     dim = table.shape[-1]
     blocks = table.reshape(1, rows // block_size, cols // block_size, block_size, block_size, dim)
     return blocks.transpose(2, 3).reshape(1, rows * cols, dim)
-
-
-class KeptTableRows:
-    """Holds the ``[1, N, D]`` rows of a position table that the last training forward handed to the MJP step (a view
-    or reshape of the model's parameter), so that ``mjp_aux_loss`` hands the state that very tensor: the state gives
-    out the DAL loss a forward attached only for the table it was attached for, by identity. The rows belong to their
-    forward's graph: copies and pickles of the model get an empty holder."""
-
-    __slots__ = ("table", "rows")
-
-    def __init__(self) -> None:
-        self.table: torch.Tensor | None = None
-        self.rows: torch.Tensor | None = None
-
-    def __reduce__(self) -> tuple:
-        return (type(self), ())
-
-    def rows_of(self, table: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """The rows kept for ``table`` if the last forward's were of it, else ``rows`` (the same values, afresh)."""
-        return self.rows if self.table is table and self.rows is not None else rows
-
-    def keep(self, table: torch.Tensor, rows: torch.Tensor) -> None:
-        if isinstance(rows, torch.fx.Proxy):  # traced, not run: there is no tensor to keep
-            return
-        self.table, self.rows = table, rows
 
 
 class _NestEmbed:

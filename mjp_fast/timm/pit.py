@@ -31,12 +31,11 @@ patches overlap.
 from __future__ import annotations
 
 import torch
-import torch.fx
 from timm.models.pit import ConvEmbedding, PoolingVisionTransformer
 from torch import nn
 
 from mjp_fast.timm.base import MJPModel, mjp_class_of
-from mjp_fast.timm.front_end import TokenFrontEnd, TokenLayout
+from mjp_fast.timm.front_end import KeptTableRows, TokenFrontEnd, TokenLayout
 from mjp_fast.timm.fused import original_class
 from mjp_fast.timm.state import MJPState
 
@@ -59,33 +58,6 @@ def jigsaw_top_left(
     return torch.cat((torch.cat((jigsawed, right), dim=-1), below), dim=-2)
 
 
-class _TableView:
-    """Holds the ``[1, N, D]`` view of PiT's NCHW table that the last forward handed to the MJP step, so that
-    ``mjp_aux_loss`` hands the state the same tensor (the state gives out the DAL loss a forward attached only for the
-    table it was attached for, by identity). A view belongs to its forward's graph: copies and pickles of the model
-    get an empty holder."""
-
-    __slots__ = ("table", "view")
-
-    def __init__(self) -> None:
-        self.table: torch.Tensor | None = None
-        self.view: torch.Tensor | None = None
-
-    def __reduce__(self) -> tuple:
-        return (type(self), ())
-
-    def view_of(self, table: torch.Tensor) -> torch.Tensor:
-        """The ``[1, H * W, D]`` row-major view of ``table`` ``[1, D, H, W]``: the one kept, if it is of ``table``."""
-        if self.table is table and self.view is not None:
-            return self.view
-        return table.flatten(2).transpose(1, 2)
-
-    def keep(self, table: torch.Tensor, view: torch.Tensor) -> None:
-        if isinstance(view, torch.fx.Proxy):  # traced, not run: there is no tensor to keep
-            return
-        self.table, self.view = table, view
-
-
 class _PitEmbed:
     """Mixed into a PiT's ``ConvEmbedding`` (class swap): while the model's ``MJPState`` is engaged, it jigsaws the
     images (top-left blocks of ``stride`` pixels, see the module docstring), embeds them with timm's convolution and
@@ -105,7 +77,7 @@ class _PitEmbed:
         grid = tuple(self.grid_size)
         features = super().forward(jigsaw_top_left(state, x, grid, state.patch_size, tuple(self.img_size)))
         rows = table.flatten(2).transpose(1, 2)  # [1, N, D], row-major: the rows DAL regresses
-        self.__dict__["_mjp_table_view"].keep(table, rows)
+        self.__dict__["_mjp_kept_rows"].keep(table, rows)
         # The tokens are in jigsaw order already (the images were jigsawed): unk_embed at the masked positions.
         tokens = state(
             features.flatten(2).transpose(1, 2), rows, grid, prefix=None, prefix_positions=0, pixels_jigsawed=True
@@ -127,7 +99,7 @@ class MJPPoolingVisionTransformer(MJPModel, PoolingVisionTransformer):
         state, table = self.mjp, self.pos_embed
         if state.dal_regressor is None:
             return table.new_zeros((), dtype=torch.float32)
-        rows = self.patch_embed.__dict__["_mjp_table_view"].view_of(table)
+        rows = self.patch_embed.__dict__["_mjp_kept_rows"].rows_of(table, table.flatten(2).transpose(1, 2))
         return state.aux_loss(rows, tuple(self.patch_embed.grid_size), 0)
 
     def no_weight_decay(self) -> set[str]:
@@ -200,7 +172,7 @@ def install_pit(model: nn.Module, layout: TokenLayout) -> None:
     embed_class = original_class(type(embed))
     embed.__class__ = PitConvEmbedding if embed_class is ConvEmbedding else mjp_class_of(embed_class, None, _PitEmbed)
     embed.__dict__["_mjp_model"] = model
-    embed.__dict__["_mjp_table_view"] = _TableView()
+    embed.__dict__["_mjp_kept_rows"] = KeptTableRows()
 
 
 FRONT_END = TokenFrontEnd(is_pit, pit_layout, install_pit, runs_fused, names=("PoolingVisionTransformer",))

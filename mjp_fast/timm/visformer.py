@@ -42,9 +42,8 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from mjp_fast.timm.base import MJPModel, mjp_class_of
-from mjp_fast.timm.front_end import TokenFrontEnd, TokenLayout
+from mjp_fast.timm.front_end import KeptTableRows, TokenFrontEnd, TokenLayout
 from mjp_fast.timm.fused import original_class
-from mjp_fast.timm.nest import KeptTableRows
 from mjp_fast.timm.pit import jigsaw_top_left
 
 

@@ -36,9 +36,8 @@ from timm.models.volo import PatchEmbed as VoloPatchEmbed
 from torch import nn
 
 from mjp_fast.timm.base import MJPModel, mjp_class_of
-from mjp_fast.timm.front_end import TokenFrontEnd, TokenLayout
+from mjp_fast.timm.front_end import KeptTableRows, TokenFrontEnd, TokenLayout
 from mjp_fast.timm.fused import original_class
-from mjp_fast.timm.nest import KeptTableRows
 from mjp_fast.timm.pit import jigsaw_top_left
 from mjp_fast.timm.pixel import model_input_size
 

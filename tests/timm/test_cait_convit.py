@@ -6,16 +6,16 @@ pickling; a ConViT without a table gets the pixel-space jigsaw."""
 from __future__ import annotations
 
 import copy
-import io
 
 import pytest
 import timm
 import torch
-from timm.layers import create_feature_extractor, is_notrace_module
+from timm.layers import create_feature_extractor
 
 import mjp_fast.timm as mjp_timm
 from mjp_fast import jigsaw_images
 from mjp_fast.timm.inline_table import InlineTablePatchEmbed, MJPCait, MJPConVit
+from tests.timm import front_end_checks as checks
 
 TINY = dict(img_size=32, patch_size=4, num_heads=2, depth=2, num_classes=5)
 MODELS = {
@@ -36,47 +36,22 @@ def _images(batch: int = 2) -> torch.Tensor:
     return torch.randn(batch, 3, 32, 32, generator=torch.Generator().manual_seed(1))
 
 
-class _LeafTracer(torch.fx.Tracer):
-    """torch.fx's tracer, with the modules timm marks as not traceable (ConViT's GPSA) kept as calls, as timm's
-    feature extractor keeps them."""
-
-    def is_leaf_module(self, module: torch.nn.Module, qualified_name: str) -> bool:
-        return is_notrace_module(type(module)) or super().is_leaf_module(module, qualified_name)
-
-
-def _trace(model: torch.nn.Module) -> torch.fx.GraphModule:
-    return torch.fx.GraphModule(model, _LeafTracer().trace(model))
-
-
 @pytest.mark.parametrize("kind", list(MODELS))
 def test_convert_eval_train_and_mjp_eval(kind):
     plain = _plain(kind)
     model = mjp_timm.convert(copy.deepcopy(plain), **SETTINGS)
     assert isinstance(model, (MJPCait, MJPConVit)) and isinstance(model.patch_embed, InlineTablePatchEmbed)
-    assert model.mjp.unk_embed is not None and model.mjp.dal_regressor is not None and model.mjp.patch_size == 4
-    assert "mjp.unk_embed" in model.no_weight_decay()
+    checks.assert_token_path_state(model, patch_size=4, grid=(8, 8), fused=True)  # timm's PatchEmbed: fused
     images = _images()
-    model.eval(), plain.eval()
-    with torch.no_grad():
-        expected = plain(images)
-        torch.testing.assert_close(model(images), expected, rtol=0, atol=0)
-    model.train()
-    model(images).logsumexp(-1).mean().backward()  # the output alone: DAL rides on it
-    missing = [name for name, p in model.named_parameters() if p.requires_grad and p.grad is None]
-    assert not missing, missing
-    assert model.mjp.last_dal_loss is not None and model.mjp.last_jigsaw.mask.any()
-    # DAL's gradient, not a zero kept in the graph
-    assert any(p.grad.abs().sum() > 0 for p in model.mjp.dal_regressor.parameters())
-    assert model.pos_embed.grad.abs().sum() > 0 and model.mjp.unk_embed.grad.abs().sum() > 0
+    expected = checks.assert_eval_equals_timm(model, plain, images)
+    checks.assert_training_step_reaches_every_parameter(model, images, tables=[model.pos_embed])
     assert torch.isfinite(model.mjp_aux_loss())
-    model.eval()
+    # at initialization (CaiT's layer scale 1e-4) the logits move little (min_change 0: not equal); the tokens do
+    checks.assert_mjp_eval_jigsaws(model, plain, images, expected, min_change=0.0)
     with torch.no_grad(), model.mjp_eval(ratio=0.5, seed=0):
-        jigsawed, jigsawed_features = model(images), model.forward_features(images)
-    assert model.mjp.last_jigsaw.mask.any() and not torch.equal(jigsawed, expected)
-    with torch.no_grad():  # at initialization (CaiT's layer scale 1e-4) the logits move little; the tokens do
+        jigsawed_features = model.forward_features(images)
+    with torch.no_grad():
         assert (jigsawed_features - plain.forward_features(images)).abs().max() > 1e-2
-    with torch.no_grad():  # outside mjp_eval: timm's again
-        torch.testing.assert_close(model(images), plain(images), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("kind", list(MODELS))
@@ -129,15 +104,8 @@ def test_fused_true_names_why_it_cannot_fuse():
 def test_fx_graphs(kind, training):
     model = mjp_timm.convert(_plain(kind), **SETTINGS).train(training)
     images = _images()
-    graph = _trace(model)
-    targets = [node.target for node in graph.graph.nodes if node.op == "call_module"]
-    assert ("mjp" in targets) == training  # MJP is one node of a graph traced in training
-    with torch.no_grad():
-        if training:
-            out = graph(images)
-            assert out.shape == (2, 5) and model.mjp.last_jigsaw.mask.any()
-        else:
-            torch.testing.assert_close(graph(images), model(images), rtol=0, atol=0)
+    # ConViT's GPSA kept as a call; MJP is one node of a graph traced in training
+    checks.assert_fx_graph_is_the_model(model, images, checks.TimmLeafTracer(), mjp_nodes=1, out_shape=(2, 5))
     extractor = create_feature_extractor(model, return_nodes={"blocks.1": "features", "norm": "norm"})
     with torch.no_grad():
         features = extractor(images)
@@ -152,45 +120,21 @@ def test_features_only(kind):
         wrapper = timm.create_model(name, pretrained=False, features_only=True, out_indices=(0, 1), **keywords)
     except RuntimeError as error:  # timm 1.0.29's ConVit: "features_only not implemented"
         pytest.skip(f"timm {timm.__version__} builds no features_only {name}: {error}")
-    plain = copy.deepcopy(wrapper).eval()
-    model = mjp_timm.convert(wrapper, **SETTINGS).eval()
-    assert model.mjp is model.model.mjp and isinstance(model.model.patch_embed, InlineTablePatchEmbed)
-    images = _images()
-    with torch.no_grad():
-        for got, expected in zip(model(images), plain(images), strict=True):
-            torch.testing.assert_close(got, expected, rtol=0, atol=0)
-        with model.mjp_eval(ratio=0.5):
-            jigsawed = model(images)
-    assert jigsawed[0].shape == (2, 32, 8, 8) and not torch.allclose(jigsawed[0], plain(images)[0])
-    model.train()
-    sum(feature.square().mean() for feature in model(images)).backward()
-    assert model.model.mjp.unk_embed.grad is not None and model.model.mjp.last_dal_loss is not None
+    model = checks.assert_features_only(wrapper, _images(), SETTINGS, shape=(2, 32, 8, 8))
+    assert isinstance(model.model.patch_embed, InlineTablePatchEmbed)
 
 
 @pytest.mark.parametrize("kind", list(MODELS))
 def test_checkpoints_both_ways_and_pickling(kind):
     plain = _plain(kind).eval()
     model = mjp_timm.convert(copy.deepcopy(plain), **SETTINGS).eval()
-    with torch.no_grad():
-        model.mjp.unk_embed.normal_()
-    # plain timm -> MJP: only mjp.* missing; MJP -> plain timm: only mjp.* unexpected
-    missing, unexpected = model.load_state_dict(plain.state_dict(), strict=False)
-    assert missing and all(key.startswith("mjp.") for key in missing) and not unexpected
-    other = _plain(kind).eval()
-    missing, unexpected = other.load_state_dict(model.state_dict(), strict=False)
-    assert unexpected and all(key.startswith("mjp.") for key in unexpected) and not missing
     images = _images()
-    with torch.no_grad():
-        torch.testing.assert_close(other(images), model(images), rtol=0, atol=0)
-    buffer = io.BytesIO()
-    torch.save(model, buffer)
-    buffer.seek(0)
-    loaded = torch.load(buffer, weights_only=False)
-    assert loaded.patch_embed.__dict__["_mjp_model"] is loaded  # the copy's embedding reads the copy's table
-    with torch.no_grad(), model.mjp_eval(seed=2), loaded.mjp_eval(seed=2):
-        assert torch.equal(loaded(images), model(images))
-    copied = copy.deepcopy(model)
-    assert copied.patch_embed.__dict__["_mjp_model"] is copied
+    checks.assert_checkpoints_both_ways(plain, model, lambda: _plain(kind), images)
+    checks.assert_pickles_and_copies(model, images, _check_clone)
+
+
+def _check_clone(clone: torch.nn.Module) -> None:
+    assert clone.patch_embed.__dict__["_mjp_model"] is clone  # the clone's embedding reads the clone's table
 
 
 def test_a_convit_without_a_table_gets_the_pixel_jigsaw():

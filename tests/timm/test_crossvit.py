@@ -6,13 +6,12 @@ embedding, FX, ``forward_intermediates``, ``features_only``, checkpoints both wa
 from __future__ import annotations
 
 import copy
-import io
 import math
 
 import pytest
 import timm
 import torch
-from timm.layers import create_feature_extractor, get_notrace_functions, is_notrace_module
+from timm.layers import create_feature_extractor
 from timm.models.crossvit import CrossVit, scale_image
 
 import mjp_fast.timm as mjp_timm
@@ -27,6 +26,7 @@ from mjp_fast.timm.crossvit import (
     carry_jigsaw,
 )
 from tests.conftest import backends_for
+from tests.timm import front_end_checks as checks
 
 SMALL = dict(embed_dim=[16, 32], depth=[[1, 1, 0], [1, 1, 0]], num_heads=[2, 2], mlp_ratio=[2, 2, 1], num_classes=5)
 MODELS = {
@@ -54,17 +54,6 @@ def _plain(kind: str, **overrides) -> CrossVit:
 def _images(kind: str, batch: int = 2) -> torch.Tensor:
     size = MODELS[kind][1]["img_size"]
     return torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(1))
-
-
-class _TimmTracer(torch.fx.Tracer):
-    """torch.fx's tracer with timm's marks, as timm's feature extractor traces: ``scale_image`` (CrossViT's resize,
-    whose size check is control flow) one call, the modules timm marks as not traceable (MJP's states) calls."""
-
-    def __init__(self) -> None:
-        super().__init__(autowrap_functions=tuple(get_notrace_functions()))
-
-    def is_leaf_module(self, module: torch.nn.Module, qualified_name: str) -> bool:
-        return is_notrace_module(type(module)) or super().is_leaf_module(module, qualified_name)
 
 
 def _tables(model: CrossVit) -> list[torch.Tensor]:
@@ -95,19 +84,14 @@ def test_convert_eval_train_and_mjp_eval(kind):
     assert model.mjp.patch_size == model.patch_embed[0].patch_size[0]
     assert model.mjp.branch_1.patch_size == model.patch_embed[1].patch_size[0]
     images = _images(kind)
-    model.eval(), plain.eval()
-    with torch.no_grad():
-        expected = plain(images)
-        torch.testing.assert_close(model(images), expected, rtol=0, atol=0)
+    expected = checks.assert_eval_equals_timm(model, plain, images)
     model.train()
     model(images).logsumexp(-1).mean().backward()  # the output alone: both branches' DAL rides on it
-    missing = [name for name, p in model.named_parameters() if p.requires_grad and p.grad is None]
-    assert not missing, missing
+    checks.assert_every_parameter_has_a_grad(model)
     assert model.mjp.sampler.samples_seen == 2  # one draw for both branches
     for state, table in zip(_states(model), _tables(model), strict=True):
-        assert state.last_dal_loss is not None and state.last_jigsaw.mask.any()
-        assert any(p.grad.abs().sum() > 0 for p in state.dal_regressor.parameters())  # DAL's, not a kept zero
-        assert state.unk_embed.grad.abs().sum() > 0 and table.grad[:, 1:].abs().sum() > 0
+        checks.assert_state_learned(state)
+        assert table.grad[:, 1:].abs().sum() > 0
     aux = model.mjp_aux_loss()
     expected_aux = model.mjp.last_dal_loss + model.mjp.branch_1.last_dal_loss
     torch.testing.assert_close(aux.detach(), expected_aux)
@@ -274,7 +258,8 @@ def test_a_table_that_is_not_the_grid_is_refused():
 def test_fx_graphs(kind, training):
     model = mjp_timm.convert(_plain(kind), **SETTINGS).train(training)
     images = _images(kind)
-    graph = torch.fx.GraphModule(model, _TimmTracer().trace(model))
+    # timm's marks: scale_image (CrossViT's resize, whose size check is control flow) one call, MJP's states calls
+    graph = torch.fx.GraphModule(model, checks.TimmLeafTracer(notrace_functions=True).trace(model))
     targets = [node.target for node in graph.graph.nodes if node.op == "call_module"]
     assert ("mjp" in targets and "mjp.branch_1" in targets) == training  # MJP: nodes of a graph traced in training
     with torch.no_grad():
@@ -339,35 +324,23 @@ def test_features_only():
 def test_checkpoints_both_ways_and_pickling(kind):
     plain = _plain(kind).eval()
     model = mjp_timm.convert(copy.deepcopy(plain), **SETTINGS).eval()
-    with torch.no_grad():
-        for state in _states(model):
-            state.unk_embed.normal_()
-    # plain timm -> MJP: only mjp.* missing; MJP -> plain timm: only mjp.* unexpected
-    missing, unexpected = model.load_state_dict(plain.state_dict(), strict=False)
-    assert {"mjp.unk_embed", "mjp.branch_1.unk_embed"} <= set(missing) and not unexpected
-    assert all(key.startswith("mjp.") for key in missing)
-    other = _plain(kind).eval()
-    missing, unexpected = other.load_state_dict(model.state_dict(), strict=False)
-    assert unexpected and all(key.startswith("mjp.") for key in unexpected) and not missing
     images = _images(kind)
-    with torch.no_grad():
-        torch.testing.assert_close(other(images), model(images), rtol=0, atol=0)
+    checks.assert_checkpoints_both_ways(plain, model, lambda: _plain(kind), images)  # both branches' unk_embed drawn
+    assert {"mjp.unk_embed", "mjp.branch_1.unk_embed"} <= set(model.state_dict()) - set(plain.state_dict())
     reloaded = mjp_timm.convert(_plain(kind), **SETTINGS).eval()
     reloaded.load_state_dict(model.state_dict())  # MJP -> MJP: both branches' states
-    buffer = io.BytesIO()
-    torch.save(model, buffer)
-    buffer.seek(0)
-    loaded = torch.load(buffer, weights_only=False)
-    copied = copy.deepcopy(model)
-    for clone in (loaded, copied):
-        assert all(embed.__dict__["_mjp_model"] is clone for embed in clone.patch_embed)
-        assert clone.mjp.branch_1.sampler.source is clone.mjp.sampler
+    loaded, copied = checks.assert_pickles_and_copies(model, images, _check_clone)
     with torch.no_grad():
         with model.mjp_eval(seed=2):
             expected = model(images)
         for clone in (loaded, copied, reloaded):
             with clone.mjp_eval(seed=2):
                 assert torch.equal(clone(images), expected)
+
+
+def _check_clone(clone: torch.nn.Module) -> None:
+    assert all(embed.__dict__["_mjp_model"] is clone for embed in clone.patch_embed)
+    assert clone.mjp.branch_1.sampler.source is clone.mjp.sampler
 
 
 def test_dal_weight_warm_up_and_settings():

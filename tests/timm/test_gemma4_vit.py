@@ -8,15 +8,14 @@ model included: no FX test.)"""
 from __future__ import annotations
 
 import copy
-import io
 
 import pytest
 import timm
 import torch
 
 import mjp_fast.timm as mjp_timm
-from bench.timm_coverage import check_model
 from mjp_fast.timm.gemma4_vit import MJPGemma4PatchEmbed, MJPGemma4VitClassifier, MJPGemma4VitEncoder
+from tests.timm import front_end_checks as checks
 
 # Patches of 8 pixels, 48 px images: a 6x6 grid (the soft pooler's 3x3 cells divide it).
 TINY = dict(
@@ -40,33 +39,15 @@ def test_convert_eval_train_and_mjp_eval(name):
     plain = _plain(name)
     model = mjp_timm.convert(copy.deepcopy(plain), **SETTINGS)
     assert isinstance(model, MJPGemma4VitClassifier if name == "gemma4_vit_167m" else MJPGemma4VitEncoder)
-    assert model.mjp.patch_size == 8 and model.mjp.sampler.grid_size == (96, 96)  # the config's 768 px
-    assert model.mjp.unk_embed is not None and model.mjp.unk_embed.shape[-1] == 16
-    assert model.mjp.dal_regressor is not None and "mjp.unk_embed" in model.no_weight_decay()
-    assert not mjp_timm.convert.__globals__["runs_fused"](model)
+    checks.assert_token_path_state(model, patch_size=8, grid=(96, 96), dim=16)  # the config's 768 px
     images = _images()
-    model.eval(), plain.eval()
-    with torch.no_grad():
-        expected = plain(images)
-        torch.testing.assert_close(model(images), expected, rtol=0, atol=0)
-    model.train()
-    model(images).square().mean().backward()  # the output alone: DAL rides on it
-    missing = [key for key, p in model.named_parameters() if p.requires_grad and p.grad is None]
-    assert not missing, missing
-    assert model.mjp.last_dal_loss is not None and model.mjp.last_jigsaw.mask.shape == (2, 36)
-    assert model.mjp.last_jigsaw.mask.any() and model.mjp.unk_embed.grad.abs().sum() > 0
-    assert any(p.grad.abs().sum() > 0 for p in model.mjp.dal_regressor.parameters())
+    expected = checks.assert_eval_equals_timm(model, plain, images)
+    checks.assert_training_step_reaches_every_parameter(model, images, loss=lambda out: out.square().mean())
+    assert model.mjp.last_jigsaw.mask.shape == (2, 36)
     table = model._mjp_patch_embed().position_embedding_table
     assert table.grad[:, :6].abs().sum(-1).gt(0).all()  # both factors' rows of the grid learn (DAL, positions)
-    claimed = model.mjp_aux_loss()  # the loss the forward attached, handed out once
-    assert torch.equal(claimed, model.mjp.last_dal_loss)
-    torch.testing.assert_close(model.mjp_aux_loss(), claimed)  # then computed again, for the same grid and mask
-    model.eval()
-    with torch.no_grad(), model.mjp_eval(ratio=0.5, seed=0):
-        jigsawed = model(images)
-    assert model.mjp.last_jigsaw.mask.any() and (jigsawed - expected).abs().max() > 1e-4
-    with torch.no_grad():  # outside mjp_eval: timm's again
-        torch.testing.assert_close(model(images), plain(images), rtol=0, atol=0)
+    checks.assert_aux_loss_handed_out_once(model)  # then computed again, for the same grid and mask
+    checks.assert_mjp_eval_jigsaws(model, plain, images, expected, min_change=1e-4)
 
 
 def _tokens_ref(plain: torch.nn.Module, patches: torch.Tensor) -> torch.Tensor:
@@ -141,8 +122,7 @@ def test_naflex_dal_weights_each_row_by_the_samples_that_hold_it_unmasked():
     model = mjp_timm.convert(_plain(), **SETTINGS).train()
     batch = _naflex_batch()
     model(batch).square().mean().backward()
-    missing = [key for key, p in model.named_parameters() if p.requires_grad and p.grad is None]
-    assert not missing, missing
+    checks.assert_every_parameter_has_a_grad(model)
     jigsaw = model.mjp.last_jigsaw
     coord, valid = batch["patch_coord"], batch["patch_valid"]
     kept = torch.zeros(2, 36)  # the bounding grid: 6x6
@@ -172,69 +152,33 @@ def test_naflex_patches_that_do_not_tile_their_grid_are_refused_in_training():
 def test_forward_intermediates_and_features_only():
     torch.manual_seed(0)
     wrapper = timm.create_model("gemma4_vit_167m", features_only=True, out_indices=(0, 1), num_classes=5, **TINY)
-    plain = copy.deepcopy(wrapper).eval()
-    model = mjp_timm.convert(wrapper, **SETTINGS).eval()
-    assert model.mjp is model.model.mjp and isinstance(model.model, MJPGemma4VitClassifier)
     images = _images()
-    with torch.no_grad():
-        for got, expected in zip(model(images), plain(images), strict=True):
-            torch.testing.assert_close(got, expected, rtol=0, atol=0)
-        with model.mjp_eval(ratio=0.5):
-            jigsawed = model(images)
-    assert jigsawed[0].shape == (2, 16, 6, 6) and not torch.allclose(jigsawed[0], plain(images)[0])
-    model.train()
-    sum(feature.square().mean() for feature in model(images)).backward()
-    assert model.model.mjp.unk_embed.grad is not None and model.model.mjp.last_dal_loss is not None
-    converted = mjp_timm.convert(_plain(), **SETTINGS).eval()
-    with torch.no_grad():
-        final, intermediates = converted.forward_intermediates(images, indices=2)
-        expected_final, expected = _plain().eval().forward_intermediates(images, indices=2)
-        torch.testing.assert_close(final, expected_final, rtol=0, atol=0)
-        with converted.mjp_eval(ratio=0.5, seed=1):
-            _, jigsawed = converted.forward_intermediates(images, indices=2)
-    assert len(intermediates) == 2 and converted.mjp.last_jigsaw.mask.any()
-    assert not torch.allclose(jigsawed[0], expected[0])
+    model = checks.assert_features_only(wrapper, images, SETTINGS, shape=(2, 16, 6, 6))
+    assert isinstance(model.model, MJPGemma4VitClassifier)
+    converted = mjp_timm.convert(_plain(), **SETTINGS)
+    checks.assert_forward_intermediates(_plain(), converted, images, shapes=[(6, 6), (6, 6)], seed=1, indices=2)
 
 
 def test_checkpoints_both_ways_and_pickling():
     plain = _plain().eval()
     model = mjp_timm.convert(copy.deepcopy(plain), **SETTINGS).eval()
-    with torch.no_grad():
-        model.mjp.unk_embed.normal_()
-    missing, unexpected = model.load_state_dict(plain.state_dict(), strict=False)
-    assert missing and all(key.startswith("mjp.") for key in missing) and not unexpected
-    other = _plain().eval()
-    missing, unexpected = other.load_state_dict(model.state_dict(), strict=False)
-    assert unexpected and all(key.startswith("mjp.") for key in unexpected) and not missing
     images = _images()
-    with torch.no_grad():
-        torch.testing.assert_close(other(images), model(images), rtol=0, atol=0)
-    model.train()
-    model(images)
-    model.eval()
-    buffer = io.BytesIO()
-    torch.save(model, buffer)
-    buffer.seek(0)
-    loaded = torch.load(buffer, weights_only=False)
-    assert isinstance(loaded.encoder.patch_embed, MJPGemma4PatchEmbed)
-    assert loaded.encoder.patch_embed.__dict__["_mjp_state"] is loaded.mjp
-    with torch.no_grad(), model.mjp_eval(seed=2), loaded.mjp_eval(seed=2):
-        assert torch.equal(loaded(images), model(images))
-    copied = copy.deepcopy(model)
-    assert copied.encoder.patch_embed.__dict__["_mjp_state"] is copied.mjp
+    checks.assert_checkpoints_both_ways(plain, model, _plain, images)
+    checks.assert_pickles_and_copies(model, images, _check_clone)
+
+
+def _check_clone(clone: torch.nn.Module) -> None:
+    assert isinstance(clone.encoder.patch_embed, MJPGemma4PatchEmbed)
+    assert clone.encoder.patch_embed.__dict__["_mjp_state"] is clone.mjp
 
 
 def test_refusals():
-    with pytest.raises(ValueError, match=r"fused_patch_embed=True: Gemma 4's patch embedding is a Linear"):
-        mjp_timm.convert(_plain(), fused_patch_embed=True)
-    with pytest.raises(ValueError, match=r"pixel_jigsaw=True: model .*Gemma4VitClassifier.* token path covers"):
-        mjp_timm.convert(_plain(), pixel_jigsaw=True)
+    checks.assert_refuses_fused_and_pixel_jigsaw(
+        _plain, fused=r"Gemma 4's patch embedding is a Linear", model="Gemma4VitClassifier"
+    )
     with pytest.raises(ValueError, match=r"model: Gemma 4's patch size \(8, 4\) is not square"):
         mjp_timm.convert(_plain(patch_size=(8, 4)))
 
 
 def test_the_coverage_sweep_check_passes():
-    record = check_model("gemma4_vit_167m", TINY, 48)
-    assert record["ok"], f"{record['steps']}\n{record.get('traceback', '')}"
-    assert (record["path"], record["patch_size"], record["fused"]) == ("token", 8, False)
-    assert record["mjp"].startswith("UNK on the table") and record["mjp_eval_jigsawed"] is True
+    checks.assert_coverage_sweep_passes("gemma4_vit_167m", TINY, 48, patch_size=8)

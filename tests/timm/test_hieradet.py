@@ -8,7 +8,6 @@ and the coverage sweep's check."""
 from __future__ import annotations
 
 import copy
-import io
 
 import pytest
 import timm
@@ -16,10 +15,10 @@ import torch
 from timm.models import create_feature_extractor
 
 import mjp_fast.timm as mjp_timm
-from bench.timm_coverage import check_model
 from mjp_fast import jigsaw_images
 from mjp_fast.sampler.jigsaw import Jigsaw
 from mjp_fast.timm.hieradet import MJPHieraDet
+from tests.timm import front_end_checks as checks
 
 # A 16x16 grid of 4-pixel blocks (64 px): first-stage windows of 4 (the window table tiled 4x4 times), a 3x5 global
 # table resampled bicubically to the grid, one block a stage, no global-attention blocks.
@@ -49,34 +48,17 @@ def _images(batch: int = 2, side: int = 64) -> torch.Tensor:
 def test_convert_eval_train_and_mjp_eval(kind):
     plain = _plain(kind)
     model = mjp_timm.convert(copy.deepcopy(plain), **SETTINGS)
-    assert isinstance(model, MJPHieraDet) and model.mjp.patch_size == 4
-    assert model.mjp.sampler.grid_size == (224, 224)  # the config's 896 px in 4-pixel blocks: the default grid
-    assert model.mjp.unk_embed is not None and model.mjp.unk_embed.shape[-1] == 16
-    assert model.mjp.dal_regressor is not None and "mjp.unk_embed" in model.no_weight_decay()
-    assert not mjp_timm.convert.__globals__["runs_fused"](model)
+    assert isinstance(model, MJPHieraDet)
+    # the config's 896 px in 4-pixel blocks: the default grid
+    checks.assert_token_path_state(model, patch_size=4, grid=(224, 224), dim=16)
     images = _images()
-    model.eval(), plain.eval()
-    with torch.no_grad():
-        expected = plain(images)
-        torch.testing.assert_close(model(images), expected, rtol=0, atol=0)
-    model.train()
-    model(images).logsumexp(-1).mean().backward()  # the output alone: DAL rides on it
-    missing = [name for name, p in model.named_parameters() if p.requires_grad and p.grad is None]
-    assert not missing, missing
-    assert model.mjp.last_dal_loss is not None and model.mjp.last_jigsaw.mask.shape == (2, 256)
-    assert model.mjp.last_jigsaw.mask.any()
-    assert any(p.grad.abs().sum() > 0 for p in model.mjp.dal_regressor.parameters())
-    assert model.mjp.unk_embed.grad.abs().sum() > 0
+    expected = checks.assert_eval_equals_timm(model, plain, images)
     # DAL regresses the sum timm adds: both of its parameters learn from it (and from the unmasked tokens)
-    assert model.pos_embed.grad.abs().sum() > 0 and model.pos_embed_window.grad.abs().sum() > 0
-    claimed = model.mjp_aux_loss()  # the loss the forward attached, handed out once, for its own table
-    assert torch.equal(claimed, model.mjp.last_dal_loss) and torch.isfinite(model.mjp_aux_loss())
-    model.eval()
-    with torch.no_grad(), model.mjp_eval(ratio=0.5, seed=0):
-        jigsawed = model(images)
-    assert model.mjp.last_jigsaw.mask.any() and (jigsawed - expected).abs().max() > 1e-3
-    with torch.no_grad():  # outside mjp_eval: timm's again
-        torch.testing.assert_close(model(images), plain(images), rtol=0, atol=0)
+    tables = [model.pos_embed, model.pos_embed_window]
+    checks.assert_training_step_reaches_every_parameter(model, images, tables=tables)
+    assert model.mjp.last_jigsaw.mask.shape == (2, 256)
+    checks.assert_aux_loss_handed_out_once(model)  # for its own table
+    checks.assert_mjp_eval_jigsaws(model, plain, images, expected, min_change=1e-3)
 
 
 def _position_term_ref(model: torch.nn.Module, rows: int, cols: int) -> torch.Tensor:
@@ -153,68 +135,35 @@ def test_timm_feature_extractor_graphs(kind, training):
 def test_forward_intermediates_and_features_only():
     torch.manual_seed(0)
     wrapper = timm.create_model("sam2_hiera_tiny", pretrained=False, features_only=True, out_indices=(0, 1), **TINY)
-    plain = copy.deepcopy(wrapper).eval()
-    model = mjp_timm.convert(wrapper, **SETTINGS).eval()
-    assert model.mjp is model.model.mjp and isinstance(model.model, MJPHieraDet)
     images = _images()
-    with torch.no_grad():
-        for got, expected in zip(model(images), plain(images), strict=True):
-            torch.testing.assert_close(got, expected, rtol=0, atol=0)
-        with model.mjp_eval(ratio=0.5):
-            jigsawed = model(images)
-    assert jigsawed[0].shape == (2, 16, 16, 16) and not torch.allclose(jigsawed[0], plain(images)[0])
-    model.train()
-    sum(feature.square().mean() for feature in model(images)).backward()
-    assert model.model.mjp.unk_embed.grad is not None and model.model.mjp.last_dal_loss is not None
-    converted = mjp_timm.convert(_plain("stem"), **SETTINGS).eval()
-    with torch.no_grad():
-        final, intermediates = converted.forward_intermediates(images, indices=2)
-        expected_final, expected = _plain("stem").eval().forward_intermediates(images, indices=2)
-        torch.testing.assert_close(final, expected_final, rtol=0, atol=0)
-        with converted.mjp_eval(ratio=0.5, seed=1):
-            _, jigsawed = converted.forward_intermediates(images, indices=2)
-    assert len(intermediates) == 2 and converted.mjp.last_jigsaw.mask.any()
-    assert not torch.allclose(jigsawed[0], expected[0])
+    model = checks.assert_features_only(wrapper, images, SETTINGS, shape=(2, 16, 16, 16))
+    assert isinstance(model.model, MJPHieraDet)
+    converted = mjp_timm.convert(_plain("stem"), **SETTINGS)
+    checks.assert_forward_intermediates(_plain("stem"), converted, images, shapes=[(4, 4), (2, 2)], seed=1, indices=2)
 
 
 @pytest.mark.parametrize("kind", list(MODELS))
 def test_checkpoints_both_ways_and_pickling(kind):
     plain = _plain(kind).eval()
     model = mjp_timm.convert(copy.deepcopy(plain), **SETTINGS).eval()
-    with torch.no_grad():
-        model.mjp.unk_embed.normal_()
-    missing, unexpected = model.load_state_dict(plain.state_dict(), strict=False)
-    assert missing and all(key.startswith("mjp.") for key in missing) and not unexpected
-    other = _plain(kind).eval()
-    missing, unexpected = other.load_state_dict(model.state_dict(), strict=False)
-    assert unexpected and all(key.startswith("mjp.") for key in unexpected) and not missing
     images = _images()
-    with torch.no_grad():
-        torch.testing.assert_close(other(images), model(images), rtol=0, atol=0)
-    model.train()
-    model(images)  # a training forward keeps its table for mjp_aux_loss: not pickled, not deep-copied
-    model.eval()
-    buffer = io.BytesIO()
-    torch.save(model, buffer)
-    buffer.seek(0)
-    loaded = torch.load(buffer, weights_only=False)
-    assert "_mjp_table" not in loaded.__dict__
+    checks.assert_checkpoints_both_ways(plain, model, lambda: _plain(kind), images)
+    # a training forward keeps its table for mjp_aux_loss: not pickled, not deep-copied
+    checks.assert_pickles_and_copies(model, images, lambda clone: _check_clone(clone, kind))
+
+
+def _check_clone(clone: torch.nn.Module, kind: str) -> None:
+    assert "_mjp_table" not in clone.__dict__
     if kind == "stem":
-        assert loaded.patch_embed.__dict__["_mjp_state"] is loaded.mjp
-    with torch.no_grad(), model.mjp_eval(seed=2), loaded.mjp_eval(seed=2):
-        assert torch.equal(loaded(images), model(images))
-    copied = copy.deepcopy(model)
-    if kind == "stem":
-        assert copied.patch_embed.__dict__["_mjp_state"] is copied.mjp
+        assert clone.patch_embed.__dict__["_mjp_state"] is clone.mjp
 
 
 def test_refusals():
-    with pytest.raises(ValueError, match=r"fused_patch_embed=True: HieraDet's stem .* overlap"):
-        mjp_timm.convert(_plain("stem"), fused_patch_embed=True)
+    checks.assert_refuses_fused_and_pixel_jigsaw(
+        lambda: _plain("stem"), fused=r"HieraDet's stem .* overlap", model="HieraDet"
+    )
     with pytest.raises(ValueError, match=r"fused_patch_embed=True: HieraDet's PatchEmbed pads"):
         mjp_timm.convert(_plain("patch"), fused_patch_embed=True)
-    with pytest.raises(ValueError, match=r"pixel_jigsaw=True: model .*HieraDet.* token path covers"):
-        mjp_timm.convert(_plain("stem"), pixel_jigsaw=True)
     with pytest.raises(ValueError, match=r"model: HieraDet's stem stride \(4, 2\) is not square"):
         mjp_timm.convert(_plain("stem", patch_stride=(4, 2)))
     model = mjp_timm.convert(_plain("stem"), **SETTINGS)
@@ -235,7 +184,4 @@ def test_naive_shuffle_keeps_each_position_term():
 
 def test_the_coverage_sweep_check_passes():
     overrides = {key: value for key, value in TINY.items() if key != "num_classes"}
-    record = check_model("sam2_hiera_tiny", overrides, 64)
-    assert record["ok"], f"{record['steps']}\n{record.get('traceback', '')}"
-    assert (record["path"], record["patch_size"], record["fused"]) == ("token", 4, False)
-    assert record["mjp"] == "UNK on the table" and record["mjp_eval_jigsawed"] is True
+    checks.assert_coverage_sweep_passes("sam2_hiera_tiny", overrides, 64, patch_size=4)

@@ -8,7 +8,6 @@ step's values and gradients); and timm's model checks on a registered ``mjp_`` N
 from __future__ import annotations
 
 import copy
-import io
 
 import pytest
 import timm
@@ -25,6 +24,7 @@ from mjp_fast.timm import register
 from mjp_fast.timm.convert import runs_fused
 from mjp_fast.timm.naflexvit import MJPNaFlexEmbeds, MJPNaFlexVit, naflex_jigsaw
 from tests.conftest import backends_for
+from tests.timm import front_end_checks as checks
 
 TINY = dict(embed_dim=32, depth=1, num_heads=2, patch_size=4, pos_embed_grid_size=(4, 4), num_classes=5)
 MODELS = {
@@ -81,10 +81,6 @@ def _grids(batch: dict[str, torch.Tensor]) -> list[tuple[int, int]]:
     return [(int(c[:, 0].max()) + 1, int(c[:, 1].max()) + 1) for c in coord]
 
 
-def _missing_grads(model: torch.nn.Module) -> list[str]:
-    return [name for name, p in model.named_parameters() if p.requires_grad and p.grad is None]
-
-
 def _table_at(embeds: torch.nn.Module, rows: int, cols: int) -> torch.Tensor:
     """The oracle: timm's position table for a ``rows`` x ``cols`` grid, ``[rows, cols, D]``, in plain torch."""
     if embeds.pos_embed_type == "learned":
@@ -112,9 +108,7 @@ def test_convert_eval_train_and_mjp_eval(kind):
     plain = _plain(kind)
     model = mjp_timm.convert(copy.deepcopy(plain), **SETTINGS)
     assert isinstance(model, MJPNaFlexVit) and isinstance(model.embeds, MJPNaFlexEmbeds)
-    assert model.mjp.unk_embed is not None and model.mjp.dal_regressor is not None
-    assert tuple(model.mjp.sampler.grid_size) == (4, 4) and runs_fused(model)  # a linear embedding: fused
-    assert "mjp.unk_embed" in model.no_weight_decay()
+    checks.assert_token_path_state(model, patch_size=4, grid=(4, 4), fused=True)  # a linear embedding: fused
     images, batch = _images(), _naflex_batch()
     model.eval(), plain.eval()
     with torch.no_grad():
@@ -124,10 +118,8 @@ def test_convert_eval_train_and_mjp_eval(kind):
     for inputs in (images, batch):
         model.zero_grad()
         model(inputs).logsumexp(-1).mean().backward()  # the output alone: DAL rides on it
-        assert not _missing_grads(model), _missing_grads(model)
-        assert model.mjp.last_dal_loss is not None and model.mjp.last_jigsaw.mask.any()
-        assert any(p.grad.abs().sum() > 0 for p in model.mjp.dal_regressor.parameters())
-        assert model.mjp.unk_embed.grad.abs().sum() > 0
+        checks.assert_every_parameter_has_a_grad(model)
+        checks.assert_state_learned(model.mjp)
         tables = [model.embeds.pos_embed] if kind == "learned" else [model.embeds.pos_embed_y, model.embeds.pos_embed_x]
         assert all(table.grad.abs().sum() > 0 for table in tables)
         assert torch.isfinite(model.mjp_aux_loss())
@@ -152,7 +144,7 @@ def test_training_without_a_jigsaw_is_timms_training_forward(kind):
         torch.testing.assert_close(model(batch), plain(batch), rtol=0, atol=0)
         assert model.mjp.last_jigsaw is None and model.mjp.last_dal_loss is not None
     model(inputs[-1]).sum().backward()
-    assert not _missing_grads(model)
+    assert not checks.missing_grads(model)
 
 
 @pytest.mark.parametrize("kind", ["learned", "factorized"])
@@ -377,47 +369,22 @@ def test_features_only(kind):
     name, keywords = MODELS[kind]
     torch.manual_seed(0)
     wrapper = timm.create_model(name, pretrained=False, features_only=True, out_indices=(0,), **{**TINY, **keywords})
-    plain = copy.deepcopy(wrapper).eval()
-    model = mjp_timm.convert(wrapper, **SETTINGS).eval()
-    assert model.mjp is model.model.mjp and isinstance(model.model.embeds, MJPNaFlexEmbeds)
-    images = _images()
-    with torch.no_grad():
-        for got, expected in zip(model(images), plain(images), strict=True):
-            torch.testing.assert_close(got, expected, rtol=0, atol=0)
-        with model.mjp_eval(ratio=0.5):
-            jigsawed = model(images)
-    assert jigsawed[0].shape == (2, 32, 4, 4) and (jigsawed[0] - plain(images)[0]).abs().max() > 1e-3
-    model.train()
-    sum(feature.square().mean() for feature in model(images)).backward()
-    assert model.model.mjp.unk_embed.grad is not None and model.model.mjp.last_dal_loss is not None
+    model = checks.assert_features_only(wrapper, _images(), SETTINGS, shape=(2, 32, 4, 4), min_change=1e-3)
+    assert isinstance(model.model.embeds, MJPNaFlexEmbeds)
 
 
 @pytest.mark.parametrize("kind", ["learned", "factorized"])
 def test_checkpoints_both_ways_and_pickling(kind):
     plain = _plain(kind).eval()
     model = mjp_timm.convert(copy.deepcopy(plain), **SETTINGS).eval()
-    with torch.no_grad():
-        model.mjp.unk_embed.normal_()
-    missing, unexpected = model.load_state_dict(plain.state_dict(), strict=False)
-    assert missing and all(key.startswith("mjp.") for key in missing) and not unexpected
-    other = _plain(kind).eval()
-    missing, unexpected = other.load_state_dict(model.state_dict(), strict=False)
-    assert unexpected and all(key.startswith("mjp.") for key in unexpected) and not missing
     batch = _naflex_batch()
-    with torch.no_grad():
-        torch.testing.assert_close(other(batch), model(batch), rtol=0, atol=0)
-    model.train()
-    model(batch).sum().backward()  # a kept DAL loss and jigsaw: a copy or pickle must not carry the graph
-    model.eval()
-    buffer = io.BytesIO()
-    torch.save(model, buffer)
-    buffer.seek(0)
-    loaded = torch.load(buffer, weights_only=False)
-    assert loaded.embeds.__dict__["_mjp_model"] is loaded  # the copy's embedding reads the copy's state
-    with torch.no_grad(), model.mjp_eval(seed=2), loaded.mjp_eval(seed=2):
-        assert torch.equal(loaded(batch), model(batch))
-    copied = copy.deepcopy(model)
-    assert copied.embeds.__dict__["_mjp_model"] is copied
+    checks.assert_checkpoints_both_ways(plain, model, lambda: _plain(kind), batch)
+    # a kept DAL loss and jigsaw: a copy or pickle must not carry the graph
+    checks.assert_pickles_and_copies(model, batch, _check_clone, backward=True)
+
+
+def _check_clone(clone: torch.nn.Module) -> None:
+    assert clone.embeds.__dict__["_mjp_model"] is clone  # the clone's embedding reads the clone's state
 
 
 # The fused embedding (issue 40 item 1): the linear projection of the patch rows, the jigsaw, the position term and the
@@ -482,7 +449,7 @@ def test_fused_and_unfused_steps_agree_in_outputs_and_gradients(kind, backend, m
         assert fused.mjp.last_jigsaw.mask.any()
         assert torch.equal(fused.mjp.last_jigsaw.perm, unfused.mjp.last_jigsaw.perm)
         torch.testing.assert_close(got, expected, **exact)
-        assert got_grads.keys() == expected_grads.keys() and not _missing_grads(fused)
+        assert got_grads.keys() == expected_grads.keys() and not checks.missing_grads(fused)
         for parameter, grad in got_grads.items():
             torch.testing.assert_close(
                 grad, expected_grads[parameter], **close, msg=lambda m, parameter=parameter: f"{parameter}: {m}"
@@ -581,7 +548,7 @@ def test_registered_forward_and_backward_reach_every_parameter(base):
         out = model(inputs)
         assert out.shape == (len(out), 5) and torch.isfinite(out).all()
         out.mean().backward()
-        assert not _missing_grads(model), _missing_grads(model)
+        assert not checks.missing_grads(model), checks.missing_grads(model)
         assert model.mjp.last_dal_loss is not None
 
 

@@ -8,19 +8,16 @@ coverage sweep's check."""
 from __future__ import annotations
 
 import copy
-import io
 
 import pytest
 import torch
-from timm.layers import get_notrace_functions, is_notrace_module
 from timm.models._features_fx import create_feature_extractor
 from timm.models.nest import _create_nest, blockify
 
 import mjp_fast
 import mjp_fast.timm as mjp_timm
-from bench.timm_coverage import check_model
-from mjp_fast.timm.convert import runs_fused
 from mjp_fast.timm.nest import MJPNest, NestPatchEmbed, table_rows
+from tests.timm import front_end_checks as checks
 
 # 32 px in patches of 4: an 8x8 grid. Three levels: level 0 is 16 blocks of 2x2 patches; two levels: 4 blocks of 4x4.
 # No stochastic depth (NesT's default rate is 0.5): two forwards of one model compare.
@@ -57,27 +54,11 @@ def test_convert_eval_train_and_mjp_eval(kind):
     plain = _plain(kind)
     model = mjp_timm.convert(copy.deepcopy(plain), **SETTINGS)
     assert isinstance(model, MJPNest) and isinstance(model.patch_embed, NestPatchEmbed)
-    assert model.mjp.unk_embed is not None and model.mjp.dal_regressor is not None
-    assert model.mjp.patch_size == 4 and tuple(model.mjp.sampler.grid_size) == (8, 8)
-    assert "mjp.unk_embed" in model.no_weight_decay() and not runs_fused(model)
+    checks.assert_token_path_state(model, patch_size=4, grid=(8, 8))
     images = _images()
-    model.eval(), plain.eval()
-    with torch.no_grad():
-        expected = plain(images)
-        torch.testing.assert_close(model(images), expected, rtol=0, atol=0)
-    model.train()
-    model(images).logsumexp(-1).mean().backward()  # the output alone: DAL rides on it
-    missing = [name for name, p in model.named_parameters() if p.requires_grad and p.grad is None]
-    assert not missing, missing
-    assert model.mjp.last_dal_loss is not None and model.mjp.last_jigsaw.mask.any()
-    assert any(p.grad.abs().sum() > 0 for p in model.mjp.dal_regressor.parameters())  # DAL's, not a kept zero
-    assert model.levels[0].pos_embed.grad.abs().sum() > 0 and model.mjp.unk_embed.grad.abs().sum() > 0
-    model.eval()
-    with torch.no_grad(), model.mjp_eval(ratio=0.5, seed=0):
-        jigsawed = model(images)
-    assert model.mjp.last_jigsaw.mask.any() and not torch.allclose(jigsawed, expected)
-    with torch.no_grad():  # outside mjp_eval: timm's again
-        torch.testing.assert_close(model(images), plain(images), rtol=0, atol=0)
+    expected = checks.assert_eval_equals_timm(model, plain, images)
+    checks.assert_training_step_reaches_every_parameter(model, images, tables=[model.levels[0].pos_embed])
+    checks.assert_mjp_eval_jigsaws(model, plain, images, expected)
 
 
 @pytest.mark.parametrize("kind", list(MODELS))
@@ -112,31 +93,23 @@ def test_the_step_is_the_moved_tokens_with_unk_at_the_masked_positions(kind):
     torch.testing.assert_close(got, blockify(expected.reshape(2, 8, 8, -1), block), rtol=1e-5, atol=1e-6)
 
 
-def test_dal_regresses_the_grid_rows_and_mjp_aux_loss_replaces_the_attached_weight():
-    model = mjp_timm.convert(_plain(), **SETTINGS).train()
-    twin = copy.deepcopy(model)
-    images = _images()
-    out = model(images)
+def _dal_of_the_grid_rows(model: torch.nn.Module) -> torch.Tensor:
     level = model.levels[0]
-    expected = mjp_fast.dal_loss(
+    return mjp_fast.dal_loss(
         _grid_rows_ref(level.pos_embed, 8, 8, level.block_size), model.mjp.dal_regressor, (8, 8),
         model.mjp.last_jigsaw.mask, backend="torch",
     )  # fmt: skip
-    torch.testing.assert_close(model.mjp.last_dal_loss, expected.detach())
-    # A loop that adds w * mjp_aux_loss() counts DAL at w in place of the attached weight (never both): the same
-    # gradients as a model whose attached weight is w and whose loop adds nothing.
-    (out.sum() + 0.5 * model.mjp_aux_loss()).backward()
-    twin.mjp_dal_weight = 0.5
-    twin(images).sum().backward()
-    for (name, got), want in zip(model.named_parameters(), twin.parameters(), strict=True):
-        torch.testing.assert_close(got.grad, want.grad, msg=lambda message, name=name: f"{name}: {message}")
+
+
+def test_dal_regresses_the_grid_rows_and_mjp_aux_loss_replaces_the_attached_weight():
+    model = mjp_timm.convert(_plain(), **SETTINGS)
+    checks.assert_aux_loss_at_a_weight_replaces_the_attached_one(model, _images(), _dal_of_the_grid_rows)
 
 
 def test_refusals_name_the_reason():
-    with pytest.raises(ValueError, match=r"fused_patch_embed=True: NesT's patch embedding writes an NCHW map"):
-        mjp_timm.convert(_plain(), fused_patch_embed=True)
-    with pytest.raises(ValueError, match=r"pixel_jigsaw=True: model .*Nest.* token path covers"):
-        mjp_timm.convert(_plain(), pixel_jigsaw=True)
+    checks.assert_refuses_fused_and_pixel_jigsaw(
+        _plain, fused=r"NesT's patch embedding writes an NCHW map", model="Nest"
+    )
     padded = _plain()
     padded.patch_embed.proj.padding = (1, 1)
     with pytest.raises(ValueError, match=r"padding \(1, 1\) overlap the patches"):
@@ -144,34 +117,14 @@ def test_refusals_name_the_reason():
     assert isinstance(mjp_timm.convert(_plain(), fused_patch_embed=False), MJPNest)
 
 
-class _LeafTracer(torch.fx.Tracer):
-    """torch.fx's tracer with the modules and functions timm marks as not traceable kept as calls (NesT's
-    ``deblockify``), as timm's feature extractor."""
-
-    def __init__(self) -> None:
-        super().__init__(autowrap_functions=tuple(get_notrace_functions()))
-
-    def is_leaf_module(self, module: torch.nn.Module, qualified_name: str) -> bool:
-        return is_notrace_module(type(module)) or super().is_leaf_module(module, qualified_name)
-
-
 @pytest.mark.filterwarnings("ignore:.*The nodes obtained by tracing the model in")
 @pytest.mark.parametrize("training", [False, True])
 def test_fx_graphs(training):
     model = mjp_timm.convert(_plain(), **SETTINGS).train(training)
     images = _images()
-    graph = torch.fx.GraphModule(model, _LeafTracer().trace(model))
-    targets = [node.target for node in graph.graph.nodes if node.op == "call_module"]
-    assert targets.count("mjp") == (1 if training else 0)  # the step on the moved tokens
-    with torch.no_grad():
-        if training:
-            assert graph(images).shape == (2, 5) and model.mjp.last_jigsaw.mask.any()
-            model.mjp.sampler.sample_counter.zero_()  # the graph's MJP equals the model's: the same jigsaws
-            eager = model(images)
-            model.mjp.sampler.sample_counter.zero_()
-            torch.testing.assert_close(graph(images), eager, rtol=0, atol=0)
-        else:
-            torch.testing.assert_close(graph(images), model(images), rtol=0, atol=0)
+    # NesT's deblockify kept as one call; in training MJP is the step on the moved tokens
+    tracer = checks.TimmLeafTracer(notrace_functions=True)
+    checks.assert_fx_graph_is_the_model(model, images, tracer, mjp_nodes=1, out_shape=(2, 5))
     extractor = create_feature_extractor(model, return_nodes={"levels.0": "level0", "norm": "norm"})
     with torch.no_grad():
         features = extractor(images)
@@ -179,23 +132,9 @@ def test_fx_graphs(training):
 
 
 def test_forward_intermediates():
-    plain = _plain().eval()
-    model = mjp_timm.convert(copy.deepcopy(plain), **SETTINGS).eval()
-    images = _images()
-    with torch.no_grad():
-        final, intermediates = model.forward_intermediates(images)
-        expected_final, expected = plain.forward_intermediates(images)
-        torch.testing.assert_close(final, expected_final, rtol=0, atol=0)
-        for got, want in zip(intermediates, expected, strict=True):
-            torch.testing.assert_close(got, want, rtol=0, atol=0)
-        with model.mjp_eval(ratio=0.5):
-            _, jigsawed = model.forward_intermediates(images)
-    assert [tuple(f.shape[-2:]) for f in jigsawed] == [(8, 8), (4, 4), (2, 2)]
-    assert not torch.allclose(jigsawed[0], expected[0])
-    model.train()
-    final, _ = model.forward_intermediates(images)
-    final.sum().backward()
-    assert model.mjp.unk_embed.grad is not None and model.mjp.last_dal_loss is not None
+    plain = _plain()
+    model = mjp_timm.convert(copy.deepcopy(plain), **SETTINGS)
+    checks.assert_forward_intermediates(plain, model, _images(), shapes=[(8, 8), (4, 4), (2, 2)])
 
 
 def test_features_only_jigsaws_the_images_first_and_equals_the_models_step():
@@ -222,13 +161,9 @@ def test_features_only_jigsaws_the_images_first_and_equals_the_models_step():
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     model.train()
     sum(feature.square().mean() for feature in model(images)).backward()
-    missing = [name for name, p in model.named_parameters() if p.requires_grad and p.grad is None]
-    assert not missing, missing
+    checks.assert_every_parameter_has_a_grad(model)
     assert model.mjp.unk_embed.grad.abs().sum() > 0 and torch.isfinite(model.mjp_aux_loss())
-    buffer = io.BytesIO()
-    torch.save(model, buffer)
-    buffer.seek(0)
-    loaded = torch.load(buffer, weights_only=False)
+    loaded = checks.pickled(model)
     embed = loaded["patch_embed"]  # the copy's embedding reads the copy's state and table
     assert embed.__dict__["_mjp_state"] is loaded.mjp and embed.__dict__["_mjp_level"] is loaded["levels_0"]
     loaded.eval()
@@ -240,41 +175,18 @@ def test_features_only_jigsaws_the_images_first_and_equals_the_models_step():
 def test_checkpoints_both_ways_and_pickling():
     plain = _plain().eval()
     model = mjp_timm.convert(copy.deepcopy(plain), **SETTINGS).eval()
-    with torch.no_grad():
-        model.mjp.unk_embed.normal_()
-    # plain timm -> MJP: only mjp.* missing; MJP -> plain timm: only mjp.* unexpected
-    missing, unexpected = model.load_state_dict(plain.state_dict(), strict=False)
-    assert missing and all(key.startswith("mjp.") for key in missing) and not unexpected
-    other = _plain().eval()
-    with torch.no_grad():
-        other.levels[0].pos_embed.zero_()
-    missing, unexpected = other.load_state_dict(model.state_dict(), strict=False)
-    assert unexpected and all(key.startswith("mjp.") for key in unexpected) and not missing
     images = _images()
-    with torch.no_grad():
-        torch.testing.assert_close(other(images), model(images), rtol=0, atol=0)
-    model.train()
-    model(images)  # a training forward keeps the table's rows for mjp_aux_loss: copies and pickles drop them
-    model.eval()
-    buffer = io.BytesIO()
-    torch.save(model, buffer)
-    buffer.seek(0)
-    loaded = torch.load(buffer, weights_only=False)
-    assert loaded.patch_embed.__dict__["_mjp_level"] is loaded.levels[0]  # the copy's embedding reads its own table
-    assert loaded.patch_embed.__dict__["_mjp_state"] is loaded.mjp
-    assert loaded.patch_embed.__dict__["_mjp_kept_rows"].rows is None
-    with torch.no_grad(), model.mjp_eval(seed=2), loaded.mjp_eval(seed=2):
-        assert torch.equal(loaded(images), model(images))
-    copied = copy.deepcopy(model)
-    assert copied.patch_embed.__dict__["_mjp_level"] is copied.levels[0]
-    copied.train()
-    copied(images).sum().backward()
-    assert torch.isfinite(copied.mjp_aux_loss()) and copied.levels[0].pos_embed.grad is not None
+    checks.assert_checkpoints_both_ways(plain, model, _plain, images)
+    _, copied = checks.assert_pickles_and_copies(model, images, _check_clone)
+    assert copied.levels[0].pos_embed.grad is not None
+
+
+def _check_clone(clone: torch.nn.Module) -> None:
+    assert clone.patch_embed.__dict__["_mjp_level"] is clone.levels[0]  # the clone's embedding reads its own table
+    assert clone.patch_embed.__dict__["_mjp_state"] is clone.mjp
+    # a training forward keeps the table's rows for mjp_aux_loss: copies and pickles drop them
+    assert clone.patch_embed.__dict__["_mjp_kept_rows"].rows is None
 
 
 def test_the_coverage_sweeps_check_passes():
-    record = check_model("nest_tiny", dict(img_size=32), 32)
-    assert record["ok"], f"{record['steps']}\n{record.get('traceback', '')}"
-    assert (record["path"], record["mjp"], record["patch_size"], record["fused"]) == (
-        "token", "UNK on the table", 4, False,
-    )  # fmt: skip
+    checks.assert_coverage_sweep_passes("nest_tiny", dict(img_size=32), 32, patch_size=4)

@@ -7,7 +7,6 @@ timm's own model checks on a registered ``mjp_pit_ti_224``."""
 from __future__ import annotations
 
 import copy
-import io
 
 import pytest
 import timm
@@ -19,8 +18,8 @@ from timm.models._features_fx import create_feature_extractor
 import mjp_fast
 import mjp_fast.timm as mjp_timm
 from mjp_fast.timm import register
-from mjp_fast.timm.convert import runs_fused
 from mjp_fast.timm.pit import MJPPoolingVisionTransformer, PitConvEmbedding
+from tests.timm import front_end_checks as checks
 
 # Width 8 x 2 heads = 16, one block per stage. Kernel 4 at stride 2 on 32 pixels: a 15x15 grid whose blocks of 2
 # pixels cover the top-left 30x30 pixels (the last 2 rows and columns are only the far edge of the last kernels).
@@ -43,46 +42,16 @@ def _images(batch: int = 2) -> torch.Tensor:
     return torch.randn(batch, 3, 32, 32, generator=torch.Generator().manual_seed(1))
 
 
-def _jigsaw_ref(images: torch.Tensor, perm: torch.Tensor, rows: int, cols: int, block: int) -> torch.Tensor:
-    """Pure torch: the top-left ``rows x cols`` blocks of ``block`` pixels of ``images`` moved as ``perm`` says
-    (position n gets block ``perm[n]``), the other pixels where they were."""
-    out = images.clone()
-    for b in range(images.shape[0]):
-        for n in range(rows * cols):
-            src = int(perm[b, n])
-            (i, j), (si, sj) = divmod(n, cols), divmod(src, cols)
-            out[b, :, i * block : (i + 1) * block, j * block : (j + 1) * block] = images[
-                b, :, si * block : (si + 1) * block, sj * block : (sj + 1) * block
-            ]
-    return out
-
-
 @pytest.mark.parametrize("kind", list(MODELS))
 def test_convert_eval_train_and_mjp_eval(kind):
     plain = _plain(kind)
     model = mjp_timm.convert(copy.deepcopy(plain), **SETTINGS)
     assert isinstance(model, MJPPoolingVisionTransformer) and isinstance(model.patch_embed, PitConvEmbedding)
-    assert model.mjp.unk_embed is not None and model.mjp.dal_regressor is not None
-    assert model.mjp.patch_size == 2 and tuple(model.mjp.sampler.grid_size) == tuple(model.patch_embed.grid_size)
-    assert "mjp.unk_embed" in model.no_weight_decay() and not runs_fused(model)
+    checks.assert_token_path_state(model, patch_size=2, grid=model.patch_embed.grid_size)
     images = _images()
-    model.eval(), plain.eval()
-    with torch.no_grad():
-        expected = plain(images)
-        torch.testing.assert_close(model(images), expected, rtol=0, atol=0)
-    model.train()
-    model(images).logsumexp(-1).mean().backward()  # the output alone: DAL rides on it
-    missing = [name for name, p in model.named_parameters() if p.requires_grad and p.grad is None]
-    assert not missing, missing
-    assert model.mjp.last_dal_loss is not None and model.mjp.last_jigsaw.mask.any()
-    assert any(p.grad.abs().sum() > 0 for p in model.mjp.dal_regressor.parameters())  # DAL's, not a kept zero
-    assert model.pos_embed.grad.abs().sum() > 0 and model.mjp.unk_embed.grad.abs().sum() > 0
-    model.eval()
-    with torch.no_grad(), model.mjp_eval(ratio=0.5, seed=0):
-        jigsawed = model(images)
-    assert model.mjp.last_jigsaw.mask.any() and not torch.allclose(jigsawed, expected)
-    with torch.no_grad():  # outside mjp_eval: timm's again
-        torch.testing.assert_close(model(images), plain(images), rtol=0, atol=0)
+    expected = checks.assert_eval_equals_timm(model, plain, images)
+    checks.assert_training_step_reaches_every_parameter(model, images, tables=[model.pos_embed])
+    checks.assert_mjp_eval_jigsaws(model, plain, images, expected)
 
 
 @pytest.mark.parametrize("kind", ["pit", "tiled"])
@@ -99,7 +68,7 @@ def test_the_step_is_unk_on_the_table_of_the_jigsawed_images(kind):
     assert jigsaw.mask.shape == (2, rows * cols) and jigsaw.mask.any()
     assert (jigsaw.perm != torch.arange(rows * cols)).any()  # something moved
     with torch.no_grad():
-        tokens = model.patch_embed.conv(_jigsaw_ref(images, jigsaw.perm, rows, cols, 2))
+        tokens = model.patch_embed.conv(checks.jigsaw_ref(images, jigsaw.perm, rows, cols, 2))
     mask = jigsaw.mask.reshape(2, 1, rows, cols)
     unk = model.mjp.unk_embed.reshape(1, -1, 1, 1).expand_as(tokens)
     expected = tokens + torch.where(mask, unk, model.pos_embed.expand_as(tokens))
@@ -131,31 +100,23 @@ def test_the_margin_outside_the_blocks_is_not_moved():
     assert not torch.equal(jigsawed, plain)
 
 
-def test_dal_regresses_the_tables_rows_and_mjp_aux_loss_replaces_the_attached_weight():
-    model = mjp_timm.convert(_plain("pit"), **SETTINGS).train()
-    twin = copy.deepcopy(model)
-    images = _images()
-    out = model(images)
+def _dal_of_the_tables_rows(model: torch.nn.Module) -> torch.Tensor:
     rows, cols = model.patch_embed.grid_size
     table_rows = model.pos_embed.permute(0, 2, 3, 1).reshape(1, rows * cols, -1)  # row-major, [1, N, D]
-    expected = mjp_fast.dal_loss(
+    return mjp_fast.dal_loss(
         table_rows, model.mjp.dal_regressor, (rows, cols), model.mjp.last_jigsaw.mask, backend="torch"
     )
-    torch.testing.assert_close(model.mjp.last_dal_loss, expected.detach())
-    # A loop that adds w * mjp_aux_loss() counts DAL at w in place of the attached weight (never both): the same
-    # gradients as a model whose attached weight is w and whose loop adds nothing.
-    (out.sum() + 0.5 * model.mjp_aux_loss()).backward()
-    twin.mjp_dal_weight = 0.5
-    twin(images).sum().backward()
-    for (name, got), want in zip(model.named_parameters(), twin.parameters(), strict=True):
-        torch.testing.assert_close(got.grad, want.grad, msg=lambda message, name=name: f"{name}: {message}")
+
+
+def test_dal_regresses_the_tables_rows_and_mjp_aux_loss_replaces_the_attached_weight():
+    model = mjp_timm.convert(_plain("pit"), **SETTINGS)
+    checks.assert_aux_loss_at_a_weight_replaces_the_attached_one(model, _images(), _dal_of_the_tables_rows)
 
 
 def test_refusals_name_the_reason():
-    with pytest.raises(ValueError, match=r"fused_patch_embed=True: patch_embed is PiT's ConvEmbedding"):
-        mjp_timm.convert(_plain("pit"), fused_patch_embed=True)
-    with pytest.raises(ValueError, match=r"pixel_jigsaw=True: model .*PoolingVisionTransformer.* token path covers"):
-        mjp_timm.convert(_plain("pit"), pixel_jigsaw=True)
+    checks.assert_refuses_fused_and_pixel_jigsaw(
+        lambda: _plain("pit"), fused=r"patch_embed is PiT's ConvEmbedding", model="PoolingVisionTransformer"
+    )
     padded = _plain("pit")
     padded.patch_embed.conv.padding = (1, 1)
     with pytest.raises(ValueError, match=r"padding \(1, 1\).*does not start at a whole block"):
@@ -163,31 +124,13 @@ def test_refusals_name_the_reason():
     assert isinstance(mjp_timm.convert(_plain("pit"), fused_patch_embed=False), MJPPoolingVisionTransformer)
 
 
-class _Tracer(torch.fx.Tracer):
-    pass
-
-
 @pytest.mark.filterwarnings("ignore:The nodes obtained by tracing the model in train mode")
 @pytest.mark.parametrize("training", [False, True])
 def test_fx_graphs(training):
     model = mjp_timm.convert(_plain("pit"), **SETTINGS).train(training)
     images = _images()
-    graph = torch.fx.GraphModule(model, _Tracer().trace(model))
-    targets = [node.target for node in graph.graph.nodes if node.op == "call_module"]
-    assert targets.count("mjp") == (2 if training else 0)  # the images' jigsaw, then the step on the tokens
-    with torch.no_grad():
-        if training:
-            out = graph(images)
-            assert out.shape == (2, 5) and model.mjp.last_jigsaw.mask.any()
-        else:
-            torch.testing.assert_close(graph(images), model(images), rtol=0, atol=0)
-    if training:  # the graph's MJP equals the model's: the same jigsaws from the same stream position
-        model.mjp.sampler.sample_counter.zero_()
-        with torch.no_grad():
-            eager = model(images)
-        model.mjp.sampler.sample_counter.zero_()
-        with torch.no_grad():
-            torch.testing.assert_close(graph(images), eager, rtol=0, atol=0)
+    # in training: the images' jigsaw, then the step on the tokens
+    checks.assert_fx_graph_is_the_model(model, images, torch.fx.Tracer(), mjp_nodes=2, out_shape=(2, 5))
     extractor = create_feature_extractor(model, return_nodes={"transformers.0": "stage0", "norm": "norm"})
     with torch.no_grad():
         features = extractor(images)
@@ -195,73 +138,31 @@ def test_fx_graphs(training):
 
 
 def test_forward_intermediates():
-    plain = _plain("pit").eval()
-    model = mjp_timm.convert(copy.deepcopy(plain), **SETTINGS).eval()
-    images = _images()
-    with torch.no_grad():
-        final, intermediates = model.forward_intermediates(images)
-        expected_final, expected = plain.forward_intermediates(images)
-        torch.testing.assert_close(final, expected_final, rtol=0, atol=0)
-        for got, want in zip(intermediates, expected, strict=True):
-            torch.testing.assert_close(got, want, rtol=0, atol=0)
-        with model.mjp_eval(ratio=0.5):
-            _, jigsawed = model.forward_intermediates(images)
-    assert [tuple(f.shape[-2:]) for f in jigsawed] == [(15, 15), (8, 8), (4, 4)]
-    assert not torch.allclose(jigsawed[0], expected[0])
-    model.train()
-    final, _ = model.forward_intermediates(images)
-    final.sum().backward()
-    assert model.mjp.unk_embed.grad is not None and model.mjp.last_dal_loss is not None
+    plain = _plain("pit")
+    model = mjp_timm.convert(copy.deepcopy(plain), **SETTINGS)
+    checks.assert_forward_intermediates(plain, model, _images(), shapes=[(15, 15), (8, 8), (4, 4)])
 
 
 def test_features_only():
     name, keywords = MODELS["pit"]
     torch.manual_seed(0)
     wrapper = timm.create_model(name, pretrained=False, features_only=True, out_indices=(0, 1, 2), **keywords)
-    plain = copy.deepcopy(wrapper).eval()
-    model = mjp_timm.convert(wrapper, **SETTINGS).eval()
-    images = _images()
-    with torch.no_grad():
-        for got, expected in zip(model(images), plain(images), strict=True):
-            torch.testing.assert_close(got, expected, rtol=0, atol=0)
-    model.train()
-    sum(feature.square().mean() for feature in model(images)).backward()
-    assert model.mjp.unk_embed.grad is not None and model.mjp.last_dal_loss is not None
+    checks.assert_features_only(wrapper, _images(), SETTINGS, shape=(2, 16, 15, 15))
 
 
 @pytest.mark.parametrize("kind", ["pit", "distilled"])
 def test_checkpoints_both_ways_and_pickling(kind):
     plain = _plain(kind).eval()
     model = mjp_timm.convert(copy.deepcopy(plain), **SETTINGS).eval()
-    with torch.no_grad():
-        model.mjp.unk_embed.normal_()
-    # plain timm -> MJP: only mjp.* missing; MJP -> plain timm: only mjp.* unexpected
-    missing, unexpected = model.load_state_dict(plain.state_dict(), strict=False)
-    assert missing and all(key.startswith("mjp.") for key in missing) and not unexpected
-    other = _plain(kind).eval()
-    with torch.no_grad():
-        other.pos_embed.zero_()
-    missing, unexpected = other.load_state_dict(model.state_dict(), strict=False)
-    assert unexpected and all(key.startswith("mjp.") for key in unexpected) and not missing
     images = _images()
-    with torch.no_grad():
-        torch.testing.assert_close(other(images), model(images), rtol=0, atol=0)
-    model.train()
-    model(images)  # a training forward keeps a view of the table for mjp_aux_loss: copies and pickles drop it
-    model.eval()
-    buffer = io.BytesIO()
-    torch.save(model, buffer)
-    buffer.seek(0)
-    loaded = torch.load(buffer, weights_only=False)
-    assert loaded.patch_embed.__dict__["_mjp_model"] is loaded  # the copy's embedding reads the copy's table
-    assert loaded.patch_embed.__dict__["_mjp_table_view"].view is None
-    with torch.no_grad(), model.mjp_eval(seed=2), loaded.mjp_eval(seed=2):
-        assert torch.equal(loaded(images), model(images))
-    copied = copy.deepcopy(model)
-    assert copied.patch_embed.__dict__["_mjp_model"] is copied
-    copied.train()
-    copied(images).sum().backward()
-    assert torch.isfinite(copied.mjp_aux_loss())
+    checks.assert_checkpoints_both_ways(plain, model, lambda: _plain(kind), images)
+    checks.assert_pickles_and_copies(model, images, _check_clone)
+
+
+def _check_clone(clone: torch.nn.Module) -> None:
+    assert clone.patch_embed.__dict__["_mjp_model"] is clone  # the clone's embedding reads the clone's table
+    # a training forward keeps a view of the table for mjp_aux_loss: copies and pickles drop it
+    assert clone.patch_embed.__dict__["_mjp_kept_rows"].rows is None
 
 
 def test_distilled_heads_both_train():
@@ -270,8 +171,7 @@ def test_distilled_heads_both_train():
     logits, distilled = model(_images())
     (F.cross_entropy(logits, torch.tensor([0, 1])) + F.cross_entropy(distilled, torch.tensor([2, 3]))).backward()
     assert model.cls_token.shape[1] == 2 and model.cls_token.grad[:, 1].abs().sum() > 0
-    missing = [name for name, p in model.named_parameters() if p.requires_grad and p.grad is None]
-    assert not missing, missing
+    checks.assert_every_parameter_has_a_grad(model)
 
 
 # --- issue 40 item 5: timm's own model checks on a registered mjp_ PiT -------------------------------------------

@@ -7,7 +7,6 @@ grid and at another (the table resampled), DAL on the stored table, FX, ``forwar
 from __future__ import annotations
 
 import copy
-import io
 
 import pytest
 import timm
@@ -18,8 +17,8 @@ pytest.importorskip("timm.models.qwen3_vit", reason="this timm has no Qwen3 ViT 
 from timm.models import create_feature_extractor  # noqa: E402
 
 import mjp_fast.timm as mjp_timm  # noqa: E402
-from bench.timm_coverage import check_model  # noqa: E402
 from mjp_fast.timm.qwen3_vit import MJPQwen3Encoder, MJPQwen3Model  # noqa: E402
+from tests.timm import front_end_checks as checks  # noqa: E402
 
 # Patches of 8 pixels and a 4x4 table: 32 px images are the table's grid, 48 px another (6x6, resampled).
 TINY = dict(embed_dim=16, depth=2, num_heads=2, pos_embed_grid_size=4, patch_size=8, img_size=32)
@@ -45,31 +44,15 @@ def test_convert_eval_train_and_mjp_eval(kind):
     model = mjp_timm.convert(copy.deepcopy(plain), **SETTINGS)
     encoder = model if kind == "encoder" else model.encoder
     assert isinstance(model, MJPQwen3Model) and isinstance(encoder, MJPQwen3Encoder) and isinstance(model, type(plain))
-    assert model.mjp.patch_size == 8 and model.mjp.sampler.grid_size == (4, 4)  # the table's grid
-    assert model.mjp.unk_embed is not None and model.mjp.unk_embed.shape[-1] == 16
-    assert model.mjp.dal_regressor is not None and "mjp.unk_embed" in model.no_weight_decay()
-    assert not mjp_timm.convert.__globals__["runs_fused"](model)
+    checks.assert_token_path_state(model, patch_size=8, grid=(4, 4), dim=16)  # the table's grid
     images = _images()
-    model.eval(), plain.eval()
-    with torch.no_grad():
-        expected = plain(images)
-        torch.testing.assert_close(model(images), expected, rtol=0, atol=0)
-    model.train()
-    model(images).square().mean().backward()  # the output alone: DAL rides on it
-    missing = [key for key, p in model.named_parameters() if p.requires_grad and p.grad is None]
-    assert not missing, missing
-    assert model.mjp.last_dal_loss is not None and model.mjp.last_jigsaw.mask.shape == (2, 16)
-    assert model.mjp.last_jigsaw.mask.any() and model.mjp.unk_embed.grad.abs().sum() > 0
-    assert any(p.grad.abs().sum() > 0 for p in model.mjp.dal_regressor.parameters())
-    claimed = model.mjp_aux_loss()  # the loss the forward attached, handed out once
-    assert torch.equal(claimed, model.mjp.last_dal_loss)
-    torch.testing.assert_close(model.mjp_aux_loss(), claimed)  # then computed again: the same table and mask
-    model.eval()
-    with torch.no_grad(), model.mjp_eval(ratio=0.5, seed=0):
-        jigsawed = model(images)
-    assert model.mjp.last_jigsaw.mask.any() and (jigsawed - expected).abs().max() > 1e-4
-    with torch.no_grad():  # outside mjp_eval: timm's again
-        torch.testing.assert_close(model(images), plain(images), rtol=0, atol=0)
+    expected = checks.assert_eval_equals_timm(model, plain, images)
+    checks.assert_training_step_reaches_every_parameter(
+        model, images, loss=lambda out: out.square().mean(), tables=[encoder.pos_embed]
+    )
+    assert model.mjp.last_jigsaw.mask.shape == (2, 16)
+    checks.assert_aux_loss_handed_out_once(model)  # then computed again: the same table and mask
+    checks.assert_mjp_eval_jigsaws(model, plain, images, expected, min_change=1e-4)
 
 
 def _table_ref(plain: torch.nn.Module, rows: int, cols: int) -> torch.Tensor:
@@ -139,69 +122,32 @@ def test_timm_feature_extractor_graphs(training):
 def test_forward_intermediates_and_features_only():
     torch.manual_seed(0)
     wrapper = timm.create_model("qwen3_vit_88m", features_only=True, out_indices=(0, 1), num_classes=5, **TINY)
-    plain = copy.deepcopy(wrapper).eval()
-    model = mjp_timm.convert(wrapper, **SETTINGS).eval()
-    assert model.mjp is model.model.mjp and isinstance(model.model, MJPQwen3Model)
     images = _images()
-    with torch.no_grad():
-        for got, expected in zip(model(images), plain(images), strict=True):
-            torch.testing.assert_close(got, expected, rtol=0, atol=0)
-        with model.mjp_eval(ratio=0.5):
-            jigsawed = model(images)
-    assert jigsawed[0].shape == (2, 16, 4, 4) and not torch.allclose(jigsawed[0], plain(images)[0])
-    model.train()
-    sum(feature.square().mean() for feature in model(images)).backward()
-    assert model.model.mjp.unk_embed.grad is not None and model.model.mjp.last_dal_loss is not None
-    converted = mjp_timm.convert(_plain(), **SETTINGS).eval()
-    with torch.no_grad():
-        final, intermediates = converted.forward_intermediates(images, indices=2)
-        expected_final, expected = _plain().eval().forward_intermediates(images, indices=2)
-        torch.testing.assert_close(final, expected_final, rtol=0, atol=0)
-        with converted.mjp_eval(ratio=0.5, seed=1):
-            _, jigsawed = converted.forward_intermediates(images, indices=2)
-    assert len(intermediates) == 2 and converted.mjp.last_jigsaw.mask.any()
-    assert not torch.allclose(jigsawed[0], expected[0])
+    model = checks.assert_features_only(wrapper, images, SETTINGS, shape=(2, 16, 4, 4))
+    assert isinstance(model.model, MJPQwen3Model)
+    converted = mjp_timm.convert(_plain(), **SETTINGS)
+    checks.assert_forward_intermediates(_plain(), converted, images, shapes=[(4, 4), (4, 4)], seed=1, indices=2)
 
 
 @pytest.mark.parametrize("kind", ["classifier", "encoder"])
 def test_checkpoints_both_ways_and_pickling(kind):
     plain = _plain(kind).eval()
     model = mjp_timm.convert(copy.deepcopy(plain), **SETTINGS).eval()
-    with torch.no_grad():
-        model.mjp.unk_embed.normal_()
-    missing, unexpected = model.load_state_dict(plain.state_dict(), strict=False)
-    assert missing and all(key.startswith("mjp.") for key in missing) and not unexpected
-    other = _plain(kind).eval()
-    missing, unexpected = other.load_state_dict(model.state_dict(), strict=False)
-    assert unexpected and all(key.startswith("mjp.") for key in unexpected) and not missing
     images = _images()
-    with torch.no_grad():
-        torch.testing.assert_close(other(images), model(images), rtol=0, atol=0)
-    model.train()
-    model(images)
-    model.eval()
-    buffer = io.BytesIO()
-    torch.save(model, buffer)
-    buffer.seek(0)
-    loaded = torch.load(buffer, weights_only=False)
-    encoder = loaded if kind == "encoder" else loaded.encoder
-    assert isinstance(encoder, MJPQwen3Encoder) and encoder.__dict__["_mjp_state"] is loaded.mjp
-    with torch.no_grad(), model.mjp_eval(seed=2), loaded.mjp_eval(seed=2):
-        assert torch.equal(loaded(images), model(images))
-    copied = copy.deepcopy(model)
-    encoder = copied if kind == "encoder" else copied.encoder
-    assert encoder.__dict__["_mjp_state"] is copied.mjp
+    checks.assert_checkpoints_both_ways(plain, model, lambda: _plain(kind), images)
+    checks.assert_pickles_and_copies(model, images, lambda clone: _check_clone(clone, kind))
+
+
+def _check_clone(clone: torch.nn.Module, kind: str) -> None:
+    encoder = clone if kind == "encoder" else clone.encoder
+    assert isinstance(encoder, MJPQwen3Encoder) and encoder.__dict__["_mjp_state"] is clone.mjp
 
 
 def test_refusals():
-    with pytest.raises(ValueError, match=r"fused_patch_embed=True: Qwen3's patch embedding returns channels-last"):
-        mjp_timm.convert(_plain(), fused_patch_embed=True)
-    with pytest.raises(ValueError, match=r"pixel_jigsaw=True: model .*Qwen3VitClassifier.* token path covers"):
-        mjp_timm.convert(_plain(), pixel_jigsaw=True)
+    checks.assert_refuses_fused_and_pixel_jigsaw(
+        _plain, fused=r"Qwen3's patch embedding returns channels-last", model="Qwen3VitClassifier"
+    )
 
 
 def test_the_coverage_sweep_check_passes():
-    record = check_model("qwen3_vit_88m", TINY, 32)
-    assert record["ok"], f"{record['steps']}\n{record.get('traceback', '')}"
-    assert (record["path"], record["patch_size"], record["fused"]) == ("token", 8, False)
-    assert record["mjp"].startswith("UNK on the table") and record["mjp_eval_jigsawed"] is True
+    checks.assert_coverage_sweep_passes("qwen3_vit_88m", TINY, 32, patch_size=8)

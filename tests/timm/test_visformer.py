@@ -8,21 +8,18 @@ tables (the pixel jigsaw), and the coverage sweep's check."""
 from __future__ import annotations
 
 import copy
-import io
 
 import pytest
 import timm
 import torch
-from timm.layers import is_notrace_module
 from timm.models._features_fx import create_feature_extractor
 from timm.models.visformer import Visformer, _create_visformer
 from torch import nn
 
 import mjp_fast
 import mjp_fast.timm as mjp_timm
-from bench.timm_coverage import check_model
-from mjp_fast.timm.convert import runs_fused
 from mjp_fast.timm.visformer import MJPVisformer, VisformerPatchEmbed, covers
+from tests.timm import front_end_checks as checks
 
 # visformer_tiny's layout at width 16, one block per stage. With the stem (kernel 7, stride 2, padding 3) and
 # patch_embed1 (4 at stride 4) a token is a block of 8 pixels: a 6x6 grid on 48 px; on 52 px the blocks cover the
@@ -68,47 +65,17 @@ def _images(kind: str = "stem", batch: int = 2) -> torch.Tensor:
     return torch.randn(batch, 3, side, side, generator=torch.Generator().manual_seed(1))
 
 
-def _jigsaw_ref(images: torch.Tensor, perm: torch.Tensor, rows: int, cols: int, block: int) -> torch.Tensor:
-    """Pure torch: the top-left ``rows x cols`` blocks of ``block`` pixels of ``images`` moved as ``perm`` says
-    (position n gets block ``perm[n]``), the other pixels where they were."""
-    out = images.clone()
-    for b in range(images.shape[0]):
-        for n in range(rows * cols):
-            src = int(perm[b, n])
-            (i, j), (si, sj) = divmod(n, cols), divmod(src, cols)
-            out[b, :, i * block : (i + 1) * block, j * block : (j + 1) * block] = images[
-                b, :, si * block : (si + 1) * block, sj * block : (sj + 1) * block
-            ]
-    return out
-
-
 @pytest.mark.parametrize("kind", list(MODELS))
 def test_convert_eval_train_and_mjp_eval(kind):
     plain = _plain(kind)
     model = mjp_timm.convert(copy.deepcopy(plain), **SETTINGS)
     assert isinstance(model, MJPVisformer) and isinstance(model.patch_embed1, VisformerPatchEmbed)
-    assert model.mjp.unk_embed is not None and model.mjp.dal_regressor is not None
-    assert model.mjp.patch_size == 8 and tuple(model.mjp.sampler.grid_size) == (6, 6)
-    assert "mjp.unk_embed" in model.no_weight_decay() and not runs_fused(model)
+    checks.assert_token_path_state(model, patch_size=8, grid=(6, 6))
     images = _images(kind)
-    model.eval(), plain.eval()
-    with torch.no_grad():
-        expected = plain(images)
-        torch.testing.assert_close(model(images), expected, rtol=0, atol=0)
-    model.train()
-    model(images).logsumexp(-1).mean().backward()  # the output alone: DAL rides on it
-    missing = [name for name, p in model.named_parameters() if p.requires_grad and p.grad is None]
-    assert not missing, missing
-    assert model.mjp.last_dal_loss is not None and model.mjp.last_jigsaw.mask.any()
-    assert any(p.grad.abs().sum() > 0 for p in model.mjp.dal_regressor.parameters())  # DAL's, not a kept zero
-    assert model.pos_embed1.grad.abs().sum() > 0 and model.mjp.unk_embed.grad.abs().sum() > 0
-    model.eval()
-    with torch.no_grad(), model.mjp_eval(ratio=0.5, seed=0):
-        jigsawed = model(images)
-    assert model.mjp.last_jigsaw.mask.any() and not torch.allclose(jigsawed, expected)
+    expected = checks.assert_eval_equals_timm(model, plain, images)
+    checks.assert_training_step_reaches_every_parameter(model, images, tables=[model.pos_embed1])
     plain.load_state_dict(model.state_dict(), strict=False)  # the BatchNorm statistics of the training forward
-    with torch.no_grad():  # outside mjp_eval: timm's again
-        torch.testing.assert_close(model(images), plain(images), rtol=0, atol=0)
+    checks.assert_mjp_eval_jigsaws(model, plain, images, expected)
 
 
 @pytest.mark.parametrize("kind", list(MODELS))
@@ -130,7 +97,7 @@ def test_the_step_is_unk_on_the_table_of_the_jigsawed_patches(kind):
             tokens = plain.patch_embed1(images).flatten(2)
             tokens = torch.stack([tokens[b][:, jigsaw.perm[b]] for b in range(2)]).unflatten(2, (6, 6))
         else:
-            tokens = plain.patch_embed1(plain_stem(_jigsaw_ref(images, jigsaw.perm, 6, 6, 8)))
+            tokens = plain.patch_embed1(plain_stem(checks.jigsaw_ref(images, jigsaw.perm, 6, 6, 8)))
     mask = jigsaw.mask.reshape(2, 1, 6, 6)
     unk = model.mjp.unk_embed.reshape(1, -1, 1, 1).expand_as(tokens)
     expected = tokens + torch.where(mask, unk, model.pos_embed1.expand_as(tokens))
@@ -157,30 +124,20 @@ def test_the_margin_outside_the_blocks_is_not_moved():
     assert not torch.equal(jigsawed, plain)
 
 
-def test_dal_regresses_the_tables_rows_and_mjp_aux_loss_replaces_the_attached_weight():
-    model = mjp_timm.convert(_plain(), **SETTINGS).train()
-    twin = copy.deepcopy(model)
-    images = _images()
-    out = model(images)
+def _dal_of_the_tables_rows(model: torch.nn.Module) -> torch.Tensor:
     table_rows = model.pos_embed1.permute(0, 2, 3, 1).reshape(1, 36, -1)  # row-major, [1, N, D]
-    expected = mjp_fast.dal_loss(
-        table_rows, model.mjp.dal_regressor, (6, 6), model.mjp.last_jigsaw.mask, backend="torch"
-    )
-    torch.testing.assert_close(model.mjp.last_dal_loss, expected.detach())
-    # A loop that adds w * mjp_aux_loss() counts DAL at w in place of the attached weight (never both): the same
-    # gradients as a model whose attached weight is w and whose loop adds nothing.
-    (out.sum() + 0.5 * model.mjp_aux_loss()).backward()
-    twin.mjp_dal_weight = 0.5
-    twin(images).sum().backward()
-    for (name, got), want in zip(model.named_parameters(), twin.parameters(), strict=True):
-        torch.testing.assert_close(got.grad, want.grad, msg=lambda message, name=name: f"{name}: {message}")
+    return mjp_fast.dal_loss(table_rows, model.mjp.dal_regressor, (6, 6), model.mjp.last_jigsaw.mask, backend="torch")
+
+
+def test_dal_regresses_the_tables_rows_and_mjp_aux_loss_replaces_the_attached_weight():
+    model = mjp_timm.convert(_plain(), **SETTINGS)
+    checks.assert_aux_loss_at_a_weight_replaces_the_attached_one(model, _images(), _dal_of_the_tables_rows)
 
 
 def test_refusals_name_the_reason():
-    with pytest.raises(ValueError, match=r"fused_patch_embed=True: Visformer's patch_embed1 writes an NCHW map"):
-        mjp_timm.convert(_plain(), fused_patch_embed=True)
-    with pytest.raises(ValueError, match=r"pixel_jigsaw=True: model .*Visformer.* token path covers"):
-        mjp_timm.convert(_plain(), pixel_jigsaw=True)
+    checks.assert_refuses_fused_and_pixel_jigsaw(
+        _plain, fused=r"Visformer's patch_embed1 writes an NCHW map", model="Visformer"
+    )
     overlapping = _plain()
     overlapping.patch_embed1.proj.stride = (2, 2)
     with pytest.raises(ValueError, match=r"patch_embed1's kernel \(4, 4\) and stride \(2, 2\)"):
@@ -207,33 +164,13 @@ def test_a_visformer_without_tables_gets_the_pixel_jigsaw():
             assert not torch.allclose(model(images), plain(images)) and model.mjp.last_jigsaw.mask.any()
 
 
-class _LeafTracer(torch.fx.Tracer):
-    """torch.fx's tracer with the modules timm marks as not traceable kept as calls, as timm's feature extractor."""
-
-    def is_leaf_module(self, module: torch.nn.Module, qualified_name: str) -> bool:
-        return is_notrace_module(type(module)) or super().is_leaf_module(module, qualified_name)
-
-
 @pytest.mark.filterwarnings("ignore:.*The nodes obtained by tracing the model in")
 @pytest.mark.parametrize("training", [False, True])
 def test_fx_graphs(training):
     model = mjp_timm.convert(_plain(), **SETTINGS).train(training)
     images = _images()
-    graph = torch.fx.GraphModule(model, _LeafTracer().trace(model))
-    targets = [node.target for node in graph.graph.nodes if node.op == "call_module"]
-    assert targets.count("mjp") == (2 if training else 0)  # the images' jigsaw, then the step on the tokens
-    with torch.no_grad():
-        if training:
-            assert graph(images).shape == (2, 5) and model.mjp.last_jigsaw.mask.any()
-        else:
-            torch.testing.assert_close(graph(images), model(images), rtol=0, atol=0)
-    if training:  # the graph's MJP equals the model's: the same jigsaws from the same stream position
-        model.mjp.sampler.sample_counter.zero_()
-        with torch.no_grad():
-            eager = model(images)
-        model.mjp.sampler.sample_counter.zero_()
-        with torch.no_grad():
-            torch.testing.assert_close(graph(images), eager, rtol=0, atol=0)
+    # in training: the images' jigsaw, then the step on the tokens
+    checks.assert_fx_graph_is_the_model(model, images, checks.TimmLeafTracer(), mjp_nodes=2, out_shape=(2, 5))
     extractor = create_feature_extractor(model, return_nodes={"stage1": "stage1", "norm": "norm"})
     with torch.no_grad():
         features = extractor(images)
@@ -242,85 +179,37 @@ def test_fx_graphs(training):
 
 @NEEDS_INTERMEDIATES
 def test_forward_intermediates():
-    plain = _plain().eval()
-    model = mjp_timm.convert(copy.deepcopy(plain), **SETTINGS).eval()
-    images = _images()
-    with torch.no_grad():
-        final, intermediates = model.forward_intermediates(images)
-        expected_final, expected = plain.forward_intermediates(images)
-        torch.testing.assert_close(final, expected_final, rtol=0, atol=0)
-        for got, want in zip(intermediates, expected, strict=True):
-            torch.testing.assert_close(got, want, rtol=0, atol=0)
-        with model.mjp_eval(ratio=0.5):
-            _, jigsawed = model.forward_intermediates(images)
-    assert [tuple(f.shape[-2:]) for f in jigsawed] == [(6, 6), (3, 3), (1, 1)]
-    assert not torch.allclose(jigsawed[0], expected[0])
-    model.train()
-    final, _ = model.forward_intermediates(images)
-    final.sum().backward()
-    assert model.mjp.unk_embed.grad is not None and model.mjp.last_dal_loss is not None
+    plain = _plain()
+    model = mjp_timm.convert(copy.deepcopy(plain), **SETTINGS)
+    checks.assert_forward_intermediates(plain, model, _images(), shapes=[(6, 6), (3, 3), (1, 1)])
 
 
 @NEEDS_INTERMEDIATES
 def test_features_only():
     torch.manual_seed(0)
     wrapper = _create_visformer("visformer_tiny", pretrained=False, features_only=True, **MODELS["stem"])
-    plain = copy.deepcopy(wrapper).eval()
-    model = mjp_timm.convert(wrapper, **SETTINGS).eval()
-    assert isinstance(model.model, MJPVisformer) and model.mjp is model.model.mjp
-    images = _images()
-    with torch.no_grad():
-        for got, expected in zip(model(images), plain(images), strict=True):
-            torch.testing.assert_close(got, expected, rtol=0, atol=0)
-        with model.mjp_eval(ratio=0.5):
-            jigsawed = model(images)
-    assert not torch.allclose(jigsawed[0], plain(images)[0])
-    model.train()
-    sum(feature.square().mean() for feature in model(images)).backward()
-    assert model.mjp.unk_embed.grad is not None and model.mjp.last_dal_loss is not None
+    model = checks.assert_features_only(wrapper, _images(), SETTINGS)
+    assert isinstance(model.model, MJPVisformer)
 
 
 @pytest.mark.parametrize("kind", ["stem", "no_stem"])
 def test_checkpoints_both_ways_and_pickling(kind):
     plain = _plain(kind).eval()
     model = mjp_timm.convert(copy.deepcopy(plain), **SETTINGS).eval()
-    with torch.no_grad():
-        model.mjp.unk_embed.normal_()
-    # plain timm -> MJP: only mjp.* missing; MJP -> plain timm: only mjp.* unexpected
-    missing, unexpected = model.load_state_dict(plain.state_dict(), strict=False)
-    assert missing and all(key.startswith("mjp.") for key in missing) and not unexpected
-    other = _plain(kind).eval()
-    with torch.no_grad():
-        other.pos_embed1.zero_()
-    missing, unexpected = other.load_state_dict(model.state_dict(), strict=False)
-    assert unexpected and all(key.startswith("mjp.") for key in unexpected) and not missing
     images = _images(kind)
-    with torch.no_grad():
-        torch.testing.assert_close(other(images), model(images), rtol=0, atol=0)
-    model.train()
-    model(images)  # a training forward keeps the table's rows for mjp_aux_loss: copies and pickles drop them
-    model.eval()
-    buffer = io.BytesIO()
-    torch.save(model, buffer)
-    buffer.seek(0)
-    loaded = torch.load(buffer, weights_only=False)
-    assert loaded.patch_embed1.__dict__["_mjp_model"] is loaded  # the copy's embedding reads the copy's table
-    assert loaded.patch_embed1.__dict__["_mjp_kept_rows"].rows is None
-    if kind == "stem":
-        assert loaded.stem.__dict__["_mjp_state"] is loaded.mjp
-    with torch.no_grad(), model.mjp_eval(seed=2), loaded.mjp_eval(seed=2):
-        assert torch.equal(loaded(images), model(images))
-    copied = copy.deepcopy(model)
-    assert copied.patch_embed1.__dict__["_mjp_model"] is copied
-    copied.train()
-    copied(images).sum().backward()
-    assert torch.isfinite(copied.mjp_aux_loss()) and copied.pos_embed1.grad is not None
+    checks.assert_checkpoints_both_ways(plain, model, lambda: _plain(kind), images)
+    _, copied = checks.assert_pickles_and_copies(model, images, _check_clone)
+    assert copied.pos_embed1.grad is not None
+
+
+def _check_clone(clone: torch.nn.Module) -> None:
+    assert clone.patch_embed1.__dict__["_mjp_model"] is clone  # the clone's embedding reads the clone's table
+    # a training forward keeps the table's rows for mjp_aux_loss: copies and pickles drop them
+    assert clone.patch_embed1.__dict__["_mjp_kept_rows"].rows is None
+    if clone.stem is not None:
+        assert clone.stem.__dict__["_mjp_state"] is clone.mjp
 
 
 def test_the_coverage_sweeps_check_passes():
     overrides = dict(img_size=32, embed_dim=16, depth=(1, 1, 1), num_heads=2, init_channels=8)
-    record = check_model("visformer_tiny", overrides, 32)
-    assert record["ok"], f"{record['steps']}\n{record.get('traceback', '')}"
-    assert (record["path"], record["mjp"], record["patch_size"], record["fused"]) == (
-        "token", "UNK on the table", 8, False,
-    )  # fmt: skip
+    checks.assert_coverage_sweep_passes("visformer_tiny", overrides, 32, patch_size=8)
