@@ -35,6 +35,7 @@ front end per timm family, which :func:`convert` picks (docs/timm-coverage.md li
 - ``hieradet.py``, ``gemma4_vit.py``, ``qwen3_vit.py``: SAM 2's ``HieraDet`` (images jigsawed before the stem),
   Gemma 4's (its factorized one-hot table; images and NaFlex patches) and Qwen3's (the resampled table) vision
   classifiers and encoders.
+- ``samvit.py``: ``VisionTransformerSAM`` with a table: ``unk_embed`` on its NHWC table (resampled as timm does).
 - ``front_end.py``: the contract of these token-path front ends (``convert.TOKEN_FRONT_ENDS``).
 - ``pixel.py``: models without an absolute table (ResNet, Swin, ConvNeXt, the relative-position ViTs, BEiT) get the
   pixel-space jigsaw of their input, as the paper's ResNet-50 + MJP and Swin-T + MJP rows.

@@ -22,6 +22,7 @@ from mjp_fast.timm import (
     nest,
     pit,
     qwen3_vit,
+    samvit,
     tnt,
     visformer,
     volo,
@@ -66,6 +67,7 @@ TOKEN_FRONT_ENDS: tuple[TokenFrontEnd, ...] = (
     nest.FRONT_END,
     visformer.FRONT_END,
     volo.FRONT_END,
+    samvit.FRONT_END,
 )
 """The token-path front ends of the families whose table is added outside the ViT's ``_pos_embed`` hook, each in
 its own module (see :mod:`mjp_fast.timm.front_end`), tried in order before the ViT and Eva front ends."""
