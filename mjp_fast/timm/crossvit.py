@@ -451,7 +451,7 @@ def _branch_state(
     reduction = next(name for name, scale in DAL_REDUCTIONS.items() if scale == state.dal_scale)
     branch = MJPState(
         geometry.grid, model.embed_dim[1], patch_size=int(model.patch_embed[1].patch_size[0]),
-        dal_weight=state.get_dal_weight(), ratio=sampler.ratio, prob=sampler.prob, seed=sampler.seed,
+        ratio=sampler.ratio, prob=sampler.prob, seed=sampler.seed,
         dal=regressor.kind if regressor is not None else None, min_block=sampler.min_block,
         min_aspect=sampler.min_aspect, shared=sampler.shared, backend=sampler.backend,
         dal_normalize=state.dal_normalize, dal_reduction=reduction, unk=state.use_unk,
@@ -459,6 +459,8 @@ def _branch_state(
     branch.sampler = CarriedJigsawSampler(sampler, geometry)
     # On the model's device and dtype, as convert puts model.mjp (the DAL regressor stays float32)
     branch.to(device=state.dal_coordinates.device)
+    with torch.no_grad():  # branch 0's weight, copied on the device (no read back: a meta model converts too)
+        branch.dal_weight.copy_(state.dal_weight)
     table = model.pos_embed_1
     if branch.unk_embed is not None:
         branch.unk_embed.data = branch.unk_embed.data.to(device=table.device, dtype=table.dtype)

@@ -436,3 +436,15 @@ def test_a_masked_position_gives_its_table_row_no_gradient(kind):
         row_grads = table.grad[0, 1:].abs().sum(-1)
         assert torch.all(row_grads[mask] == 0) and torch.all(row_grads[~mask] > 0)
         assert table.grad[0, 0].abs().sum() > 0  # the class row: timm's add
+
+
+def test_a_crossvit_built_on_the_meta_device_converts_and_both_branches_keep_the_dal_weight():
+    """Built on the meta device (weights loaded later with assign=True), a CrossViT converts with no read back of a
+    value; each branch's state carries the DAL weight convert was given."""
+    with torch.device("meta"):
+        meta = timm.create_model("crossvit_tiny_240", pretrained=False)
+    converted = mjp_timm.convert(meta, dal_weight=0.3)
+    assert converted.mjp.branch_1.dal_weight.device.type == "meta"
+    model = mjp_timm.convert(timm.create_model("crossvit_tiny_240", pretrained=False), dal_weight=0.3)
+    assert model.mjp.get_dal_weight() == pytest.approx(0.3)
+    assert model.mjp.branch_1.get_dal_weight() == pytest.approx(0.3)
