@@ -131,6 +131,15 @@ def check_float_dtype(name: str, tensor: torch.Tensor) -> None:
         raise TypeError(f"{name} must be float32, float16, bfloat16 (or float64), got {tensor.dtype}")
 
 
+def check_same_dtype(reference: str, **tensors: torch.Tensor | None) -> None:
+    """Every given tensor must have the dtype of the one named ``reference`` (the operation's input, e.g.
+    ``images``); a TypeError names the first that does not."""
+    expected = tensors[reference].dtype
+    for name, tensor in tensors.items():
+        if tensor is not None and tensor.dtype != expected:
+            raise TypeError(f"{name} has dtype {tensor.dtype} but {reference} have {expected}; use one dtype")
+
+
 def check_same_device(**tensors: torch.Tensor | None) -> torch.device:
     """All given tensors must live on one device; returns it."""
     present = {name: t for name, t in tensors.items() if t is not None}

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import mjp_fast
-from mjp_fast._validate import canonical_device, check_bool, check_int_like, holds_values
+from mjp_fast._validate import canonical_device, check_bool, check_int_like, check_same_dtype, holds_values
 from mjp_fast.ops.rope_identity import rope_identity
 from mjp_fast.sampler.jigsaw import Jigsaw
 
@@ -172,3 +172,11 @@ def test_canonical_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
     assert canonical_device(torch.device("cuda")) == torch.device("cuda:1")
     assert canonical_device(torch.device("cuda:0")) == torch.device("cuda:0")
+
+
+def test_check_same_dtype_names_the_tensor_and_the_reference():
+    images, weight = torch.zeros(1, dtype=torch.float32), torch.zeros(1, dtype=torch.float16)
+    check_same_dtype("images", images=images, weight=None, bias=torch.zeros(2))  # None skipped, same dtype passes
+    words = r"^weight has dtype torch.float16 but images have torch.float32; use one dtype$"
+    with pytest.raises(TypeError, match=words):
+        check_same_dtype("images", images=images, weight=weight)

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from mjp_fast import backend as backend_module
-from mjp_fast._validate import check_float_dtype, check_same_device, check_tensor
+from mjp_fast._validate import check_float_dtype, check_same_device, check_same_dtype, check_tensor
 from mjp_fast.ops.pos_embed import check_unk_embed
 from mjp_fast.sampler.jigsaw import Jigsaw, check_jigsaw
 
@@ -74,9 +74,7 @@ def check_gathered_patch_embed_args(
             raise ValueError(f"prefix must be [P, D] or [1, P, D] with D = {dim}, got shape {list(prefix.shape)}")
         prefix = prefix.reshape(-1, dim)
     floats = {"patches": patches, "weight": weight, "bias": bias, "pos": pos, "unk_embed": unk_embed, "prefix": prefix}
-    for name, tensor in floats.items():
-        if tensor is not None and tensor.dtype != patches.dtype:
-            raise TypeError(f"{name} has dtype {tensor.dtype} but patches have {patches.dtype}; use one dtype")
+    check_same_dtype("patches", **floats)
     device = check_same_device(**floats)
     jigsaw = check_jigsaw(jigsaw, batch, num_positions, device, validate=validate)
     return pos, unk_embed, jigsaw, prefix

@@ -27,7 +27,13 @@ import torch
 import torch.nn.functional as F
 
 from mjp_fast import backend as backend_module
-from mjp_fast._validate import check_float_dtype, check_position_table, check_same_device, check_tensor
+from mjp_fast._validate import (
+    check_float_dtype,
+    check_position_table,
+    check_same_device,
+    check_same_dtype,
+    check_tensor,
+)
 from mjp_fast.ops.dal_regressor import fused_layers
 from mjp_fast.ops.pos_embed import (
     check_unk_embed,
@@ -91,9 +97,7 @@ def check_patch_embed_args(
     unk_embed = check_unk_embed(unk_embed, dim, jigsaw)
 
     floats = {"images": images, "weight": weight, "bias": bias, "pos_embed": pos_embed, "unk_embed": unk_embed}
-    for name, tensor in floats.items():
-        if tensor is not None and tensor.dtype != images.dtype:
-            raise TypeError(f"{name} has dtype {tensor.dtype} but images have {images.dtype}; use one dtype")
+    check_same_dtype("images", **floats)
     device = check_same_device(**floats)
     jigsaw = check_jigsaw(jigsaw, batch, num_positions, device, validate=validate)
     return geometry, pos_embed, unk_embed, jigsaw
